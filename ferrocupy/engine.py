@@ -1,0 +1,232 @@
+"""ComputeEngine: the seed's eight methods. Validates and packs in one place, then hands each
+kernel launch (name, buffers, packed params) to a backend: CUDA or the NumPy reference."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from .params import AttentionDims, rope_params
+from .tensor import UnifiedTensor, cuda_available
+
+# Kernel names, as the seed calls its pipelines; each backend implements all four.
+ROPE, FWD, BWD_DQ, BWD_DKDV = "rope", "flash_attn_v2", "flash_attn_v2_bw_dq", "flash_attn_v2_bw_dkdv"
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Options of `flash_attention_v2_with` and its backward (the seed's five fields).
+
+    Query `i` sits at absolute position `i + causal_offset`; key `j` is visible when
+    `j <= i + causal_offset` (if `causal`) and `|i + causal_offset - j| < window` (if `window > 0`).
+    """
+
+    causal: bool = False
+    causal_offset: int = 0
+    window: int = 0
+    dropout_prob: float = 0.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("causal_offset", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if not 0 <= value < 2**32:
+                raise ValueError(f"{name} must be in [0, 2**32), got {value}")
+        p = float(self.dropout_prob)
+        if not 0.0 <= p < 1.0 or not 0.0 <= float(np.float32(p)) < 1.0:
+            raise ValueError(f"dropout_prob must lie in [0, 1), got {self.dropout_prob}")
+        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+
+
+def _make_backend(backend: str):
+    if backend == "reference":
+        from .reference import ReferenceBackend
+
+        return ReferenceBackend()
+    if backend == "cuda":
+        from .cuda.backend import CudaBackend
+
+        return CudaBackend()
+    raise ValueError(f"backend must be 'cuda' or 'reference', got {backend!r}")
+
+
+class ComputeEngine:
+    """Owns the kernels and the device context; outputs are written into the tensors passed in."""
+
+    def __init__(self, backend: str | None = None, *, quiet: bool = False):
+        if backend is None:
+            backend = "cuda" if cuda_available() else "reference"
+            if not quiet:
+                why = "a CUDA GPU is usable" if backend == "cuda" else "no CUDA GPU is usable"
+                print(f"ferrocupy: using the {backend} backend ({why})", file=sys.stderr)
+        self.backend = _make_backend(backend)
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def __repr__(self) -> str:
+        return f"ComputeEngine(backend={self.backend.name!r}, device={self.backend.device!r})"
+
+    # --- RoPE -----------------------------------------------------------------------------------
+    def rope(self, tensor, head_dim: int, pos: int) -> None:
+        """Rotate-half RoPE (theta 10000) in place; token `s` gets position `pos + s`."""
+        self.rope_theta(tensor, head_dim, pos, 10000.0)
+
+    def rope_theta(self, tensor, head_dim: int, pos: int, theta: float) -> None:
+        """`rope` with base frequency `theta` (a Hugging Face config's `rope_theta`)."""
+        t = self._tensor("tensor", tensor)
+        self._check_dtype(("tensor", t))
+        for name, value in (("head_dim", head_dim), ("pos", pos)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if head_dim == 0 or head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim > 0, got {head_dim} "
+                             f"(tensor shape {t.shape})")
+        if not math.isfinite(theta) or theta <= 0:
+            raise ValueError(f"theta must be a positive finite number, got {theta}")
+        params = rope_params(t.shape, head_dim, pos, theta)
+        tokens = max(1, t.shape[0] * t.shape[1] if len(t.shape) >= 3 else
+                     (t.shape[0] if len(t.shape) == 2 else 1))
+        if t.numel % (tokens * head_dim):
+            raise ValueError(f"tensor of shape {t.shape} ({t.numel} elements) is not a whole "
+                             f"number of {tokens} tokens x head_dim {head_dim}")
+        if pos + int(params["seq_len"]) > 2**32:
+            raise ValueError(f"pos {pos} + seq_len {int(params['seq_len'])} overflows 32 bits")
+        if t.numel:
+            self.backend.run(ROPE, {"x": t.buffer()}, params)
+
+    # --- forward --------------------------------------------------------------------------------
+    def flash_attention(self, q, k, v, out, causal: bool = False) -> None:
+        """Single-head attention on `[seq, head_dim]` tensors (the v2 kernel on 4-D views)."""
+        q4, k4, v4, o4 = (_single_head_view(n, t, self) for n, t in
+                          (("q", q), ("k", k), ("v", v), ("out", out)))
+        self.flash_attention_v2(q4, k4, v4, o4, causal, 0.0, 0, None)
+
+    def flash_attention_v2(self, q, k, v, out, causal: bool = False, dropout_prob: float = 0.0,
+                           seed: int = 0, mask=None) -> None:
+        """Fused attention with GQA, causal masking, an additive mask and dropout.
+
+        `q`, `out`: `[batch, seq_q, heads, head_dim]`; `k`, `v`: `[batch, seq_k, kv_heads,
+        head_dim]`; `mask`: additive, broadcastable to `[batch, heads, seq_q, seq_k]`.
+        """
+        opts = AttentionOptions(causal=causal, dropout_prob=dropout_prob, seed=seed)
+        self.flash_attention_v2_with(q, k, v, out, opts, mask)
+
+    def flash_attention_v2_with(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
+                                mask=None) -> None:
+        """`flash_attention_v2` with every option (KV-cache offset, sliding window)."""
+        t = self._tensors(q=q, k=k, v=v, out=out, mask=mask)
+        dims, params = self._attention(t, opts, "params", outputs=("out",))
+        if dims.batch * dims.heads * dims.seq_q == 0:
+            return
+        self.backend.run(FWD, self._buffers(t, "q", "k", "v", "out", "mask"), params)
+
+    # --- backward -------------------------------------------------------------------------------
+    def flash_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
+                                 causal: bool = False) -> None:
+        """Single-head backward for `[seq, head_dim]` tensors; writes the three gradients."""
+        names = ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v")
+        views = [_single_head_view(n, x, self) for n, x in
+                 zip(names, (q, k, v, out, grad_out, grad_q, grad_k, grad_v))]
+        self.flash_attention_v2_backward(*views, causal)
+
+    def flash_attention_v2_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
+                                    causal: bool = False) -> None:
+        """Backward of `flash_attention_v2` without mask or dropout."""
+        self.flash_attention_v2_backward_with(q, k, v, out, grad_out, grad_q, grad_k, grad_v,
+                                              AttentionOptions(causal=causal), None)
+
+    def flash_attention_v2_backward_with(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
+                                         opts: AttentionOptions = AttentionOptions(),
+                                         mask=None) -> None:
+        """Backward of `flash_attention_v2_with`: `out` is the forward's output for the same
+        inputs, `opts` and `mask` (dropout is regenerated from `opts.seed`). Writes, never
+        accumulates into, `grad_q`, `grad_k`, `grad_v`; no gradient for the mask."""
+        t = self._tensors(q=q, k=k, v=v, out=out, grad_out=grad_out, grad_q=grad_q,
+                          grad_k=grad_k, grad_v=grad_v, mask=mask)
+        dims, params = self._attention(t, opts, "params_bwd",
+                                       outputs=("out", "grad_out", "grad_q"),
+                                       kv_outputs=("grad_k", "grad_v"))
+        if dims.batch * dims.heads * dims.seq_k and not dims.seq_q:
+            # No query: every key gets zero gradient (written, not left as it was).
+            t["grad_k"].buffer().fill(0)
+            t["grad_v"].buffer().fill(0)
+            return
+        if dims.batch * dims.heads * dims.seq_q == 0:
+            return
+        xp = self.backend.xp
+        # Per (batch, head, query) row: [Delta, LSE], written by dq, read by dkdv.
+        stats = xp.empty((dims.batch * dims.heads * dims.seq_q, 2), dtype=np.float32)
+        t["stats"] = UnifiedTensor(stats)
+        self.backend.run(BWD_DQ, self._buffers(t, "q", "k", "v", "out", "grad_out", "grad_q",
+                                               "mask", "stats"), params)
+        if dims.seq_k:
+            self.backend.run(BWD_DKDV, self._buffers(t, "q", "k", "v", "grad_out", "grad_k",
+                                                     "grad_v", "mask", "stats"), params)
+
+    # --- validation (every check runs before any kernel) ----------------------------------------
+    def _tensor(self, name: str, x) -> UnifiedTensor:
+        try:
+            t = x if isinstance(x, UnifiedTensor) else UnifiedTensor(x)
+        except TypeError as e:
+            raise TypeError(f"{name}: {e}") from None
+        want = self.backend.device
+        if t.device.split(":")[0] != want.split(":")[0] or (
+                ":" in want and t.device != want):
+            raise ValueError(f"{name} (shape {t.shape}) is on {t.device}, but this engine's "
+                             f"{self.backend.name} backend runs on {want}")
+        if not t.is_contiguous:
+            raise ValueError(f"{name} (shape {t.shape}) is not C-contiguous (strides "
+                             f"{t.buffer().strides}); pass a contiguous copy")
+        return t
+
+    def _tensors(self, **named) -> dict:
+        return {n: (None if x is None and n == "mask" else self._tensor(n, x))
+                for n, x in named.items()}
+
+    def _check_dtype(self, *named) -> None:
+        ok = self.backend.dtypes
+        for name, t in named:
+            if t is not None and t.dtype not in ok:
+                raise TypeError(f"{name} has dtype {t.dtype} (shape {t.shape}); the "
+                                f"{self.backend.name} kernels take "
+                                f"{', '.join(str(d) for d in ok)}")
+        dtypes = {t.dtype for n, t in named if t is not None and n != "mask"}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{n}: {t.dtype}" for n, t in named if t is not None)
+            raise TypeError(f"inputs and outputs must share one dtype, got {listing}")
+
+    def _attention(self, t: dict, opts: AttentionOptions, pack: str, outputs=(), kv_outputs=()):
+        if not isinstance(opts, AttentionOptions):
+            raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
+        opts.validate()
+        self._check_dtype(*t.items())
+        q, k, v = t["q"], t["k"], t["v"]
+        dims = AttentionDims.new(q, k)
+        if v.shape != k.shape:
+            raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
+        for name in outputs:
+            if t[name].shape != q.shape:
+                raise ValueError(f"{name} shape {t[name].shape} must equal q shape {q.shape}")
+        for name in kv_outputs:
+            if t[name].shape != k.shape:
+                raise ValueError(f"{name} shape {t[name].shape} must equal k shape {k.shape}")
+        return dims, getattr(dims, pack)(opts, t["mask"])
+
+    @staticmethod
+    def _buffers(t: dict, *names) -> dict:
+        return {n: (None if t[n] is None else t[n].buffer()) for n in names}
+
+
+def _single_head_view(name: str, x, engine: ComputeEngine) -> UnifiedTensor:
+    t = engine._tensor(name, x)
+    if len(t.shape) != 2:
+        raise ValueError(f"{name} must be a [seq_len, head_dim] tensor, got shape {t.shape}")
+    return t.reshaped((1, t.shape[0], 1, t.shape[1]))

@@ -1,0 +1,155 @@
+"""Shapes and packed parameter structs, word for word as the seed packs its uniforms.
+
+Each struct is a NumPy structured scalar whose bytes are the seed's little-endian 32-bit words in
+the seed's order; the CUDA kernels receive exactly these bytes as a struct passed by value, and the
+reference backend reads the same fields, so both see one source of truth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_HEAD_DIM = 128
+
+
+def _struct(fields: list[tuple[str, str]]) -> np.dtype:
+    return np.dtype([(name, np.dtype(kind).newbyteorder("<")) for name, kind in fields])
+
+
+ROPE_PARAMS = _struct([
+    ("head_dim", "u4"), ("seq_len", "u4"), ("pos", "u4"), ("heads", "u4"),
+    ("theta", "f4"), ("_pad0", "u4"), ("_pad1", "u4"), ("_pad2", "u4"),
+])
+
+_MASK_FIELDS = [("has_mask", "u4"), ("causal_offset", "u4"), ("mask_stride_b", "u4"),
+                ("mask_stride_h", "u4"), ("mask_stride_q", "u4"), ("mask_stride_k", "u4"),
+                ("window", "u4"), ("_pad0", "u4"), ("_pad1", "u4"), ("_pad2", "u4")]
+
+FLASH_V2_PARAMS = _struct([
+    ("batch", "u4"), ("heads", "u4"), ("seq_q", "u4"), ("seq_k", "u4"), ("head_dim", "u4"),
+    ("causal", "u4"), ("scale", "f4"), ("kv_heads", "u4"), ("dropout_prob", "f4"),
+    ("seed", "u4"), *_MASK_FIELDS,
+])
+
+FLASH_BWD_PARAMS = _struct([
+    ("batch", "u4"), ("heads", "u4"), ("seq_q", "u4"), ("seq_k", "u4"), ("head_dim", "u4"),
+    ("kv_heads", "u4"), ("scale", "f4"), ("dropout_prob", "f4"), ("seed", "u4"),
+    ("causal", "u4"), *_MASK_FIELDS,
+])
+
+assert ROPE_PARAMS.itemsize == 32 and FLASH_V2_PARAMS.itemsize == 80
+assert FLASH_BWD_PARAMS.itemsize == 80
+
+
+def words(params: np.void) -> np.ndarray:
+    """The struct's bytes as little-endian uint32 words (what the seed's uniform held)."""
+    return np.frombuffer(params.tobytes(), dtype="<u4")
+
+
+def _u32(value: int, name: str) -> int:
+    if not 0 <= int(value) < 2**32:
+        raise ValueError(f"{name} = {value} does not fit in 32 bits")
+    return int(value)
+
+
+def rope_params(shape, head_dim: int, pos: int, theta: float) -> np.void:
+    """Seed `rope_theta`'s uniform: `head_dim, seq_len, pos, heads, theta, 0, 0, 0`."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) <= 1:
+        seq_len, tokens = 1, 1
+    elif len(shape) == 2:
+        seq_len, tokens = shape[0], shape[0]
+    else:
+        seq_len, tokens = shape[1], shape[0] * shape[1]
+    numel = math.prod(shape)
+    heads = numel // max(tokens * head_dim, 1)
+    p = np.zeros((), ROPE_PARAMS)
+    p["head_dim"] = _u32(head_dim, "head_dim")
+    p["seq_len"] = _u32(seq_len, "seq_len")
+    p["pos"] = _u32(pos, "pos")
+    p["heads"] = _u32(heads, "heads")
+    p["theta"] = np.float32(theta)
+    return p[()]
+
+
+def mask_strides(mask) -> tuple[int, tuple[int, int, int, int]]:
+    """`(has_mask, (b, h, q, k))` element strides of a broadcast `[mb, mh, mq, mk]` mask."""
+    if mask is None:
+        return 0, (0, 0, 0, 0)
+    mb, mh, mq, mk = (int(d) for d in mask.shape)
+    s = lambda dim, stride: stride if dim > 1 else 0  # noqa: E731 - the seed's closure
+    return 1, (s(mb, mk * mq * mh), s(mh, mk * mq), s(mq, mk), s(mk, 1))
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """Shapes of a `[batch, seq, heads, head_dim]` attention call."""
+
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def new(cls, q, k) -> "AttentionDims":
+        if len(q.shape) != 4:
+            raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
+        if len(k.shape) != 4:
+            raise ValueError(
+                f"k must be [batch, seq, kv_heads, head_dim], got shape {tuple(k.shape)}")
+        dims = cls(batch=int(q.shape[0]), seq_q=int(q.shape[1]), heads=int(q.shape[2]),
+                   head_dim=int(q.shape[3]), seq_k=int(k.shape[1]), kv_heads=int(k.shape[2]))
+        if int(k.shape[0]) != dims.batch:
+            raise ValueError(f"batch of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+        if int(k.shape[3]) != dims.head_dim:
+            raise ValueError(f"head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+        if dims.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"flash attention supports head_dim <= {MAX_HEAD_DIM}, "
+                             f"got {dims.head_dim} (q shape {tuple(q.shape)})")
+        if dims.kv_heads == 0 or dims.heads % dims.kv_heads:
+            raise ValueError(f"num_heads ({dims.heads}, q shape {tuple(q.shape)}) must be a "
+                             f"multiple of num_kv_heads ({dims.kv_heads}, k shape "
+                             f"{tuple(k.shape)})")
+        return dims
+
+    def scale(self) -> np.float32:
+        return np.float32(1.0) / np.sqrt(np.float32(self.head_dim))
+
+    def check_mask(self, mask) -> None:
+        """Reject what the seed silently mis-packed: rank != 4 or a dim neither 1 nor full."""
+        if mask is None:
+            return
+        want = (self.batch, self.heads, self.seq_q, self.seq_k)
+        shape = tuple(int(d) for d in mask.shape)
+        if len(shape) != 4 or any(m not in (1, w) for m, w in zip(shape, want)):
+            raise ValueError(f"mask of shape {shape} does not broadcast to [batch, heads, "
+                             f"seq_q, seq_k] = {list(want)}: each dim must be 1 or the full size")
+
+    def _fill(self, p: np.ndarray, opts, mask) -> np.void:
+        self.check_mask(mask)
+        has_mask, (sb, sh, sq, sk) = mask_strides(mask)
+        for name, value in [("batch", self.batch), ("heads", self.heads),
+                            ("seq_q", self.seq_q), ("seq_k", self.seq_k),
+                            ("head_dim", self.head_dim), ("kv_heads", self.kv_heads),
+                            ("causal", int(bool(opts.causal))), ("has_mask", has_mask),
+                            ("causal_offset", opts.causal_offset), ("window", opts.window),
+                            ("mask_stride_b", sb), ("mask_stride_h", sh),
+                            ("mask_stride_q", sq), ("mask_stride_k", sk)]:
+            p[name] = _u32(value, name)
+        p["scale"] = self.scale()
+        p["dropout_prob"] = np.float32(opts.dropout_prob)
+        p["seed"] = int(opts.seed) & 0xFFFFFFFF  # the seed uses the low 32 bits only
+        return p[()]
+
+    def params(self, opts, mask=None) -> np.void:
+        """`FlashV2Params`, the forward kernel's struct."""
+        return self._fill(np.zeros((), FLASH_V2_PARAMS), opts, mask)
+
+    def params_bwd(self, opts, mask=None) -> np.void:
+        """`FlashBwdParams`, the backward kernels' struct."""
+        return self._fill(np.zeros((), FLASH_BWD_PARAMS), opts, mask)
