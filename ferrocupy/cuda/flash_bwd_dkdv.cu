@@ -1,0 +1,170 @@
+// Attention backward, second kernel (float32, 3xTF32 tensor-core products): one block = BK keys
+// of one (batch, KV head), 4 warps x 16 keys. Reads [Delta, LSE] from the stats the dq kernel
+// wrote, loops over the query heads of its GQA group and the query tiles that can see its keys,
+// and writes grad_k = scale * sum dS^T q, grad_v = sum P'^T grad_out. No atomics: deterministic.
+// ferro-variants: FERRO_HEAD_DIM=16,32,64,96,128
+#include "ferro_common.cuh"
+
+#ifndef FERRO_HEAD_DIM
+#define FERRO_HEAD_DIM 128
+#endif
+#ifndef FERRO_VEC
+#define FERRO_VEC 4
+#endif
+
+namespace {
+constexpr int DP = FERRO_HEAD_DIM, WARPS = 4, THREADS = 32 * WARPS;
+constexpr int BK = 16 * WARPS, BQ = 32, PITCH = DP + 4;
+constexpr int KS = DP / 8, NT = BQ / 8;
+static_assert(DP % 8 == 0 && DP <= 128, "padded head_dim");
+
+// X^T for this warp's 16 keys against the BQ query rows of sY: rows of sXw times rows of sY.
+__device__ __forceinline__ void products(const float* sXw, const float* sY, Lane L,
+                                         float (&acc)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        float a[4];
+        u32 ab[4], as[4];
+        frag_a<PITCH>(sXw + ks * 8, L, a);
+        split_frag(a, ab, as);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            Split b0, b1;
+            frag_b_nk<PITCH>(sY + nt * 8 * PITCH + ks * 8, L, b0, b1);
+            mma_3xtf32(acc[nt], ab, as, b0, b1);
+        }
+    }
+}
+
+// acc (16 keys x D) += A (16 keys x BQ queries, accumulator layout) times sY (BQ x D).
+__device__ __forceinline__ void accumulate(const float (&a)[NT][4], const float* sY, Lane L,
+                                           float (&acc)[KS][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        u32 ab[4], as[4];
+        acc_as_a(a[nt], ab, as);
+#pragma unroll
+        for (int nd = 0; nd < KS; ++nd) {
+            Split b0, b1;
+            frag_b_kn_perm<PITCH>(sY + nt * 8 * PITCH + nd * 8, L, b0, b1);
+            mma_3xtf32(acc[nd], ab, as, b0, b1);
+        }
+    }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
+                      const float* __restrict__ v, const float* __restrict__ grad_out,
+                      float* __restrict__ grad_k, float* __restrict__ grad_v,
+                      const float* __restrict__ mask, const float* __restrict__ stats,
+                      const FlashBwdParams p) {
+    extern __shared__ float smem[];
+    float* sK = smem;               // [BK][PITCH]
+    float* sV = sK + BK * PITCH;    // [BK][PITCH]
+    float* sQ = sV + BK * PITCH;    // [BQ][PITCH]
+    float* sdO = sQ + BQ * PITCH;   // [BQ][PITCH]
+    float* sSt = sdO + BQ * PITCH;  // [BQ][2]: Delta, LSE
+    const AttnShape s = attn_shape(p);
+    const Lane L = lane_ids();
+    const int warp = threadIdx.x >> 5, D = s.head_dim;
+
+    const u32 k_tiles = (s.seq_k + BK - 1) / BK;
+    const u32 bhk = blockIdx.x / k_tiles;
+    const u32 tile = blockIdx.x % k_tiles;
+    const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
+    const long long k0 = (long long)tile * BK;
+    const long long keys[2] = {k0 + warp * 16 + L.g, k0 + warp * 16 + L.g + 8};
+
+    const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
+    const u64 kv_off = ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+    load_tile<BK, DP, PITCH, FERRO_VEC, THREADS>(sK, k + kv_off, kv_stride, k0, s.seq_k, D);
+    load_tile<BK, DP, PITCH, FERRO_VEC, THREADS>(sV, v + kv_off, kv_stride, k0, s.seq_k, D);
+    cp_async_commit();
+    const float* sKw = sK + warp * 16 * PITCH;
+    const float* sVw = sV + warp * 16 * PITCH;
+
+    const long long k_last = min((long long)s.seq_k, k0 + BK) - 1;
+    long long q_lo, q_hi;
+    visible_row_range(s, k0, k_last, q_lo, q_hi);
+    const long long i_first = q_lo / BQ * BQ;
+    const int n_tiles = q_hi > i_first ? (int)((q_hi - i_first + BQ - 1) / BQ) : 0;
+
+    const bool dropout = s.dropout_prob > 0.f;
+    const u32 thr = dropout_threshold(s.dropout_prob);
+    const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
+
+    float dk[KS][4], dv[KS][4];
+#pragma unroll
+    for (int nd = 0; nd < KS; ++nd)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) dk[nd][r] = dv[nd][r] = 0.f;
+
+    for (u32 hg = 0; hg < group; ++hg) {
+        const u32 h = hk * group + hg, bh = b * s.heads + h;
+        const u64 q_off = ((u64)b * s.seq_q * s.heads + h) * D;
+        for (int it = 0; it < n_tiles; ++it) {
+            const long long i0 = i_first + (long long)it * BQ;
+            load_tile<BQ, DP, PITCH, FERRO_VEC, THREADS>(sQ, q + q_off, q_stride, i0, s.seq_q, D);
+            load_tile<BQ, DP, PITCH, FERRO_VEC, THREADS>(sdO, grad_out + q_off, q_stride, i0,
+                                                         s.seq_q, D);
+            cp_async_commit();
+            for (int r = threadIdx.x; r < BQ; r += THREADS) {
+                const long long i = i0 + r;
+                const bool ok = i < s.seq_q;
+                const float* st = stats + ((u64)bh * s.seq_q + (ok ? i : 0)) * 2;
+                sSt[2 * r] = ok ? st[0] : 0.f;
+                sSt[2 * r + 1] = ok ? st[1] : neg_inf();
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+
+            float sT[NT][4], dpT[NT][4];  // [16 keys x BQ queries]: S^T and (dO V^T)^T
+            products(sKw, sQ, L, sT);
+            products(sVw, sdO, L, dpT);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const long long j = keys[r >> 1], i = i0 + nt * 8 + 2 * L.t + (r & 1);
+                    const int c = nt * 8 + 2 * L.t + (r & 1);
+                    const bool ok = i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j);
+                    float x = sT[nt][r] * s.scale;
+                    if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
+                    const float lse = sSt[2 * c + 1];
+                    const float P = ok && lse != neg_inf() ? exp2f((x - lse) * FERRO_LOG2E) : 0.f;
+                    bool keep = true;
+                    if (dropout) {
+                        keep = (dropout_keep4(s.seed, thr, bh, (u32)i, (u32)j) >> (j & 3)) & 1u;
+                    }
+                    const float dP = keep ? dpT[nt][r] * keep_scale : 0.f;
+                    sT[nt][r] = keep ? P * keep_scale : 0.f;      // P'
+                    dpT[nt][r] = P * (dP - sSt[2 * c]);            // dS
+                }
+            accumulate(sT, sdO, L, dv);
+            accumulate(dpT, sQ, L, dk);
+            __syncthreads();  // sQ, sdO, sSt are reloaded next
+        }
+    }
+
+    cp_async_wait<0>();  // (no query tile: the K/V copies are still owed)
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const long long j = keys[rr];
+        if (j >= s.seq_k) continue;
+        float* gk = grad_k + kv_off + (u64)j * kv_stride;
+        float* gv = grad_v + kv_off + (u64)j * kv_stride;
+#pragma unroll
+        for (int nd = 0; nd < KS; ++nd)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int d = nd * 8 + 2 * L.t + c;
+                if (d < D) {
+                    gk[d] = dk[nd][2 * rr + c] * s.scale;
+                    gv[d] = dv[nd][2 * rr + c];
+                }
+            }
+    }
+}

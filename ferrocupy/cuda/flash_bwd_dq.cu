@@ -1,0 +1,216 @@
+// Attention backward, first kernel (float32, 3xTF32 tensor-core products): one block = BM query
+// rows of one (batch, head). Computes each row's [Delta, LSE] into the stats buffer (LSE by a
+// first pass over the visible keys, since the forward keeps no statistics), then recomputes P and
+// writes grad_q = scale * sum_j dS_ij k_j with dS = P (dP - Delta). No atomics.
+// ferro-variants: FERRO_HEAD_DIM=16,32,64,96,128
+#include "ferro_common.cuh"
+
+#ifndef FERRO_HEAD_DIM
+#define FERRO_HEAD_DIM 128
+#endif
+#ifndef FERRO_VEC
+#define FERRO_VEC 4
+#endif
+
+namespace {
+constexpr int DP = FERRO_HEAD_DIM, WARPS = 4, THREADS = 32 * WARPS;
+constexpr int BM = 16 * WARPS, BN = 32, PITCH = DP + 4;
+constexpr int KS = DP / 8, NT = BN / 8;
+static_assert(DP % 8 == 0 && DP <= 128, "padded head_dim");
+
+// S = Q K^T for this warp's 16 rows against the BN keys in sK (scores unscaled).
+__device__ __forceinline__ void scores(const float* sQw, const float* sK, Lane L, float (&sc)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        float a[4];
+        u32 ab[4], as[4];
+        frag_a<PITCH>(sQw + ks * 8, L, a);
+        split_frag(a, ab, as);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            Split b0, b1;
+            frag_b_nk<PITCH>(sK + nt * 8 * PITCH + ks * 8, L, b0, b1);
+            mma_3xtf32(sc[nt], ab, as, b0, b1);
+        }
+    }
+}
+
+// Scaled, masked scores; -inf where a key is not visible (or past the end).
+__device__ __forceinline__ void finish_scores(const AttnShape& s, const float* mask, u32 b, u32 h,
+                                              const long long (&rows)[2], long long j0, Lane L,
+                                              float (&sc)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const long long i = rows[r >> 1], j = j0 + nt * 8 + 2 * L.t + (r & 1);
+            const bool ok = i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j);
+            float x = sc[nt][r] * s.scale;
+            if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
+            sc[nt][r] = ok ? x : neg_inf();
+        }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
+                    const float* __restrict__ v, const float* __restrict__ out,
+                    const float* __restrict__ grad_out, float* __restrict__ grad_q,
+                    const float* __restrict__ mask, float* __restrict__ stats,
+                    const FlashBwdParams p) {
+    extern __shared__ float smem[];
+    float* sQ = smem;               // [BM][PITCH]
+    float* sdO = sQ + BM * PITCH;   // [BM][PITCH]
+    float* sK = sdO + BM * PITCH;   // [BN][PITCH]
+    float* sV = sK + BN * PITCH;    // [BN][PITCH]
+    const AttnShape s = attn_shape(p);
+    const Lane L = lane_ids();
+    const int warp = threadIdx.x >> 5, D = s.head_dim;
+
+    const u32 q_tiles = (s.seq_q + BM - 1) / BM;
+    const u32 bh = blockIdx.x / q_tiles;
+    const u32 tile = q_tiles - 1 - blockIdx.x % q_tiles;
+    const u32 b = bh / s.heads, h = bh % s.heads, hk = h / (s.heads / s.kv_heads);
+    const long long m0 = (long long)tile * BM;
+    const long long rows[2] = {m0 + warp * 16 + L.g, m0 + warp * 16 + L.g + 8};
+
+    const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
+    const u64 q_off = ((u64)b * s.seq_q * s.heads + h) * D;
+    const float* kb = k + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+    const float* vb = v + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+
+    load_tile<BM, DP, PITCH, FERRO_VEC, THREADS>(sQ, q + q_off, q_stride, m0, s.seq_q, D);
+    load_tile<BM, DP, PITCH, FERRO_VEC, THREADS>(sdO, grad_out + q_off, q_stride, m0, s.seq_q, D);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const float* sQw = sQ + warp * 16 * PITCH;
+    const float* sdOw = sdO + warp * 16 * PITCH;
+
+    // Delta_i = grad_out_i . out_i
+    float delta[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        float acc = 0.f;
+        const long long i = rows[rr];
+        if (i < s.seq_q) {
+            const float* orow = out + q_off + (u64)i * q_stride;
+            for (int d = L.t; d < D; d += 4) acc += sdOw[(L.g + 8 * rr) * PITCH + d] * orow[d];
+        }
+        delta[rr] = quad_sum(acc);
+    }
+
+    const long long m_last = min((long long)s.seq_q, m0 + BM) - 1;
+    long long k_lo, k_hi;
+    visible_key_range(s, m0 + s.offset, m_last + s.offset, k_lo, k_hi);
+    const long long j_first = k_lo / BN * BN;
+    const int n_tiles = k_hi > j_first ? (int)((k_hi - j_first + BN - 1) / BN) : 0;
+
+    // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys.
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+    for (int it = 0; it < n_tiles; ++it) {
+        const long long j0 = j_first + (long long)it * BN;
+        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j0, s.seq_k, D);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        float sc[NT][4];
+        scores(sQw, sK, L, sc);
+        __syncthreads();  // sK is reloaded next
+        finish_scores(s, mask, b, h, rows, j0, L, sc);
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * rr], sc[nt][2 * rr + 1]));
+            mx = quad_max(mx);
+            const float m_new = fmaxf(m_run[rr], mx);
+            const float m_use = m_new == neg_inf() ? 0.f : m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                sum += exp2f((sc[nt][2 * rr] - m_use) * FERRO_LOG2E) +
+                       exp2f((sc[nt][2 * rr + 1] - m_use) * FERRO_LOG2E);
+            l_run[rr] = l_run[rr] * exp2f((m_run[rr] - m_use) * FERRO_LOG2E) + sum;
+            m_run[rr] = m_new;
+        }
+    }
+    float lse[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const float l = quad_sum(l_run[rr]);
+        lse[rr] = l == 0.f ? neg_inf() : m_run[rr] + logf(l);  // no visible key: -inf
+        const long long i = rows[rr];
+        if (L.t == 0 && i < s.seq_q) {
+            float* st = stats + ((u64)bh * s.seq_q + i) * 2;
+            st[0] = delta[rr];
+            st[1] = lse[rr];
+        }
+    }
+
+    // Pass 2: dQ += dS K with dS = P (dP - Delta), dP = (dO V^T) * keep / (1 - p).
+    const bool dropout = s.dropout_prob > 0.f;
+    const u32 thr = dropout_threshold(s.dropout_prob);
+    const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
+    float dq[KS][4];
+#pragma unroll
+    for (int nd = 0; nd < KS; ++nd) dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.f;
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const long long j0 = j_first + (long long)it * BN;
+        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j0, s.seq_k, D);
+        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sV, vb, kv_stride, j0, s.seq_k, D);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        float sc[NT][4], dp[NT][4];
+        scores(sQw, sK, L, sc);
+        scores(sdOw, sV, L, dp);
+        finish_scores(s, mask, b, h, rows, j0, L, sc);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            u32 keep = 0xFu;
+            if (dropout) {
+                // Both columns 2t, 2t+1 share one Philox block; j & 3 selects the word.
+                const u32 j = (u32)(j0 + nt * 8 + 2 * L.t);
+                keep = (dropout_keep4(s.seed, thr, bh, (u32)rows[0], j) >> (j & 3)) & 3u;
+                keep |= ((dropout_keep4(s.seed, thr, bh, (u32)rows[1], j) >> (j & 3)) & 3u) << 2;
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const float pr = exp2f((sc[nt][r] - lse[r >> 1]) * FERRO_LOG2E);
+                const float P = sc[nt][r] == neg_inf() ? 0.f : pr;  // also when LSE = -inf
+                const float dP = ((keep >> r) & 1) ? dp[nt][r] * keep_scale : 0.f;
+                sc[nt][r] = P * (dP - delta[r >> 1]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            u32 ab[4], as[4];
+            acc_as_a(sc[nt], ab, as);
+#pragma unroll
+            for (int nd = 0; nd < KS; ++nd) {
+                Split b0, b1;
+                frag_b_kn_perm<PITCH>(sK + nt * 8 * PITCH + nd * 8, L, b0, b1);
+                mma_3xtf32(dq[nd], ab, as, b0, b1);
+            }
+        }
+        __syncthreads();  // sK, sV are reloaded next
+    }
+
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const long long i = rows[rr];
+        if (i >= s.seq_q) continue;
+        float* grow = grad_q + q_off + (u64)i * q_stride;
+#pragma unroll
+        for (int nd = 0; nd < KS; ++nd)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int d = nd * 8 + 2 * L.t + c;
+                if (d < D) grow[d] = dq[nd][2 * rr + c] * s.scale;
+            }
+    }
+}
