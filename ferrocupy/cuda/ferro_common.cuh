@@ -56,6 +56,19 @@ __device__ __forceinline__ AttnShape attn_shape(const P& p) {
     return s;
 }
 
+
+// ---- block order: a 1-D grid of (row of heads) x tiles. Blocks go in groups of up to 16 heads,
+// tile-major inside a group, so the heaviest causal tiles of every head in a group start first
+// (no long block left for the tail) while a group's K/V (16 heads) still shares the L2. ---------
+__device__ __forceinline__ void block_coords(u32 x, u32 tiles, u32 n_heads, u32& head,
+                                             u32& rank) {
+    const u32 G = n_heads < 16u ? n_heads : 16u;
+    const u32 grp = x / (G * tiles), r = x % (G * tiles);
+    const u32 in_grp = min(G, n_heads - grp * G);
+    rank = r / in_grp;  // 0 = first dispatched
+    head = grp * G + r % in_grp;
+}
+
 // ---- visibility: row i sits at a = i + causal_offset; key j is visible iff
 //      (!causal || j <= a) && (window == 0 || |a - j| < window) ---------------------------------
 __device__ __forceinline__ bool visible(const AttnShape& s, long long a, long long j) {

@@ -72,8 +72,8 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
     const u32 k_tiles = (s.seq_k + BK - 1) / BK;
-    const u32 bhk = blockIdx.x / k_tiles;
-    const u32 tile = blockIdx.x % k_tiles;
+    u32 bhk, tile;  // the first key tiles are seen by the most queries
+    block_coords(blockIdx.x, k_tiles, s.batch * s.kv_heads, bhk, tile);
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;
     const long long keys[2] = {k0 + warp * 16 + L.g, k0 + warp * 16 + L.g + 8};
@@ -82,7 +82,6 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
     const u64 kv_off = ((u64)b * s.seq_k * s.kv_heads + hk) * D;
     load_tile<BK, DP, PITCH, FERRO_VEC, THREADS>(sK, k + kv_off, kv_stride, k0, s.seq_k, D);
     load_tile<BK, DP, PITCH, FERRO_VEC, THREADS>(sV, v + kv_off, kv_stride, k0, s.seq_k, D);
-    cp_async_commit();
     const float* sKw = sK + warp * 16 * PITCH;
     const float* sVw = sV + warp * 16 * PITCH;
 
@@ -102,54 +101,72 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
         for (int r = 0; r < 4; ++r) dk[nd][r] = dv[nd][r] = 0.f;
 
-    for (u32 hg = 0; hg < group; ++hg) {
-        const u32 h = hk * group + hg, bh = b * s.heads + h;
-        const u64 q_off = ((u64)b * s.seq_q * s.heads + h) * D;
-        for (int it = 0; it < n_tiles; ++it) {
-            const long long i0 = i_first + (long long)it * BQ;
-            load_tile<BQ, DP, PITCH, FERRO_VEC, THREADS>(sQ, q + q_off, q_stride, i0, s.seq_q, D);
-            load_tile<BQ, DP, PITCH, FERRO_VEC, THREADS>(sdO, grad_out + q_off, q_stride, i0,
-                                                         s.seq_q, D);
-            cp_async_commit();
-            for (int r = threadIdx.x; r < BQ; r += THREADS) {
-                const long long i = i0 + r;
-                const bool ok = i < s.seq_q;
-                const float* st = stats + ((u64)bh * s.seq_q + (ok ? i : 0)) * 2;
-                sSt[2 * r] = ok ? st[0] : 0.f;
-                sSt[2 * r + 1] = ok ? st[1] : neg_inf();
-            }
-            cp_async_wait<0>();
-            __syncthreads();
-
-            float sT[NT][4], dpT[NT][4];  // [16 keys x BQ queries]: S^T and (dO V^T)^T
-            products(sKw, sQ, L, sT);
-            products(sVw, sdO, L, dpT);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const long long j = keys[r >> 1], i = i0 + nt * 8 + 2 * L.t + (r & 1);
-                    const int c = nt * 8 + 2 * L.t + (r & 1);
-                    const bool ok = i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j);
-                    float x = sT[nt][r] * s.scale;
-                    if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
-                    const float lse = sSt[2 * c + 1];
-                    const float P = ok && lse != neg_inf() ? exp2f((x - lse) * FERRO_LOG2E) : 0.f;
-                    bool keep = true;
-                    if (dropout) {
-                        keep = (dropout_keep4(s.seed, thr, bh, (u32)i, (u32)j) >> (j & 3)) & 1u;
-                    }
-                    const float dP = keep ? dpT[nt][r] * keep_scale : 0.f;
-                    sT[nt][r] = keep ? P * keep_scale : 0.f;      // P'
-                    dpT[nt][r] = P * (dP - sSt[2 * c]);            // dS
-                }
-            accumulate(sT, sdO, L, dv);
-            accumulate(dpT, sQ, L, dk);
-            __syncthreads();  // sQ, sdO, sSt are reloaded next
+    // Steps t = (query head of the group, query tile). Q_{t+1} loads while dV uses dO_t;
+    // dO_{t+1} and its stats load while S^T uses Q_{t+1}.
+    const int steps = (int)group * n_tiles;
+    auto load_q = [&](int t) {
+        const u32 h = hk * group + t / n_tiles;
+        const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+        const float* qh = q + ((u64)b * s.seq_q * s.heads + h) * D;
+        load_tile<BQ, DP, PITCH, FERRO_VEC, THREADS>(sQ, qh, q_stride, i0, s.seq_q, D);
+    };
+    auto load_do = [&](int t) {
+        const u32 h = hk * group + t / n_tiles;
+        const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+        const float* gh = grad_out + ((u64)b * s.seq_q * s.heads + h) * D;
+        load_tile<BQ, DP, PITCH, FERRO_VEC, THREADS>(sdO, gh, q_stride, i0, s.seq_q, D);
+        const float* st = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
+        for (int idx = threadIdx.x; idx < 2 * BQ; idx += THREADS) {
+            const bool ok = i0 + idx / 2 < s.seq_q;  // rows past the end: never visible
+            cp_async<4>(sSt + idx, ok ? st + (i0 * 2 + idx) : st, ok);
         }
+    };
+    if (steps > 0) load_q(0);
+    cp_async_commit();  // (with K and V)
+    if (steps > 0) load_do(0);
+    cp_async_commit();
+
+    for (int t = 0; t < steps; ++t) {
+        const u32 h = hk * group + t / n_tiles, bh = b * s.heads + h;
+        const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+        const bool more = t + 1 < steps;
+        cp_async_wait<1>();
+        __syncthreads();  // Q_t (and K, V) landed
+        float sT[NT][4], dpT[NT][4];  // [16 keys x BQ queries]: S^T and (dO V^T)^T
+        products(sKw, sQ, L, sT);
+        cp_async_wait<0>();
+        __syncthreads();  // dO_t and its stats landed
+        products(sVw, sdO, L, dpT);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const long long j = keys[r >> 1], i = i0 + nt * 8 + 2 * L.t + (r & 1);
+                const int c = nt * 8 + 2 * L.t + (r & 1);
+                const bool ok = i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j);
+                float x = sT[nt][r] * s.scale;
+                if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
+                const float lse = sSt[2 * c + 1];
+                const float P = ok && lse != neg_inf() ? exp2f((x - lse) * FERRO_LOG2E) : 0.f;
+                bool keep = true;
+                if (dropout) {
+                    keep = (dropout_keep4(s.seed, thr, bh, (u32)i, (u32)j) >> (j & 3)) & 1u;
+                }
+                const float dP = keep ? dpT[nt][r] * keep_scale : 0.f;
+                sT[nt][r] = keep ? P * keep_scale : 0.f;      // P'
+                dpT[nt][r] = P * (dP - sSt[2 * c]);            // dS
+            }
+        accumulate(dpT, sQ, L, dk);
+        __syncthreads();  // every warp is done with Q_t
+        if (more) load_q(t + 1);
+        cp_async_commit();
+        accumulate(sT, sdO, L, dv);
+        __syncthreads();  // every warp is done with dO_t and its stats
+        if (more) load_do(t + 1);
+        cp_async_commit();
     }
 
-    cp_async_wait<0>();  // (no query tile: the K/V copies are still owed)
+    cp_async_wait<0>();  // (with no query step, the K/V copies are still in flight)
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const long long j = keys[rr];

@@ -70,8 +70,9 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
-    const u32 bh = blockIdx.x / q_tiles;
-    const u32 tile = q_tiles - 1 - blockIdx.x % q_tiles;
+    u32 bh, rank;
+    block_coords(blockIdx.x, q_tiles, s.batch * s.heads, bh, rank);
+    const u32 tile = q_tiles - 1 - rank;  // the last query tiles see the most keys
     const u32 b = bh / s.heads, h = bh % s.heads, hk = h / (s.heads / s.kv_heads);
     const long long m0 = (long long)tile * BM;
     const long long rows[2] = {m0 + warp * 16 + L.g, m0 + warp * 16 + L.g + 8};
@@ -108,17 +109,22 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
     const long long j_first = k_lo / BN * BN;
     const int n_tiles = k_hi > j_first ? (int)((k_hi - j_first + BN - 1) / BN) : 0;
 
-    // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys.
+    // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys. Only K is read, so sK and
+    // sV double-buffer it: tile j+1 loads while tile j is multiplied.
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+    if (n_tiles > 0)
+        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D);
+    cp_async_commit();
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
-        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j0, s.seq_k, D);
-        cp_async_commit();
         cp_async_wait<0>();
-        __syncthreads();
+        __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
+        if (it + 1 < n_tiles)
+            load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>((it & 1) ? sK : sV, kb, kv_stride,
+                                                         j0 + BN, s.seq_k, D);
+        cp_async_commit();
         float sc[NT][4];
-        scores(sQw, sK, L, sc);
-        __syncthreads();  // sK is reloaded next
+        scores(sQw, (it & 1) ? sV : sK, L, sc);
         finish_scores(s, mask, b, h, rows, j0, L, sc);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
@@ -137,6 +143,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
             m_run[rr] = m_new;
         }
     }
+    __syncthreads();  // both buffers are reloaded by pass 2
     float lse[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -158,16 +165,26 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
     for (int nd = 0; nd < KS; ++nd) dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.f;
 
+    // V_{j+1} loads while S, dS and dQ use K_j; K_{j+1} loads while dP uses V_{j+1}.
+    if (n_tiles > 0)
+        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sV, vb, kv_stride, j_first, s.seq_k, D);
+    cp_async_commit();
+    if (n_tiles > 0)
+        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D);
+    cp_async_commit();
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
-        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j0, s.seq_k, D);
-        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sV, vb, kv_stride, j0, s.seq_k, D);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
+        const bool more = it + 1 < n_tiles;
+        cp_async_wait<1>();
+        __syncthreads();  // V_j landed
         float sc[NT][4], dp[NT][4];
-        scores(sQw, sK, L, sc);
         scores(sdOw, sV, L, dp);
+        __syncthreads();  // every warp is done with V_j
+        if (more) load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sV, vb, kv_stride, j0 + BN, s.seq_k, D);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();  // K_j landed
+        scores(sQw, sK, L, sc);
         finish_scores(s, mask, b, h, rows, j0, L, sc);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -197,7 +214,9 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                 mma_3xtf32(dq[nd], ab, as, b0, b1);
             }
         }
-        __syncthreads();  // sK, sV are reloaded next
+        __syncthreads();  // every warp is done with K_j
+        if (more) load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D);
+        cp_async_commit();
     }
 
 #pragma unroll

@@ -32,10 +32,11 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    // 1-D grid: (batch*heads) x query tiles, heaviest (last) tiles first for causal balance.
+    // 1-D grid over (batch*heads) x query tiles, in block_coords order.
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
-    const u32 bh = blockIdx.x / q_tiles;
-    const u32 tile = q_tiles - 1 - blockIdx.x % q_tiles;
+    u32 bh, rank;
+    block_coords(blockIdx.x, q_tiles, s.batch * s.heads, bh, rank);
+    const u32 tile = q_tiles - 1 - rank;  // the last query tiles see the most keys
     const u32 b = bh / s.heads, h = bh % s.heads, hk = h / (s.heads / s.kv_heads);
     const long long m0 = (long long)tile * BM;
     const long long rows[2] = {m0 + warp * 16 + L.g, m0 + warp * 16 + L.g + 8};
