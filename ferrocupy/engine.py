@@ -154,12 +154,11 @@ class ComputeEngine:
         dims, params = self._attention(t, opts, "params_bwd",
                                        outputs=("out", "grad_out", "grad_q"),
                                        kv_outputs=("grad_k", "grad_v"))
-        if dims.batch * dims.heads * dims.seq_k and not dims.seq_q:
-            # No query: every key gets zero gradient (written, not left as it was).
+        if dims.batch * dims.heads * dims.seq_q == 0:
+            # No query row (seq_q or heads 0): every key gets zero gradient, written, not left
+            # as it was.
             t["grad_k"].buffer().fill(0)
             t["grad_v"].buffer().fill(0)
-            return
-        if dims.batch * dims.heads * dims.seq_q == 0:
             return
         xp = self.backend.xp
         # Per (batch, head, query) row: [Delta, LSE], written by dq, read by dkdv.

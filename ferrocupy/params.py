@@ -108,6 +108,8 @@ class AttentionDims:
             raise ValueError(f"batch of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
         if int(k.shape[3]) != dims.head_dim:
             raise ValueError(f"head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+        if dims.head_dim == 0:
+            raise ValueError(f"head_dim must be at least 1, got q shape {tuple(q.shape)}")
         if dims.head_dim > MAX_HEAD_DIM:
             raise ValueError(f"flash attention supports head_dim <= {MAX_HEAD_DIM}, "
                              f"got {dims.head_dim} (q shape {tuple(q.shape)})")

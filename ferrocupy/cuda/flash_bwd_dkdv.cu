@@ -38,21 +38,6 @@ __device__ __forceinline__ void products(const float* sXw, const float* sY, Lane
     }
 }
 
-// acc (16 keys x D) += A (16 keys x BQ queries, accumulator layout) times sY (BQ x D).
-__device__ __forceinline__ void accumulate(const float (&a)[NT][4], const float* sY, Lane L,
-                                           float (&acc)[KS][4]) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        u32 ab[4], as[4];
-        acc_as_a(a[nt], ab, as);
-#pragma unroll
-        for (int nd = 0; nd < KS; ++nd) {
-            Split b0, b1;
-            frag_b_kn_perm<PITCH>(sY + nt * 8 * PITCH + nd * 8, L, b0, b1);
-            mma_3xtf32(acc[nd], ab, as, b0, b1);
-        }
-    }
-}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
@@ -156,11 +141,11 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
                 sT[nt][r] = keep ? P * keep_scale : 0.f;      // P'
                 dpT[nt][r] = P * (dP - sSt[2 * c]);            // dS
             }
-        accumulate(dpT, sQ, L, dk);
+        add_tile_product<NT, KS, PITCH>(dpT, sQ, L, dk);
         __syncthreads();  // every warp is done with Q_t
         if (more) load_q(t + 1);
         cp_async_commit();
-        accumulate(sT, sdO, L, dv);
+        add_tile_product<NT, KS, PITCH>(sT, sdO, L, dv);
         __syncthreads();  // every warp is done with dO_t and its stats
         if (more) load_do(t + 1);
         cp_async_commit();

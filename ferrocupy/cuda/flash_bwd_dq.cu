@@ -203,17 +203,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                 sc[nt][r] = P * (dP - delta[r >> 1]);
             }
         }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            u32 ab[4], as[4];
-            acc_as_a(sc[nt], ab, as);
-#pragma unroll
-            for (int nd = 0; nd < KS; ++nd) {
-                Split b0, b1;
-                frag_b_kn_perm<PITCH>(sK + nt * 8 * PITCH + nd * 8, L, b0, b1);
-                mma_3xtf32(dq[nd], ab, as, b0, b1);
-            }
-        }
+        add_tile_product<NT, KS, PITCH>(sc, sK, L, dq);
         __syncthreads();  // every warp is done with K_j
         if (more) load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D);
         cp_async_commit();

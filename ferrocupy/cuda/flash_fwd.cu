@@ -156,17 +156,7 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed (K_{j+1} may still be in flight)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            u32 ab[4], as[4];
-            acc_as_a(sc[nt], ab, as);
-#pragma unroll
-            for (int nd = 0; nd < KS; ++nd) {
-                Split b0, b1;
-                frag_b_kn_perm<PITCH>(sV + nt * 8 * PITCH + nd * 8, L, b0, b1);
-                mma_3xtf32(o[nd], ab, as, b0, b1);
-            }
-        }
+        add_tile_product<NT, KS, PITCH>(sc, sV, L, o);
     }
 
     const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;

@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""ferrocupy against PyTorch SDPA and the device's ceilings, in one run on one GPU.
+
+    python benchmarks/compare.py --quick                      # < 2 min
+    python benchmarks/compare.py --json results.json --plot results.png   # full set, < 8 min
+    python benchmarks/compare.py --dtype float32,bfloat16,float16 --cases s4096
+    python benchmarks/compare.py --list                       # the cases, no GPU needed
+
+Prints a header (date, GPU, driver, CUDA, CuPy, torch, cuDNN), measures the ceilings (device copy
+bandwidth, a large matmul per dtype), then every case: each implementation's first output is
+checked against a float64 reference and only a right answer is timed (median of CUDA-event timed
+repetitions after warm-up). The table comes last. Without a GPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE.parent), str(HERE)):      # this checkout's ferrocupy, then the harness
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import harness  # noqa: E402
+import report  # noqa: E402
+
+# Assumed rates for --list's rough runtime estimate (TFLOP/s fwd, bwd; GB/s), not measurements.
+_RATES = {"float32": {"ferrocupy": (25, 15), "torch-efficient": (40, 30), "torch-math": (15, 10)},
+          "half": {"torch-flash": (300, 250), "torch-efficient": (200, 150),
+                   "torch-cudnn": (450, 400), "torch-math": (60, 40)}}
+_GBPS = {"ferrocupy": 3000, "torch-eager": 700}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="the small set: issue-3 floor cases, D128 S in {1k,4k}, decode, RoPE")
+    ap.add_argument("--dtype", default=None, help="comma list of float32,bfloat16,float16 "
+                    "(default: the dtypes ferrocupy's CUDA engine takes)")
+    ap.add_argument("--cases", default="", help="comma list of substrings of case ids to keep")
+    ap.add_argument("--json", metavar="PATH", help="write cases, results and ceilings as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="write throughput vs sequence length (PNG)")
+    ap.add_argument("--plot-from", metavar="JSON", help="re-plot a saved --json file (no GPU)")
+    ap.add_argument("--device-info", action="store_true", help="print the header and exit")
+    ap.add_argument("--list", action="store_true", help="list the cases with a rough runtime "
+                    "estimate and exit (no GPU needed)")
+    return ap.parse_args(argv)
+
+
+def estimate_seconds(cases, settings: harness.Settings) -> float:
+    """A rough runtime from assumed rates (see _RATES), to size --quick and the full set."""
+    import peers
+    import torch_peers
+
+    total = 0.0
+    for c in cases:
+        total += 0.3                                   # inputs, float64 reference, setup
+        for impl in peers.implementations(c):
+            if c.kind == "attn":
+                rates = _RATES["float32" if c.dtype == "float32" else "half"].get(impl)
+                if rates is None or (impl == "ferrocupy" and c.dtype != "float32"):
+                    continue
+                if impl == "torch-math" and c.batch * c.heads * c.seq_q * c.seq_k * 4 > \
+                        torch_peers.MATH_SCORE_LIMIT:
+                    continue
+                t = c.flops / 1e12 / rates[c.direction == "bwd"] * 1e3
+            else:
+                if impl == "ferrocupy" and c.dtype != "float32":
+                    continue
+                t = c.bytes / 1e9 / _GBPS.get(impl, 2000) * 1e3
+            reps = harness.plan_reps(t, settings)
+            warm = max(settings.warmup_ms, settings.min_warmup * t)
+            total += (warm + (reps + 3) * t) / 1e3 + 0.05
+    return total
+
+
+def measure(run, impl: str, settings: harness.Settings, events=None) -> dict:
+    import peers
+
+    try:
+        prep, err = peers.prepare_checked(run, impl)
+    except peers.Unsupported as e:
+        return {"status": "skipped", "reason": str(e)}
+    except peers.WrongAnswer as e:
+        return {"status": "wrong", "reason": str(e)}
+    except Exception as e:  # a crash in one implementation must not hide the others
+        return {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+    try:
+        t = harness.time_calls(prep.run_next, prep.stream, settings, events)
+    except Exception as e:
+        return {"status": "error", "reason": f"timing: {type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        del prep
+    c = run.case
+    return {"status": "ok", "ms": t.median_ms, "throughput": c.throughput(t.median_ms),
+            "rel_err": err, "reps": t.reps, "warmup_calls": t.warmup_calls,
+            "min_ms": min(t.times_ms), "max_ms": max(t.times_ms),
+            "times_ms": [round(x, 5) for x in t.times_ms]}
+
+
+def run_case(case, settings, l2_bytes, events=None) -> dict:
+    import peers
+
+    try:
+        run = peers.CaseRun(case, l2_bytes)
+    except peers.Unsupported as e:
+        return {impl: {"status": "skipped", "reason": str(e)}
+                for impl in peers.implementations(case)}
+    results = {}
+    for impl in peers.implementations(case):
+        results[impl] = measure(run, impl, settings, events)
+        peers.release()
+    del run
+    peers.release()
+    return results
+
+
+def _progress(i, n, case, results, secs):
+    parts = []
+    for impl, r in results.items():
+        if r["status"] == "ok":
+            parts.append(f"{impl} {r['ms']:.3f} ms {r['throughput']:.1f}")
+        elif r["status"] != "skipped" or impl == "ferrocupy":
+            parts.append(f"{impl} {r['status'].upper()}")
+    print(f"[{i}/{n}] {case.id} ({secs:.1f}s): {', '.join(parts)} {case.unit}",
+          file=sys.stderr, flush=True)
+    for impl, r in results.items():
+        if r["status"] in ("wrong", "error"):
+            print(f"    {impl}: {r['reason']}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.dtype:
+            harness.parse_dtypes(args.dtype)
+    except ValueError as e:
+        print(f"compare.py: {e}", file=sys.stderr)
+        return 2
+    if args.plot_from:
+        import json
+
+        payload = json.loads(Path(args.plot_from).read_text())
+        out = args.plot or str(Path(args.plot_from).with_suffix(".png"))
+        print(f"wrote {out}" if report.plot(payload, out) else "no attention sweep to plot")
+        return 0
+    settings = harness.QUICK if args.quick else harness.FULL
+    if args.list:
+        cases = harness.filter_cases(harness.build_cases(
+            harness.parse_dtypes(args.dtype or "float32"), args.quick), args.cases)
+        for c in cases:
+            print(f"{c.id}{'  [issue-3 floor]' if c.floor else ''}")
+        minutes = estimate_seconds(cases, settings) / 60
+        print(f"{len(cases)} cases; rough estimate {minutes:.1f} min (assumed rates, not measured)")
+        return 0
+    notes = []
+    if os.environ.get("CUPY_TF32", "0") != "0":      # CuPy reads it at import: plain FP32 only
+        notes.append(f"CUPY_TF32={os.environ['CUPY_TF32']} was set; set to 0 so float32 "
+                     f"matmul ceilings are plain FP32")
+        os.environ["CUPY_TF32"] = "0"
+    ok, why = harness.gpu_status()
+    if not ok:
+        print(f"compare.py: no GPU to benchmark on: {why}. Nothing was measured "
+              f"(this needs an NVIDIA GPU with CuPy; PyTorch for the peers).")
+        return 0
+    import peers
+
+    torch = harness.torch_cuda()
+    if torch is not None and torch.get_float32_matmul_precision() != "highest":
+        notes.append(f"torch float32 matmul precision was "
+                     f"{torch.get_float32_matmul_precision()}; set to highest (no TF32)")
+        torch.set_float32_matmul_precision("highest")
+    info = harness.device_info()
+    try:
+        peers.ferro_engine()
+        engine = f"ferrocupy CUDA engine takes {', '.join(peers.ferro_dtypes())}"
+    except peers.Unsupported as e:
+        engine = f"ferrocupy {e}"
+    info["ferrocupy_engine"] = engine
+    print("\n".join(report.header_lines(info) + [engine] + notes), flush=True)
+    if torch is None:
+        print("PyTorch with CUDA is not importable: peers are skipped", flush=True)
+    if args.device_info:
+        return 0
+    dtypes = harness.parse_dtypes(args.dtype) if args.dtype else peers.ferro_dtypes()
+    cases = harness.filter_cases(harness.build_cases(dtypes, args.quick), args.cases)
+    print(f"{len(cases)} cases, dtypes {', '.join(dtypes)}, "
+          f"{'quick' if args.quick else 'full'} set", flush=True)
+    start = time.time()
+    ceilings = harness.measure_ceilings(dtypes, settings)
+    print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s ("
+          + ", ".join(f"{k} {v:.0f}" for k, v in ceilings["copy"].items()) + "); matmul "
+          + ", ".join(f"{d} {ceilings['matmul_tflops'][d]:.0f} TFLOP/s"
+                      if d in ceilings["matmul_tflops"] else f"{d} {ceilings['matmul'][d]}"
+                      for d in dtypes) + "  [" + "; ".join(ceilings["matmul"].values()) + "]",
+          flush=True)
+    records, rows = [], []
+    for i, case in enumerate(cases, 1):
+        t0 = time.time()
+        results = run_case(case, settings, info["l2_bytes"])
+        _progress(i, len(cases), case, results, time.time() - t0)
+        records.append({"id": case.id, **dataclasses.asdict(case), "flops": case.flops,
+                        "bytes": case.bytes, "unit": case.unit, "tolerance": case.tolerance,
+                        "results": results})
+        rows.append(report.summarize(case, results, ceilings))
+    payload = {"meta": {**info, "quick": args.quick, "dtypes": dtypes, "cases_filter": args.cases,
+                        "settings": dataclasses.asdict(settings), "notes": notes,
+                        "seconds": round(time.time() - start, 1)},
+               "ceilings": ceilings, "cases": records, "rows": rows}
+    if args.json:
+        report.write_json(payload, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {args.plot}" if report.plot(payload, args.plot)
+              else "plot: no attention sweep case in this run; nothing plotted")
+    floors = report.floor_lines(rows)
+    if floors:
+        print("issue-3 floor:\n" + "\n".join(floors))
+    wrong = [r["case"] for c, r in zip(records, rows)
+             if c["results"].get("ferrocupy", {}).get("status") in ("wrong", "error")]
+    if wrong:
+        print(f"ferrocupy gave a wrong answer or failed on {len(wrong)} case(s): "
+              f"{', '.join(wrong)} (see the notes; exit status 1)")
+    print(f"\n{len(cases)} cases in {time.time() - start:.0f} s\n")
+    print(report.format_table(rows))
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

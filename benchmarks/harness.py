@@ -1,0 +1,463 @@
+"""Shared pieces of the benchmarks, used by compare.py and the pytest-benchmark suite alike: the
+case list, FLOP and byte counts, tolerances, the CUDA-event timer, the device ceilings and device
+information. `peers.py` holds the implementations timed side by side (ferrocupy, torch SDPA,
+eager RoPE) and the float64 check; `report.py` turns results into the table, JSON and plot.
+
+Nothing here imports CuPy or PyTorch at module level: the pure parts (cases, counting, the timing
+logic with injected events) run and are tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+TOKENS, HIDDEN = 16384, 2048                      # batch * seq and heads * head_dim of the grid
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_SEQS = (1024, 4096)
+FLOOR = dict(batch=4, seq=4096, heads=16, head_dim=128)   # issue 3's float32 floor shape
+FLOOR_ROPE_SHAPE = (8, 8192, 32, 128)                     # 1 GiB of float32
+ROPE_SHAPE = (16, 4096, 32, 128)
+FLOOR_ATTN_RATIO = 0.5       # ferrocupy >= half of torch SDPA `efficient` (float32)
+FLOOR_ROPE_PCT = 60.0        # RoPE >= 60% of device-to-device copy bandwidth
+
+# Relative error ||impl - ref|| / ||ref|| against a float64 reference, per dtype: (forward,
+# backward). These guard against timing a wrong answer; precision itself is the tests' business.
+# bf16/fp16 are issue 5's bars; float32 is looser than issue 3's test bars (1e-5 / 1e-4) because
+# the benchmark sizes reach 16k keys, but still tight enough to flag a TF32 slip.
+ATTN_TOL = {"float32": (1e-4, 1e-3), "bfloat16": (2e-2, 5e-2), "float16": (5e-3, 1e-2)}
+# RoPE angles reach 8191 rad, so one ulp of difference in a float32 inverse frequency (powf
+# differs by an ulp across libraries) moves an output by up to ~5e-4 relative.
+ROPE_TOL = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case; attention shapes as ferrocupy's: q [B, Sq, H, D], k/v [B, Sk, Hkv, D]."""
+
+    kind: str                  # "attn" (grid and GQA), "decode" or "rope"
+    dtype: str
+    batch: int = 1
+    seq_q: int = 0
+    seq_k: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    causal: bool = False
+    causal_offset: int = 0
+    direction: str = "fwd"     # "fwd" or "bwd"
+    shape: tuple = ()          # RoPE: the tensor's [B, S, H, D]
+    suite: str = "grid"        # "grid", "gqa", "decode", "rope"
+    floor: bool = False        # one of issue 3's performance-floor cases
+
+    @property
+    def id(self) -> str:
+        if self.kind == "rope":
+            return f"rope-{self.dtype}-{'x'.join(map(str, self.shape))}"
+        if self.kind == "decode":
+            return (f"decode-{self.dtype}-b{self.batch}-h{self.heads}kv{self.kv_heads}"
+                    f"-d{self.head_dim}-sk{self.seq_k}")
+        mask = "causal" if self.causal else "noncausal"
+        heads = f"-h{self.heads}kv{self.kv_heads}" if self.suite == "gqa" else ""
+        return (f"{'gqa' if self.suite == 'gqa' else 'attn'}-{self.direction}-{self.dtype}"
+                f"{heads}-d{self.head_dim}-s{self.seq_q}-{mask}")
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def unit(self) -> str:
+        return "TFLOP/s" if self.kind == "attn" else "GB/s"
+
+    @property
+    def flops(self) -> int:
+        if self.kind == "rope":
+            return 0
+        return attention_flops(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim,
+                               self.causal and self.causal_offset == 0, self.direction)
+
+    @property
+    def bytes(self) -> int:
+        """Decode: bytes of K and V; RoPE: bytes read + written; attention: its inputs + outputs."""
+        if self.kind == "rope":
+            return 2 * math.prod(self.shape) * self.itemsize
+        kv = 2 * self.batch * self.seq_k * self.kv_heads * self.head_dim * self.itemsize
+        if self.kind == "decode":
+            return kv
+        qo = 2 * self.batch * self.seq_q * self.heads * self.head_dim * self.itemsize
+        return (qo + kv) * (2 if self.direction == "bwd" else 1)
+
+    def throughput(self, ms: float) -> float:
+        """TFLOP/s for attention, GB/s for decode and RoPE, at `ms` per call."""
+        if not ms or ms <= 0:
+            return float("nan")
+        work = self.flops / 1e12 if self.unit == "TFLOP/s" else self.bytes / 1e9
+        return work / (ms * 1e-3)
+
+    @property
+    def tolerance(self) -> float:
+        if self.kind == "rope":
+            return ROPE_TOL[self.dtype]
+        return ATTN_TOL[self.dtype][self.direction == "bwd"]
+
+
+def attention_flops(batch, heads, seq_q, seq_k, head_dim, causal, direction="fwd") -> int:
+    """FlashAttention's convention: 4*B*H*Sq*Sk*D forward, half for causal, 2.5x for backward."""
+    f = 4 * batch * heads * seq_q * seq_k * head_dim
+    f = f // 2 if causal else f
+    return f * 5 // 2 if direction == "bwd" else f
+
+
+def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
+    """The cases for `dtypes`; `quick` keeps the floor, D128 S in {1k, 4k}, decode and RoPE."""
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise ValueError(f"unknown dtype(s) {unknown}; choose from {', '.join(DTYPES)}")
+    cases = []
+    for dt in dtypes:
+        for d in ((128,) if quick else (64, 128)):
+            for direction in ("fwd", "bwd"):
+                for causal in (False, True):
+                    for s in (QUICK_SEQS if quick else SEQS):
+                        floor = (dt == "float32" and d == FLOOR["head_dim"] and s == FLOOR["seq"]
+                                 and TOKENS // s == FLOOR["batch"])
+                        cases.append(Case("attn", dt, TOKENS // s, s, s, HIDDEN // d,
+                                          HIDDEN // d, d, causal, direction=direction,
+                                          floor=floor))
+        if not quick:
+            for direction in ("fwd", "bwd"):
+                cases.append(Case("attn", dt, TOKENS // 4096, 4096, 4096, 32, 8, 128, True,
+                                  direction=direction, suite="gqa"))
+        cases.append(Case("decode", dt, 16, 1, 32768, 32, 8, 128, True, 32768 - 1,
+                          suite="decode"))
+        cases.append(Case("rope", dt, shape=ROPE_SHAPE, suite="rope"))
+        if dt == "float32":
+            cases.append(Case("rope", dt, shape=FLOOR_ROPE_SHAPE, suite="rope", floor=True))
+    return cases
+
+
+def filter_cases(cases, patterns) -> list[Case]:
+    """Cases whose id contains any of the comma-separated substrings (all cases when empty)."""
+    pats = [p.strip() for p in (patterns or "").split(",") if p.strip()]
+    return [c for c in cases if not pats or any(p in c.id for p in pats)]
+
+
+def parse_dtypes(text) -> list[str]:
+    names = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+             "f16": "float16", "half": "float16"}
+    out = [names.get(t.strip(), t.strip()) for t in text.split(",") if t.strip()]
+    bad = [d for d in out if d not in DTYPES]
+    if bad:
+        raise ValueError(f"unknown dtype(s) {bad}; choose from {', '.join(DTYPES)}")
+    return list(dict.fromkeys(out))
+
+
+# --- timing ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    warmup_ms: float = 25.0     # device time spent warming up (at least `min_warmup` calls)
+    target_ms: float = 150.0    # device time of the timed repetitions
+    min_reps: int = 5
+    max_reps: int = 100
+    min_warmup: int = 2
+
+
+QUICK = Settings(warmup_ms=20.0, target_ms=100.0, min_reps=5, max_reps=50)
+FULL = Settings()
+
+
+def plan_reps(est_ms: float, s: Settings) -> int:
+    if not est_ms or est_ms <= 0 or not math.isfinite(est_ms):
+        return s.max_reps
+    return max(s.min_reps, min(s.max_reps, math.ceil(s.target_ms / est_ms)))
+
+
+def rotation_sets(working_set_bytes: int, l2_bytes: int, max_sets: int = 8) -> int:
+    """How many input sets to rotate among so that consecutive calls do not hit in L2: enough
+    that their total is at least 3x L2, one when one set already is."""
+    if working_set_bytes <= 0 or l2_bytes <= 0:
+        return 1
+    return max(1, min(max_sets, math.ceil(3 * l2_bytes / working_set_bytes)))
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    times_ms: list = field(default_factory=list)
+    warmup_calls: int = 0
+
+    @property
+    def reps(self) -> int:
+        return len(self.times_ms)
+
+
+class CupyEvents:
+    """The device-event backend of the timers: CUDA events through CuPy."""
+
+    def record(self, stream):
+        import cupy
+
+        ev = cupy.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def synchronize(self, ev) -> None:
+        ev.synchronize()
+
+    def elapsed_ms(self, a, b) -> float:
+        import cupy
+
+        return float(cupy.cuda.get_elapsed_time(a, b))
+
+
+def time_calls(call, stream, settings: Settings, events=None) -> Timing:
+    """Median device time of `call()`: warm-up (first call's compilation stays out), then
+    back-to-back repetitions, each between its own pair of events on `stream`, no host
+    synchronisation until the last. `call` rotates its own input sets."""
+    ev = events or CupyEvents()
+    n, spent, est = 0, 0.0, float("nan")
+    while n < settings.min_warmup or (spent < settings.warmup_ms and n < 1000):
+        a = ev.record(stream)
+        call()
+        b = ev.record(stream)
+        ev.synchronize(b)
+        est = ev.elapsed_ms(a, b)
+        spent += est
+        n += 1
+    pairs = []
+    for _ in range(plan_reps(est, settings)):
+        a = ev.record(stream)
+        call()
+        pairs.append((a, ev.record(stream)))
+    ev.synchronize(pairs[-1][1])
+    times = [ev.elapsed_ms(a, b) for a, b in pairs]
+    return Timing(statistics.median(times), times, n)
+
+
+class GpuClock:
+    """A pytest-benchmark timer that reads device time: each call records an event on `stream`,
+    waits for it, and returns the seconds of device time since the first call, so that
+    `end - start` around a call is the device time between its two events."""
+
+    __name__ = "cuda_event_clock"
+
+    def __init__(self, events=None):
+        self.events = events
+        self.stream = None
+        self._last, self._total = None, 0.0
+
+    def __call__(self) -> float:
+        ev = self.events or CupyEvents()
+        e = ev.record(self.stream)
+        ev.synchronize(e)
+        if self._last is not None:
+            self._total += ev.elapsed_ms(self._last, e) / 1e3
+        self._last = e
+        return self._total
+
+
+GPU_CLOCK = GpuClock()
+
+
+# --- device ---------------------------------------------------------------------------------------
+def gpu_status() -> tuple[bool, str]:
+    """(usable, why not): CuPy importable and at least one CUDA device visible."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken CUDA install
+        return False, f"CuPy is not importable ({type(e).__name__}: {e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"no CUDA device usable ({type(e).__name__}: {e})"
+    return (n > 0, "" if n > 0 else "CuPy sees no CUDA device")
+
+
+def suite_skip_reason():
+    """Why the pytest-benchmark suite cannot run here, or None when it can."""
+    ok, why = gpu_status()
+    if not ok:
+        return f"no GPU to benchmark on: {why}; GPU benchmarks skipped"
+    try:
+        import pytest_benchmark  # noqa: F401
+    except ImportError:
+        return "pytest-benchmark is not installed (pip install pytest-benchmark)"
+    return None
+
+
+def case_by_id(case_id: str) -> Case:
+    """Any case of the full set, every dtype, by its id."""
+    if not _BY_ID:
+        _BY_ID.update((c.id, c) for c in build_cases(DTYPES))
+    return _BY_ID[case_id]
+
+
+_BY_ID: dict = {}
+
+
+def torch_cuda():
+    """PyTorch when it imports and sees the GPU, else None."""
+    try:
+        import torch
+    except Exception:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def torch_stream_for_cupy(torch):
+    """PyTorch's current stream as a CuPy stream, for recording events where torch launches."""
+    import warnings
+
+    import cupy
+
+    ts = torch.cuda.current_stream()
+    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(ts, "__cuda_stream__"):
+        try:
+            return cupy.cuda.Stream.from_external(ts)
+        except Exception:
+            pass
+    with warnings.catch_warnings():      # deprecated in CuPy 14, still there
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ts.cuda_stream)
+
+
+def l2_bytes() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"])
+
+
+def _version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def device_info() -> dict:
+    import cupy
+
+    rt = cupy.cuda.runtime
+    props = rt.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": name, "compute_capability": f"{props['major']}.{props['minor']}",
+            "sms": props["multiProcessorCount"],
+            "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+            "l2_mb": round(props["l2CacheSize"] / 1e6, 1), "l2_bytes": int(props["l2CacheSize"]),
+            "driver": _driver_version() or f"CUDA {_version(rt.driverGetVersion())} (driver API)",
+            "cuda_runtime": _version(rt.runtimeGetVersion()), "cupy": cupy.__version__,
+            "cupy_tf32": os.environ.get("CUPY_TF32", "unset"), "python": platform.python_version(),
+            "torch": None, "torch_cuda": None, "cudnn": None, "ferrocupy": _git_revision()}
+    torch = torch_cuda()
+    if torch is not None:
+        info.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version(),
+                    torch_matmul_precision=torch.get_float32_matmul_precision())
+    return info
+
+
+def _driver_version():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+    except Exception:
+        return None
+
+
+def _git_revision():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev or None
+    except Exception:
+        return None
+
+
+# --- ceilings -------------------------------------------------------------------------------------
+def measure_ceilings(dtypes, settings: Settings, events=None) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written, 1 GiB) and a large matrix product
+    per dtype through cuBLAS (CuPy; PyTorch for bfloat16 where CuPy has no bfloat16)."""
+    import cupy
+
+    out = {"copy_gbps": None, "copy": {}, "matmul_tflops": {}, "matmul": {}}
+    n = 1 << 28                                   # float32 elements: 1 GiB
+    src = cupy.random.default_rng(7).standard_normal(n, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    stream = cupy.cuda.get_current_stream()
+    rt = cupy.cuda.runtime
+
+    def memcpy():
+        rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, stream.ptr)
+
+    for name, fn in (("cudaMemcpyAsync", memcpy), ("copy kernel", lambda: cupy.copyto(dst, src))):
+        t = time_calls(fn, stream, settings, events)
+        out["copy"][name] = 2 * src.nbytes / (t.median_ms * 1e-3) / 1e9
+    out["copy_gbps"] = max(out["copy"].values())
+    src = dst = None                              # hand the 2 GiB back before the matmuls
+    for dt in dtypes:
+        try:
+            tflops, via = _matmul_tflops(dt, settings, events)
+        except Exception as e:  # reported, not fatal: the ratios to peers still stand
+            out["matmul"][dt] = f"not measured: {type(e).__name__}: {e}"
+            continue
+        out["matmul_tflops"][dt] = tflops
+        note = via
+        if dt == "float32":
+            note += (" (TF32 on: CUPY_TF32=1)" if os.environ.get("CUPY_TF32") == "1"
+                     else " (plain FP32, CUPY_TF32 unset/0)")
+        out["matmul"][dt] = note
+    cupy.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def _matmul_tflops(dtype: str, settings: Settings, events=None) -> tuple[float, str]:
+    import cupy
+
+    n = 8192
+    rng = cupy.random.default_rng(11)
+    a32, b32 = (rng.standard_normal((n, n), dtype=cupy.float32) for _ in range(2))
+    dt = _cupy_dtype(dtype)
+    try:
+        if dt is None:
+            raise TypeError(f"this CuPy has no {dtype}")
+        a, b = a32.astype(dt), b32.astype(dt)
+        c = cupy.empty_like(a)
+        t = time_calls(lambda: cupy.matmul(a, b, out=c), cupy.cuda.get_current_stream(),
+                       settings, events)
+        via = f"cupy.matmul {n}x{n}x{n}"
+    except Exception as e:       # bfloat16 without CuPy support: through PyTorch's cuBLAS
+        torch = torch_cuda()
+        if torch is None:
+            raise RuntimeError(f"CuPy matmul failed for {dtype} ({e}); no PyTorch") from None
+        a, b = (torch.from_dlpack(x).to(getattr(torch, dtype)) for x in (a32, b32))
+        c = torch.empty_like(a)
+        t = time_calls(lambda: torch.matmul(a, b, out=c), torch_stream_for_cupy(torch), settings,
+                       events)
+        via = f"torch.matmul {n}x{n}x{n}"
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12, via
+
+
+def _cupy_dtype(name: str):
+    """The CuPy dtype for `name`, or None where this CuPy cannot hold it (bfloat16 needs
+    CuPy >= 14 with ml_dtypes installed)."""
+    import numpy as np
+
+    if name != "bfloat16":
+        return np.dtype(name)
+    try:
+        import cupy
+        import ml_dtypes
+
+        dt = np.dtype(ml_dtypes.bfloat16)
+        cupy.ones(2, dtype=cupy.float32).astype(dt).astype(cupy.float32)
+        return dt
+    except Exception:
+        return None

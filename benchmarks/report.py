@@ -1,0 +1,188 @@
+"""Turning measured results into the comparison table, its JSON and the plot. Pure Python (the
+plot needs matplotlib); everything here works on the results dictionary alone, so a saved JSON
+can be re-plotted on any machine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from harness import FLOOR_ATTN_RATIO, FLOOR_ROPE_PCT, Case
+
+COLUMNS = [  # header, row key, format
+    ("case", "case", "{}"), ("ferro ms", "ferro_ms", "{:.3f}"), ("ferro", "ferro_thr", "{:.1f}"),
+    ("unit", "unit", "{}"), ("fastest peer", "peer", "{}"), ("peer ms", "peer_ms", "{:.3f}"),
+    ("peer", "peer_thr", "{:.1f}"), ("ratio", "ratio", "{:.2f}x"),
+    ("ferro %ceil", "ferro_pct", "{:.0f}%"), ("peer %ceil", "peer_pct", "{:.0f}%"),
+    ("note", "note", "{}"),
+]
+
+
+def summarize(case: Case, results: dict, ceilings: dict | None) -> dict:
+    """One table row: ferrocupy against the fastest peer that gave a right answer. `ratio` is
+    ferrocupy's throughput over that peer's (>= 1: ferrocupy faster); `%ceil` is throughput over
+    the device ceiling (the dtype's matmul rate for TFLOP/s, copy bandwidth for GB/s)."""
+    ceilings = ceilings or {}
+    ceiling = (ceilings.get("matmul_tflops", {}).get(case.dtype) if case.unit == "TFLOP/s"
+               else ceilings.get("copy_gbps"))
+    ferro = results.get("ferrocupy", {})
+    ok_peers = {n: r for n, r in results.items() if n != "ferrocupy" and r.get("status") == "ok"}
+    best = max(ok_peers, key=lambda n: ok_peers[n]["throughput"], default=None)
+    row = {"case": case.id, "unit": case.unit, "floor": case.floor, "ferro_ms": None,
+           "ferro_thr": None, "ferro_pct": None, "peer": best, "peer_ms": None,
+           "peer_thr": None, "peer_pct": None, "ratio": None, "note": ""}
+    if ferro.get("status") == "ok":
+        row.update(ferro_ms=ferro["ms"], ferro_thr=ferro["throughput"])
+        if ceiling:
+            row["ferro_pct"] = 100.0 * ferro["throughput"] / ceiling
+    else:
+        row["note"] = f"ferrocupy {ferro.get('status', 'not run')}: {ferro.get('reason', '')}"
+    if best is not None:
+        p = ok_peers[best]
+        row.update(peer_ms=p["ms"], peer_thr=p["throughput"])
+        if ceiling:
+            row["peer_pct"] = 100.0 * p["throughput"] / ceiling
+        if row["ferro_thr"]:
+            row["ratio"] = row["ferro_thr"] / p["throughput"]
+    wrong = [n for n, r in results.items() if r.get("status") == "wrong"]
+    if wrong and "ferrocupy" not in wrong:
+        row["note"] = "; ".join(filter(None, [row["note"], "wrong answer: " + ", ".join(wrong)]))
+    verdict = floor_verdict(case, results, row)
+    row["note"] = "; ".join(filter(None, [verdict, row["note"].strip()]))
+    return row
+
+
+def floor_verdict(case: Case, results: dict, row: dict) -> str:
+    """Issue 3's floor for this case as 'floor PASS/FAIL (...)'; '' for other cases."""
+    if not case.floor:
+        return ""
+    ferro = results.get("ferrocupy", {})
+    if ferro.get("status") != "ok":
+        return "floor: no ferrocupy number"
+    if case.kind == "rope":
+        pct = row.get("ferro_pct")
+        if pct is None:
+            return "floor: no copy ceiling"
+        verdict = "PASS" if pct >= FLOOR_ROPE_PCT else "FAIL"
+        return f"floor {verdict} ({pct:.0f}% of copy, need {FLOOR_ROPE_PCT:.0f}%)"
+    eff = results.get("torch-efficient", {})
+    if eff.get("status") != "ok":
+        return "floor: torch-efficient did not run"
+    r = ferro["throughput"] / eff["throughput"]
+    verdict = "PASS" if r >= FLOOR_ATTN_RATIO else "FAIL"
+    return f"floor {verdict} ({r:.2f}x torch-efficient, need {FLOOR_ATTN_RATIO:.1f}x)"
+
+
+def header_lines(info: dict) -> list[str]:
+    cudnn = info.get("cudnn")
+    return [f"ferrocupy benchmarks  {info['date']}  (ferrocupy {info.get('ferrocupy') or '?'})",
+            f"GPU {info['gpu']} (sm_{info['compute_capability'].replace('.', '')}, "
+            f"{info['sms']} SMs, {info['memory_gib']} GiB, L2 {info['l2_mb']} MB)  "
+            f"driver {info['driver']}  CUDA runtime {info['cuda_runtime']}",
+            f"CuPy {info['cupy']} (CUPY_TF32={info['cupy_tf32']})  torch "
+            f"{info.get('torch') or 'not available'}"
+            + (f" (CUDA {info['torch_cuda']}, cuDNN {cudnn}, float32 matmul precision "
+               f"{info.get('torch_matmul_precision')})" if info.get("torch") else "")
+            + f"  Python {info['python']}"]
+
+
+def _cell(fmt: str, value) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return fmt.format(value)
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width text table of `summarize` rows, floor cases marked with '*'."""
+    cells = [[h for h, _, _ in COLUMNS]]
+    for r in rows:
+        line = [_cell(fmt, r.get(key)) for _, key, fmt in COLUMNS]
+        if r.get("floor"):
+            line[0] += " *"
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    out = []
+    for n, line in enumerate(cells):
+        text = "  ".join((c.ljust(w) if i in (0, 3, 4, len(COLUMNS) - 1) else c.rjust(w))
+                         for i, (c, w) in enumerate(zip(line, widths)))
+        out.append(text.rstrip())
+        if n == 0:
+            out.append("-" * len(out[0]))
+    out.append("ferro/peer: TFLOP/s (attention) or GB/s (decode: K+V bytes; RoPE: read + "
+               "written); ratio = ferrocupy/peer throughput (>= 1: ferrocupy faster); "
+               "* = issue-3 floor case")
+    return "\n".join(out)
+
+
+def floor_lines(rows: list[dict]) -> list[str]:
+    return [f"  {r['case']}: {r['note'].split(';')[0]}" for r in rows if r.get("floor")]
+
+
+def write_json(payload: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=_jsonable)
+        f.write("\n")
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+def _seq_label(s: int) -> str:
+    return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
+
+
+def plot(payload: dict, path: str) -> bool:
+    """Throughput against sequence length, one line per implementation, one panel per
+    dtype/head_dim/causal/direction of the attention sweep. False when there is nothing to plot."""
+    grid = [c for c in payload.get("cases", []) if c.get("suite") == "grid"]
+    if not grid:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = lambda c: (c["dtype"], c["direction"], c["head_dim"], c["causal"])  # noqa: E731
+    panels = sorted({key(c) for c in grid}, key=lambda k: (k[0], k[1] != "fwd", k[2], k[3]))
+    impls = sorted({n for c in grid for n, r in c["results"].items() if r.get("status") == "ok"},
+                   key=lambda n: (n != "ferrocupy", n))
+    ncols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.3 * nrows), squeeze=False)
+    colors = {n: f"C{i}" for i, n in enumerate(impls)}
+    ceilings = payload.get("ceilings", {}).get("matmul_tflops", {})
+    for ax, panel in zip(axes.flat, panels):
+        cases = sorted((c for c in grid if key(c) == panel), key=lambda c: c["seq_q"])
+        for n in impls:
+            pts = [(c["seq_q"], c["results"][n]["throughput"]) for c in cases
+                   if c["results"].get(n, {}).get("status") == "ok"]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=colors[n], label=n,
+                        lw=2.6 if n == "ferrocupy" else 1.4, zorder=3 if n == "ferrocupy" else 2)
+        if ceilings.get(panel[0]):
+            ax.axhline(ceilings[panel[0]], color="gray", ls=":", lw=1)
+        seqs = sorted({c["seq_q"] for c in cases})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqs, [_seq_label(s) for s in seqs])
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{panel[0]} {panel[1]} D{panel[2]} {'causal' if panel[3] else 'non-causal'}",
+                     fontsize=10)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    handles = [plt.Line2D([], [], color=colors[n], marker="o", lw=2.6 if n == "ferrocupy" else 1.4,
+                          label=n) for n in impls]
+    handles.append(plt.Line2D([], [], color="gray", ls=":", label="matmul ceiling"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+    meta = payload.get("meta", {})
+    fig.suptitle(f"ferrocupy vs PyTorch SDPA: {meta.get('gpu', '?')}, {meta.get('date', '?')} "
+                 f"(batch*seq = 16384 tokens, hidden 2048)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

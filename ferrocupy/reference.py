@@ -1,0 +1,309 @@
+"""The NumPy reference backend: the four kernels, one function each, as the CUDA kernels run them.
+
+Every function reads its sizes, flags, strides, scale and seed from the same packed struct the
+CUDA kernel receives (`ferrocupy.params`), computes in float64 and writes its outputs in place, in
+the output arrays' dtype. They also run on float64 arrays when called directly (the tests use
+that for finite differences); `ReferenceBackend.dtypes` is what the engine accepts.
+
+Memory stays bounded: attention loops over (batch, head) and blocks of query rows, so no
+temporary holds more than about `_CHUNK_ELEMS` float64 scores.
+
+Where SPEC leaves non-finite inputs open, this is what the oracle does: an element a row cannot
+see (not visible, or a score of exactly −inf, e.g. from a −inf mask entry) takes no part in that
+row's sums, so NaN/inf garbage there (an unused KV-cache tail) never reaches the output or the
+gradients; a NaN that a row does see propagates (NaN in q, a visible k or v, the mask, grad_out;
+also a visible v whose dropout keep is 0, since 0 * NaN is NaN).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_CHUNK_ELEMS = 1 << 21  # scores per temporary: 16 MB of float64
+_BLOCK_ROWS = 256  # query rows per block: small blocks let causal/window skip unseen keys
+
+# Philox4x32-10 constants (Random123).
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+# --- RoPE -----------------------------------------------------------------------------------------
+def rope_angles(t, head_dim: int, theta) -> np.ndarray:
+    """float32 angles `[len(t), D/2]` for positions `t`, bit for bit as the kernel forms them.
+
+    `e = f32(2i)/f32(D)`, `pw = f32(pow(f64(theta), f64(e)))`, `inv = 1/pw`, `angle = f32(t)*inv`,
+    every step but the pow in float32 (Hugging Face's order), so angles near 1e5 rad agree."""
+    half = head_dim // 2
+    e = np.arange(0, head_dim, 2, dtype=np.float32)[:half] / np.float32(head_dim)
+    pw = np.power(np.float64(np.float32(theta)), e.astype(np.float64)).astype(np.float32)
+    inv = np.float32(1.0) / pw
+    t32 = np.asarray(t, dtype=np.int64).astype(np.float32)
+    return t32[:, None] * inv[None, :]
+
+
+def rope(x, p) -> None:
+    """Rotate-half RoPE in place on `x` viewed as `[tokens, heads, D]` (SPEC "RoPE")."""
+    d, seq_len, pos, heads = (int(p[f]) for f in ("head_dim", "seq_len", "pos", "heads"))
+    if x.size == 0 or heads == 0 or d == 0:
+        return
+    if not x.flags.c_contiguous:  # a reshape would copy and the rotation would be lost
+        raise ValueError(f"rope needs C-contiguous data, got strides {x.strides}")
+    half = d // 2
+    vecs = x.reshape(-1, heads, d)  # view: x is contiguous
+    step = max(1, _CHUNK_ELEMS // (heads * d))
+    for t0 in range(0, vecs.shape[0], step):
+        tok = np.arange(t0, min(t0 + step, vecs.shape[0]), dtype=np.int64)
+        ang = rope_angles(pos + tok % max(seq_len, 1), d, p["theta"]).astype(np.float64)
+        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        blk = vecs[tok[0]:tok[-1] + 1]
+        x1 = blk[..., :half].astype(np.float64)
+        x2 = blk[..., half:].astype(np.float64)
+        blk[..., :half] = x1 * cos - x2 * sin
+        blk[..., half:] = x2 * cos + x1 * sin
+
+
+# --- Philox dropout -------------------------------------------------------------------------------
+def philox4x32_10(counter, key):
+    """Philox4x32-10 (Random123), vectorised: `counter` is 4 uint arrays (broadcast together),
+    `key` 2 uints; returns the 4 output words as uint32 arrays."""
+    c0, c1, c2, c3 = np.broadcast_arrays(*(np.asarray(c, dtype=np.uint64) & _U32
+                                           for c in counter))
+    k0, k1 = (np.uint64(int(k) & 0xFFFFFFFF) for k in key)
+    m0, m1 = np.uint64(PHILOX_M0), np.uint64(PHILOX_M1)
+    for r in range(10):
+        if r:  # Random123 bumps the key before every round but the first
+            k0 = (k0 + np.uint64(PHILOX_W0)) & _U32
+            k1 = (k1 + np.uint64(PHILOX_W1)) & _U32
+        p0 = m0 * c0  # 32x32 -> 64-bit products: the mulhilo
+        p1 = m1 * c2
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _U32, \
+            (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _U32
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def dropout_threshold(p) -> int:
+    """`thr = uint32(float64(p_f32) * 2^32)`, truncated: a word below it drops the element."""
+    return int(float(np.float32(p["dropout_prob"])) * 2.0**32)
+
+
+def dropout_scale(p) -> np.float64:
+    """`1/(1-p)` computed in float32, as the kernels do."""
+    p32 = np.float32(p["dropout_prob"])
+    return np.float64(np.float32(1.0) / (np.float32(1.0) - p32))
+
+
+def dropout_keep(p, b: int, h: int, rows, cols) -> np.ndarray:
+    """keep[b, h, rows, cols] as a bool `[len(rows), len(cols)]` array (SPEC "Dropout").
+
+    Counter `(j >> 2, i, b*H + h, 0)`, key `(seed, 0)`, word `j & 3`; dropped iff word < thr.
+    Usable by GPU tests with any packed struct holding `heads`, `seed`, `dropout_prob`."""
+    rows = np.asarray(rows, dtype=np.int64)
+    cols = np.asarray(cols, dtype=np.int64)
+    thr = dropout_threshold(p)
+    if thr == 0:
+        return np.ones((rows.size, cols.size), dtype=bool)
+    if rows.size == 0 or cols.size == 0:
+        return np.ones((rows.size, cols.size), dtype=bool)
+    g0 = int(cols.min()) >> 2  # one Philox call per group of 4 columns
+    groups = np.arange(g0, (int(cols.max()) >> 2) + 1, dtype=np.int64)
+    bh = b * int(p["heads"]) + h
+    words = np.stack(philox4x32_10((groups[None, :], rows[:, None], bh, 0),
+                                   (int(p["seed"]), 0)), axis=-1)  # [rows, groups, 4]
+    return words[:, (cols >> 2) - g0, cols & 3] >= np.uint32(thr)
+
+
+# --- the three shared attention pieces ------------------------------------------------------------
+def visible(p, rows, cols) -> np.ndarray:
+    """Key `j` visible to row `i` (absolute position `a = i + causal_offset`) iff
+    (not causal or j <= a) and (window == 0 or |a - j| < window)."""
+    a = np.asarray(rows, dtype=np.int64)[:, None] + int(p["causal_offset"])
+    j = np.asarray(cols, dtype=np.int64)[None, :]
+    vis = np.ones((a.shape[0], j.shape[1]), dtype=bool)
+    if int(p["causal"]):
+        vis &= j <= a
+    window = int(p["window"])
+    if window:
+        vis &= np.abs(a - j) < window
+    return vis
+
+
+def mask_block(mask, p, b: int, h: int, rows, cols):
+    """Additive mask `[len(rows), len(cols)]` in float64, gathered from the flat buffer with the
+    struct's broadcast strides exactly as the kernel indexes it; None when there is no mask."""
+    if mask is None or not int(p["has_mask"]):
+        return None
+    sb, sh, sq, sk = (int(p[f"mask_stride_{c}"]) for c in "bhqk")
+    idx = (b * sb + h * sh + np.asarray(rows, dtype=np.int64)[:, None] * sq
+           + np.asarray(cols, dtype=np.int64)[None, :] * sk)
+    return np.asarray(mask).reshape(-1)[idx].astype(np.float64)
+
+
+def _scores(qh, kh, p, mask, b, h, rows, cols):
+    """Scores `scale*q.k + mask` where visible, −inf elsewhere, and `live = s != −inf`: the
+    elements that take part (a −inf mask entry hides a key like the visibility rule; NaN is live
+    so it propagates)."""
+    s = (qh @ kh.T) * np.float64(np.float32(p["scale"]))
+    m = mask_block(mask, p, b, h, rows, cols)
+    if m is not None:
+        s += m
+    if int(p["causal"]) or int(p["window"]):
+        s[~visible(p, rows, cols)] = -np.inf
+    return s, s != -np.inf
+
+
+def _masked_matmul(a, b, live):
+    """`a @ b` summing only the terms where `live`: a key (or query) an element does not see
+    must not reach it, even when it holds inf/NaN (0 * NaN is NaN in a plain matmul), so e.g.
+    garbage in an unused KV-cache tail stays out of the result."""
+    a = np.where(live, a, 0.0)
+    bad = ~np.isfinite(b).all(axis=1)
+    if not bad.any():
+        return a @ b
+    out = a[:, ~bad] @ b[~bad]
+    for j in np.flatnonzero(bad):  # rare: only rows of b with inf/NaN
+        on = live[:, j]
+        out[on] += a[on, j, None] * b[j]
+    return out
+
+
+def _softmax(s):
+    """Row softmax and LSE: a row whose max is −inf gets P = 0, LSE = −inf; NaN stays NaN."""
+    mx = s.max(axis=1, initial=-np.inf)
+    dead = mx == -np.inf
+    e = np.exp(s - np.where(dead, 0.0, mx)[:, None])
+    total = e.sum(axis=1)
+    prob = e / np.where(dead, 1.0, total)[:, None]
+    lse = np.where(dead, -np.inf, mx + np.log(np.where(dead, 1.0, total)))
+    return prob, lse
+
+
+def _dropout_factor(p, b, h, rows, cols):
+    """`keep / (1-p)` as float64 `[rows, cols]` (so `P' = P * factor`); None when dropout is off."""
+    if dropout_threshold(p) == 0:
+        return None
+    return dropout_keep(p, b, h, rows, cols) * dropout_scale(p)
+
+
+def _apply(a, factor):
+    return a if factor is None else a * factor
+
+
+def _dims(p):
+    return tuple(int(p[f]) for f in ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim"))
+
+
+def _blocks(p, seq_q: int, seq_k: int):
+    """`(rows, cols, keys)` blocks covering every query row: `cols` (and the slice `keys`) is
+    the range of keys some row of the block can see. Keys outside it are invisible to every row
+    of the block, so leaving them out changes nothing (they never reach a row they do not see)."""
+    step = max(1, min(_BLOCK_ROWS, _CHUNK_ELEMS // max(seq_k, 1)))
+    off, window = int(p["causal_offset"]), int(p["window"])
+    for r0 in range(0, seq_q, step):
+        r1 = min(r0 + step, seq_q)
+        lo, hi = 0, seq_k
+        if int(p["causal"]):
+            hi = min(hi, r1 - 1 + off + 1)
+        if window:
+            lo, hi = max(lo, r0 + off - window + 1), min(hi, r1 - 1 + off + window)
+        hi = max(lo, hi)
+        yield np.arange(r0, r1, dtype=np.int64), np.arange(lo, hi, dtype=np.int64), slice(lo, hi)
+
+
+def _f64(a):
+    return a.astype(np.float64)
+
+
+# --- the three attention kernels ------------------------------------------------------------------
+def flash_attn_v2(q, k, v, out, mask, p) -> None:
+    """Forward (SPEC "Attention forward"): writes `out` [B, Sq, H, D]."""
+    B, H, Hkv, Sq, Sk, D = _dims(p)
+    q4, o4 = q.reshape(B, Sq, H, D), out.reshape(B, Sq, H, D)
+    k4, v4 = k.reshape(B, Sk, Hkv, D), v.reshape(B, Sk, Hkv, D)
+    group = H // Hkv
+    with np.errstate(all="ignore"):  # inf/NaN are meant to flow through
+        for b in range(B):
+            for h in range(H):
+                kh, vh = _f64(k4[b, :, h // group]), _f64(v4[b, :, h // group])
+                for rows, cols, keys in _blocks(p, Sq, Sk):
+                    s, live = _scores(_f64(q4[b, rows, h]), kh[keys], p, mask, b, h, rows, cols)
+                    prob, _ = _softmax(s)
+                    prob = _apply(prob, _dropout_factor(p, b, h, rows, cols))
+                    o4[b, rows, h] = _masked_matmul(prob, vh[keys], live)
+
+
+def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p) -> None:
+    """Backward, first kernel: writes `stats` [B*H*Sq, 2] = [Delta, LSE] per row
+    (row `(b*H + h)*Sq + i`) and `grad_q`."""
+    B, H, Hkv, Sq, Sk, D = _dims(p)
+    q4, o4 = q.reshape(B, Sq, H, D), out.reshape(B, Sq, H, D)
+    do4, dq4 = grad_out.reshape(B, Sq, H, D), grad_q.reshape(B, Sq, H, D)
+    k4, v4 = k.reshape(B, Sk, Hkv, D), v.reshape(B, Sk, Hkv, D)
+    st = stats.reshape(B, H, Sq, 2)
+    group, scale = H // Hkv, np.float64(np.float32(p["scale"]))
+    with np.errstate(all="ignore"):
+        for b in range(B):
+            for h in range(H):
+                kh, vh = _f64(k4[b, :, h // group]), _f64(v4[b, :, h // group])
+                for rows, cols, keys in _blocks(p, Sq, Sk):
+                    do = _f64(do4[b, rows, h])
+                    delta = np.einsum("rd,rd->r", do, _f64(o4[b, rows, h]))
+                    s, live = _scores(_f64(q4[b, rows, h]), kh[keys], p, mask, b, h, rows, cols)
+                    prob, lse = _softmax(s)
+                    dprob = _apply(do @ vh[keys].T, _dropout_factor(p, b, h, rows, cols))
+                    ds = prob * (dprob - delta[:, None])
+                    st[b, h, rows, 0] = delta
+                    st[b, h, rows, 1] = lse
+                    dq4[b, rows, h] = scale * _masked_matmul(ds, kh[keys], live)
+
+
+def flash_attn_v2_bw_dkdv(q, k, v, grad_out, grad_k, grad_v, mask, stats, p) -> None:
+    """Backward, second kernel: reads `stats`, recomputes `P = exp(s - LSE)` (0 where not
+    visible or LSE = −inf) and writes `grad_k`, `grad_v` summed over each KV head's group."""
+    B, H, Hkv, Sq, Sk, D = _dims(p)
+    q4, do4 = q.reshape(B, Sq, H, D), grad_out.reshape(B, Sq, H, D)
+    k4, v4 = k.reshape(B, Sk, Hkv, D), v.reshape(B, Sk, Hkv, D)
+    dk4, dv4 = grad_k.reshape(B, Sk, Hkv, D), grad_v.reshape(B, Sk, Hkv, D)
+    st = stats.reshape(B, H, Sq, 2)
+    group, scale = H // Hkv, np.float64(np.float32(p["scale"]))
+    with np.errstate(all="ignore"):
+        for b in range(B):
+            for hk in range(Hkv):
+                kh, vh = _f64(k4[b, :, hk]), _f64(v4[b, :, hk])
+                dk, dv = np.zeros((Sk, D)), np.zeros((Sk, D))
+                for h in range(hk * group, (hk + 1) * group):
+                    for rows, cols, keys in _blocks(p, Sq, Sk):
+                        qh, do = _f64(q4[b, rows, h]), _f64(do4[b, rows, h])
+                        delta, lse = _f64(st[b, h, rows, 0]), _f64(st[b, h, rows, 1])
+                        s, live = _scores(qh, kh[keys], p, mask, b, h, rows, cols)
+                        live &= (lse != -np.inf)[:, None]  # a dead row has P = 0
+                        prob = np.where(live, np.exp(s - lse[:, None]), 0.0)
+                        factor = _dropout_factor(p, b, h, rows, cols)
+                        ds = prob * (_apply(do @ vh[keys].T, factor) - delta[:, None])
+                        dk[keys] += _masked_matmul(ds.T, qh, live.T)
+                        dv[keys] += _masked_matmul(_apply(prob, factor).T, do, live.T)
+                dk4[b, :, hk] = scale * dk
+                dv4[b, :, hk] = dv
+
+
+KERNELS = {"rope": rope, "flash_attn_v2": flash_attn_v2,
+           "flash_attn_v2_bw_dq": flash_attn_v2_bw_dq,
+           "flash_attn_v2_bw_dkdv": flash_attn_v2_bw_dkdv}
+
+
+class ReferenceBackend:
+    """Runs each kernel launch on the host in NumPy; the oracle the CUDA kernels are tested
+    against and the backend of a machine without a GPU."""
+
+    name = "reference"
+    device = "cpu"
+    xp = np
+    dtypes = (np.dtype(np.float32),)  # what the CUDA kernels take today
+
+    def run(self, kernel: str, buffers: dict, params: np.void) -> None:
+        try:
+            fn = KERNELS[kernel]
+        except KeyError:
+            raise ValueError(f"unknown kernel {kernel!r}; the reference backend has "
+                             f"{sorted(KERNELS)}") from None
+        fn(**buffers, p=params)

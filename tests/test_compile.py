@@ -1,0 +1,267 @@
+"""Every kernel source in ferrocupy/cuda compiles, with nvcc and with NVRTC, for sm_80 and sm_90.
+
+Neither needs a GPU: nvcc is a plain program, and NVRTC is a library that CuPy loads without
+touching the driver (`cupy_backends.cuda.libs.nvrtc`; CuPy's own `compile_using_nvrtc` asks the
+driver for the device's architecture and so fails on a machine with no GPU). Both compile to a
+cubin, so the assembler runs too: register or shared-memory overflows fail here, not at first use.
+
+A `.cu` file may declare the compile-time variants it is built in, in a comment line such as
+`// ferro-variants: FERRO_HEAD_DIM=32,64,96,128`; each listed value is compiled separately (several
+`NAME=v1,v2` groups on one line give every combination). A file without the line compiles once.
+Each (file, arch, variant) is its own test case. The machinery itself is proven on small sources
+written to tmp_path, including sources that must fail, so these tests can fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+CUDA_DIR = Path(__file__).resolve().parents[1] / "ferrocupy" / "cuda"
+ARCHS = ("80", "90")
+COMPILE_TIMEOUT_S = 900
+
+_VARIANTS_LINE = re.compile(r"^[ \t]*//[ \t]*ferro-variants:(.*)$", re.MULTILINE)
+
+
+# --- the machinery ------------------------------------------------------------------------------
+def variants(source: str) -> list[tuple[str, ...]]:
+    """The `-D` defines of each compile the source asks for: `[()]` when it declares none.
+
+    `// ferro-variants: A=1,2 B=x` gives `[("A=1", "B=x"), ("A=2", "B=x")]`."""
+    groups = []
+    for line in _VARIANTS_LINE.findall(source):
+        line = re.sub(r"\s*([=,])\s*", r"\1", line.replace(";", " "))
+        for group in line.split():
+            name, sep, values = group.partition("=")
+            vals = [v.strip() for v in values.split(",") if v.strip()]
+            if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name) or not vals:
+                raise ValueError(f"bad ferro-variants entry {group!r}: expected NAME=v1,v2,...")
+            groups.append([f"{name}={v}" for v in vals])
+    return [tuple(combo) for combo in itertools.product(*groups)] if groups else [()]
+
+
+def find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(env)
+        if root and os.access(Path(root) / "bin" / "nvcc", os.X_OK):
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def compile_nvcc(nvcc: str, path: Path, arch: str, defines, out_dir: Path):
+    """Compile `path` to a cubin for sm_`arch`; returns (ok, compiler output)."""
+    out = out_dir / f"{path.stem}-sm{arch}-{abs(hash(tuple(defines)))}.cubin"
+    cmd = [nvcc, "-std=c++17", f"-arch=sm_{arch}", "-cubin", f"-I{CUDA_DIR}",
+           f"-I{path.parent}", *(f"-D{d}" for d in defines), "-o", str(out), str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    ok = proc.returncode == 0 and out.is_file() and out.stat().st_size > 0
+    return ok, f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
+
+
+def load_nvrtc():
+    """CuPy's NVRTC binding, or skip saying why it is unusable (nothing here needs a GPU)."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pytest.skip("CuPy is not installed (pip install -e '.[cuda13]'), so NVRTC is not tested")
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as e:  # libnvrtc missing: CuPy raises its own loader errors
+        pytest.skip(f"CuPy imports but libnvrtc cannot be loaded ({type(e).__name__}: {e}); "
+                    f"the cuda12/cuda13 extras install it")
+    return nvrtc
+
+
+def _loader_view(path: Path):
+    """The source text and options the CUDA backend's loader hands to `cupy.RawModule`, where
+    the loader exposes them (`expand_includes`, `KernelLoader().options`); else the file with
+    `-I` paths for its includes and `-std=c++17`."""
+    try:
+        from ferrocupy.cuda.loader import KernelLoader, expand_includes
+
+        return expand_includes(path), tuple(KernelLoader().options)
+    except (ImportError, AttributeError, TypeError):
+        return path.read_text(), ("-std=c++17", f"-I{CUDA_DIR}", f"-I{path.parent}")
+
+
+def compile_nvrtc(nvrtc, path: Path, arch: str, defines):
+    """Compile `path` with NVRTC to a cubin for sm_`arch`, as the loader would (plus the options
+    CuPy's RawModule adds); returns (ok, log)."""
+    source, base = _loader_view(path)
+    options = (*base, f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space",
+               *(f"-D{d}" for d in defines))
+    prog = nvrtc.createProgram(source, str(path), (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            return False, f"NVRTC {options}: {e}\n{nvrtc.getProgramLog(prog)}"
+        cubin = nvrtc.getCUBIN(prog)
+        return len(cubin) > 0, f"NVRTC {options}\n{nvrtc.getProgramLog(prog)}"
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@pytest.fixture(scope="module")
+def nvcc():
+    found = find_nvcc()
+    if found is None:
+        pytest.skip("nvcc not found on PATH (nor in $CUDA_HOME/bin, $CUDA_PATH/bin): the nvcc "
+                    "compile tests need the CUDA toolkit")
+    return found
+
+
+# --- the project's kernels ----------------------------------------------------------------------
+def _kernel_cases():
+    cases = []
+    for path in sorted(CUDA_DIR.glob("*.cu")):
+        for arch in ARCHS:
+            for defines in variants(path.read_text()):
+                cid = "-".join([path.name, f"sm_{arch}", *defines])
+                cases.append(pytest.param(path, arch, defines, id=cid))
+    if not cases:
+        cases.append(pytest.param(None, None, None, id="no-kernels", marks=pytest.mark.skip(
+            reason=f"no .cu files in {CUDA_DIR} yet (the machinery tests below still run)")))
+    return cases
+
+
+KERNEL_CASES = _kernel_cases()
+_JOBS = [tuple(c.values) for c in KERNEL_CASES if c.values[0] is not None]
+
+
+def _workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@pytest.fixture(scope="module")
+def nvcc_results(nvcc, tmp_path_factory):
+    """Every kernel case compiled by nvcc, one compile per core at a time; each test waits for
+    its own result, so a failure is reported against its (file, arch, variant)."""
+    out_dir = tmp_path_factory.mktemp("nvcc")
+    with ThreadPoolExecutor(_workers()) as pool:
+        yield {job: pool.submit(compile_nvcc, nvcc, *job, out_dir) for job in _JOBS}
+
+
+@pytest.fixture(scope="module")
+def nvrtc_results():
+    """As `nvcc_results`, through NVRTC (which releases the GIL while it compiles)."""
+    nvrtc = load_nvrtc()
+    with ThreadPoolExecutor(_workers()) as pool:
+        yield {job: pool.submit(compile_nvrtc, nvrtc, *job) for job in _JOBS}
+
+
+@pytest.mark.parametrize("path, arch, defines", KERNEL_CASES)
+def test_kernel_compiles_with_nvcc(nvcc_results, path, arch, defines):
+    ok, log = nvcc_results[(path, arch, defines)].result()
+    assert ok, f"{path.name} does not compile for sm_{arch} with {defines}:\n{log}"
+
+
+@pytest.mark.parametrize("path, arch, defines", KERNEL_CASES)
+def test_kernel_compiles_with_nvrtc(nvrtc_results, path, arch, defines):
+    ok, log = nvrtc_results[(path, arch, defines)].result()
+    assert ok, f"{path.name} does not compile for sm_{arch} with {defines} via NVRTC:\n{log}"
+
+
+# --- the machinery, proven on sources written here ----------------------------------------------
+TINY_HEADER = """
+#pragma once
+__device__ __forceinline__ float twice(float x) { return 2.0f * x; }
+"""
+
+TINY_KERNEL = """
+// A kernel in two head-dim variants, the way the project's templated kernels declare them.
+// ferro-variants: FERRO_HEAD_DIM=32,64
+#include "tiny_common.cuh"
+#ifndef FERRO_HEAD_DIM
+#error "FERRO_HEAD_DIM must be defined"
+#endif
+template <int D>
+__device__ void scale_row(float* row) {
+#pragma unroll
+    for (int i = 0; i < D; ++i) row[i] = twice(row[i]);
+}
+extern "C" __global__ void scale_rows(float* x, unsigned rows) {
+    unsigned r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < rows) scale_row<FERRO_HEAD_DIM>(x + (size_t)r * FERRO_HEAD_DIM);
+}
+"""
+
+BROKEN_KERNEL = """
+extern "C" __global__ void broken(float* x) { x[threadIdx.x] = undeclared_name; }
+"""
+
+# 64 KiB of static shared memory: past the 48 KiB static limit, which only the assembler sees.
+TOO_MUCH_SHARED = """
+extern "C" __global__ void greedy(float* x) {
+    __shared__ float tile[16384];
+    tile[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    x[threadIdx.x] = tile[(threadIdx.x + 1) % 16384];
+}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    (tmp_path / "tiny_common.cuh").write_text(TINY_HEADER)
+    (tmp_path / "tiny.cu").write_text(TINY_KERNEL)
+    (tmp_path / "broken.cu").write_text(BROKEN_KERNEL)
+    (tmp_path / "greedy.cu").write_text(TOO_MUCH_SHARED)
+    return tmp_path
+
+
+def test_variants_parsing():
+    assert variants("extern \"C\" __global__ void k() {}") == [()]
+    assert variants("// ferro-variants: FERRO_HEAD_DIM=32,64,96,128\n") == [
+        ("FERRO_HEAD_DIM=32",), ("FERRO_HEAD_DIM=64",), ("FERRO_HEAD_DIM=96",),
+        ("FERRO_HEAD_DIM=128",)]
+    assert variants("  //ferro-variants:  A=1, 2  B=x\n") == [("A=1", "B=x"), ("A=2", "B=x")]
+    assert variants("int x; // ferro-variants: A=1\n") == [()]  # only whole comment lines count
+    with pytest.raises(ValueError, match="bad ferro-variants"):
+        variants("// ferro-variants: FERRO_HEAD_DIM\n")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nvcc_machinery(nvcc, tiny, arch):
+    src = tiny / "tiny.cu"
+    assert variants(src.read_text()) == [("FERRO_HEAD_DIM=32",), ("FERRO_HEAD_DIM=64",)]
+    for defines in variants(src.read_text()):
+        ok, log = compile_nvcc(nvcc, src, arch, defines, tiny)
+        assert ok, log
+    ok, log = compile_nvcc(nvcc, src, arch, (), tiny)  # the variant's define left out
+    assert not ok and "FERRO_HEAD_DIM must be defined" in log
+    ok, log = compile_nvcc(nvcc, tiny / "broken.cu", arch, (), tiny)
+    assert not ok and "undeclared_name" in log
+    ok, log = compile_nvcc(nvcc, tiny / "greedy.cu", arch, (), tiny)
+    assert not ok and "shared" in log.lower(), log
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nvrtc_machinery(tiny, arch):
+    nvrtc = load_nvrtc()
+    src = tiny / "tiny.cu"
+    for defines in variants(src.read_text()):
+        ok, log = compile_nvrtc(nvrtc, src, arch, defines)
+        assert ok, log
+    ok, log = compile_nvrtc(nvrtc, src, arch, ())
+    assert not ok and "FERRO_HEAD_DIM must be defined" in log
+    ok, log = compile_nvrtc(nvrtc, tiny / "broken.cu", arch, ())
+    assert not ok and "undeclared_name" in log
+    ok, log = compile_nvrtc(nvrtc, tiny / "greedy.cu", arch, ())
+    assert not ok and "shared" in log.lower(), log

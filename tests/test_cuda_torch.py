@@ -1,0 +1,162 @@
+"""The CUDA engine against PyTorch's `scaled_dot_product_attention`, and zero-copy interop.
+
+At B=2, S=2048, H=16, Hkv=4, D=128 in float32, forward and backward (autograd) are compared with
+torch computed in float64 on the GPU (the math SDPA path), causal and not. Torch tensors are
+shared with the engine through DLPack (`UnifiedTensor(torch_tensor)`), so outputs land in torch's
+memory in place. Skipped without a GPU or without PyTorch built with CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ferrocupy import AttentionOptions, UnifiedTensor
+
+# gpu_helpers is in tests/, which conftest puts on sys.path.
+from gpu_helpers import BWD_TOL, FWD_TOL, dev, gpu_pytestmark, needs_real_gpu
+
+__all__ = ["dev"]  # fixture, imported for pytest
+
+pytestmark = gpu_pytestmark()
+
+B, S, H, HKV, D = 2, 2048, 16, 4, 128
+
+
+@pytest.fixture(scope="module")
+def torch():
+    needs_real_gpu()
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device")
+    return torch
+
+
+def _scale() -> float:
+    return float(np.float32(1.0) / np.sqrt(np.float32(D)))  # the engine's float32 scale
+
+
+def _sdpa(torch, q, k, v, causal):
+    """torch SDPA on [B, S, H, D] tensors (transposed to torch's [B, H, S, D] and back)."""
+    import torch.nn.functional as F
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    try:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=_scale(),
+                                           enable_gqa=True)
+    except TypeError:  # torch < 2.5: no enable_gqa; expand the KV heads by hand
+        rep = qt.shape[1] // kt.shape[1]
+        o = F.scaled_dot_product_attention(qt, kt.repeat_interleave(rep, 1),
+                                           vt.repeat_interleave(rep, 1), is_causal=causal,
+                                           scale=_scale())
+    return o.transpose(1, 2)
+
+
+def _inputs(torch, rng):
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**62)))
+    q = torch.randn(B, S, H, D, device="cuda", generator=g) * 1.5
+    k = torch.randn(B, S, HKV, D, device="cuda", generator=g) * 1.5
+    v = torch.randn(B, S, HKV, D, device="cuda", generator=g)
+    go = torch.randn(B, S, H, D, device="cuda", generator=g)
+    return q, k, v, go
+
+
+def _nan_like(torch, x):
+    return torch.full_like(x, float("nan"))
+
+
+def _rel(torch, got, want) -> float:
+    assert not torch.isnan(got).any(), "NaN in the engine's output"
+    got, want = got.double(), want.double()
+    return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+
+
+def _sync(torch, dev):
+    torch.cuda.synchronize()
+    dev.sync()
+
+
+def _forward(torch, dev, q, k, v, causal):
+    """The engine's forward into a NaN-filled torch tensor (shared through DLPack)."""
+    out = _nan_like(torch, q)
+    _sync(torch, dev)
+    dev.engine.flash_attention_v2_with(UnifiedTensor(q), UnifiedTensor(k), UnifiedTensor(v),
+                                       UnifiedTensor(out), AttentionOptions(causal=causal))
+    _sync(torch, dev)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_against_torch_sdpa(torch, dev, rng, causal):
+    q, k, v, _ = _inputs(torch, rng)
+    out = _forward(torch, dev, q, k, v, causal)
+    with torch.no_grad():
+        want = _sdpa(torch, q.double(), k.double(), v.double(), causal)
+    err = _rel(torch, out, want)
+    assert err < FWD_TOL, f"forward vs torch float64 SDPA: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_against_torch_autograd(torch, dev, rng, causal):
+    q, k, v, go = _inputs(torch, rng)
+    out = _forward(torch, dev, q, k, v, causal)
+    gq, gk, gv = _nan_like(torch, q), _nan_like(torch, k), _nan_like(torch, v)
+    dev.engine.flash_attention_v2_backward_with(
+        *(UnifiedTensor(x) for x in (q, k, v, out, go, gq, gk, gv)),
+        AttentionOptions(causal=causal))
+    _sync(torch, dev)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    _sdpa(torch, q64, k64, v64, causal).backward(go.double())
+    for name, got, want in (("grad_q", gq, q64.grad), ("grad_k", gk, k64.grad),
+                            ("grad_v", gv, v64.grad)):
+        err = _rel(torch, got, want)
+        assert err < BWD_TOL, f"{name} vs torch float64 autograd: relative error {err:.3e}"
+
+
+def test_torch_out_receives_the_result_in_place(torch, dev, rng):
+    """A torch CUDA tensor wrapped with UnifiedTensor is written in place (no copy), and holds
+    the same bits as a CuPy-allocated output of the same call."""
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**62)))
+    q = torch.randn(2, 130, 8, 64, device="cuda", generator=g)
+    k = torch.randn(2, 131, 2, 64, device="cuda", generator=g)
+    v = torch.randn(2, 131, 2, 64, device="cuda", generator=g)
+    out = _nan_like(torch, q)
+    ptr = out.data_ptr()
+    wrapped = UnifiedTensor(out)
+    assert wrapped.buffer().data.ptr == ptr, "UnifiedTensor(torch tensor) copied the data"
+    opts = AttentionOptions(causal=True, dropout_prob=0.2, seed=7)
+    _sync(torch, dev)
+    dev.engine.flash_attention_v2_with(UnifiedTensor(q), UnifiedTensor(k), UnifiedTensor(v),
+                                       wrapped, opts)
+    cp_out = dev.poisoned(tuple(q.shape))
+    dev.engine.flash_attention_v2_with(UnifiedTensor(q), UnifiedTensor(k), UnifiedTensor(v),
+                                       cp_out, opts)
+    _sync(torch, dev)
+    assert out.data_ptr() == ptr
+    assert not torch.isnan(out).any(), "the torch output was not (fully) written"
+    np.testing.assert_array_equal(out.cpu().numpy(), dev.get(cp_out))
+
+
+def test_torch_rope_in_place(torch, dev, rng):
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**62)))
+    x = torch.randn(2, 64, 4, 64, device="cuda", generator=g)
+    want = UnifiedTensor.from_numpy(x.cpu().numpy(), device="cuda")
+    _sync(torch, dev)
+    dev.engine.rope(UnifiedTensor(x), 64, 3)
+    dev.engine.rope(want, 64, 3)
+    _sync(torch, dev)
+    np.testing.assert_array_equal(x.cpu().numpy(), dev.get(want))
+
+
+def test_torch_non_contiguous_layout_is_an_error(torch, dev, rng):
+    """Torch's [B, H, S, D] transposed to [B, S, H, D] is a strided view: an error, not a wrong
+    answer (the engine needs C-contiguous data)."""
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**62)))
+    q = torch.randn(2, 8, 33, 64, device="cuda", generator=g).transpose(1, 2)
+    k = torch.randn(2, 33, 8, 64, device="cuda", generator=g)
+    out = torch.full((2, 33, 8, 64), 7.0, device="cuda")
+    with pytest.raises(ValueError, match="contiguous"):
+        dev.engine.flash_attention_v2_with(UnifiedTensor(q), UnifiedTensor(k), UnifiedTensor(k),
+                                           UnifiedTensor(out))
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all())

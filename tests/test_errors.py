@@ -1,0 +1,330 @@
+"""SPEC "Errors", one test per row, through ComputeEngine("reference"): the exception type, a
+message naming the argument and the shapes/values, and no output written (every output starts
+as a sentinel and must still hold it, bit for bit)."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ferrocupy import AttentionOptions, ComputeEngine
+
+SENTINEL = -12345.5
+B, SQ, SK, H, HKV, D = 2, 3, 4, 4, 2, 8
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return ComputeEngine("reference")
+
+
+def sentinel(shape, dtype=np.float32):
+    return np.full(shape, SENTINEL, dtype)
+
+
+def untouched(*arrays) -> bool:
+    return all(a.tobytes() == sentinel(a.shape, a.dtype).tobytes() for a in arrays)
+
+
+def fwd_args(rng, q_shape=(B, SQ, H, D), k_shape=(B, SK, HKV, D), dtype=np.float32):
+    q = rng.standard_normal(q_shape).astype(dtype)
+    k = rng.standard_normal(k_shape).astype(dtype)
+    v = rng.standard_normal(k_shape).astype(dtype)
+    return q, k, v, sentinel(q_shape, dtype)
+
+
+def bwd_args(rng, **kw):
+    """q, k, v, out, grad_out, grad_q, grad_k, grad_v: gradients start as sentinels."""
+    q, k, v, _ = fwd_args(rng, **kw)
+    out = rng.standard_normal(q.shape).astype(q.dtype)
+    go = rng.standard_normal(q.shape).astype(q.dtype)
+    return [q, k, v, out, go, sentinel(q.shape, q.dtype), sentinel(k.shape, k.dtype),
+            sentinel(v.shape, v.dtype)]
+
+
+def esc(shape) -> str:
+    return re.escape(str(tuple(shape)))
+
+
+# --- wrong rank -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("which,shape,match", [
+    ("q", (B, SQ, H * D),
+     r"q must be \[batch, seq, heads, head_dim\], got shape " + esc((B, SQ, H * D))),
+    ("k", (B, SK, HKV, D, 1), r"k must be \[batch, seq, kv_heads, head_dim\], got shape "
+     + esc((B, SK, HKV, D, 1)))])
+def test_wrong_rank(eng, rng, which, shape, match):
+    q, k, v, out = fwd_args(rng)
+    args = dict(q=q, k=k, v=v)
+    args[which] = rng.standard_normal(shape).astype(np.float32)
+    if which == "k":
+        args["v"] = rng.standard_normal(shape).astype(np.float32)
+    with pytest.raises(ValueError, match=match):
+        eng.flash_attention_v2(args["q"], args["k"], args["v"], out)
+    assert untouched(out)
+
+
+# --- mismatched batch, head_dim, k/v shapes -------------------------------------------------------
+@pytest.mark.parametrize("k_shape,match", [
+    ((B + 1, SK, HKV, D),
+     rf"batch of q {esc((B, SQ, H, D))} and k {esc((B + 1, SK, HKV, D))} differ"),
+    ((B, SK, HKV, D // 2),
+     rf"head_dim of q {esc((B, SQ, H, D))} and k {esc((B, SK, HKV, D // 2))} differ")])
+def test_mismatched_batch_or_head_dim(eng, rng, k_shape, match):
+    q, _, _, out = fwd_args(rng)
+    k = rng.standard_normal(k_shape).astype(np.float32)
+    with pytest.raises(ValueError, match=match):
+        eng.flash_attention_v2(q, k, k.copy(), out)
+    assert untouched(out)
+
+
+def test_mismatched_k_v_shapes(eng, rng):
+    q, k, _, out = fwd_args(rng)
+    v = rng.standard_normal((B, SK + 1, HKV, D)).astype(np.float32)
+    with pytest.raises(ValueError,
+                       match=rf"v shape {esc(v.shape)} must equal k shape {esc(k.shape)}"):
+        eng.flash_attention_v2(q, k, v, out)
+    assert untouched(out)
+
+
+# --- out / grad shapes ----------------------------------------------------------------------------
+def test_out_shape_differs(eng, rng):
+    q, k, v, _ = fwd_args(rng)
+    out = sentinel((B, SQ, H, D + 1))
+    with pytest.raises(ValueError, match=rf"out shape {esc(out.shape)} must equal q shape "
+                                         rf"{esc(q.shape)}"):
+        eng.flash_attention_v2(q, k, v, out)
+    assert untouched(out)
+
+
+@pytest.mark.parametrize("index,name,like", [(3, "out", "q"), (4, "grad_out", "q"),
+                                             (5, "grad_q", "q"), (6, "grad_k", "k"),
+                                             (7, "grad_v", "k")])
+def test_backward_shape_differs(eng, rng, index, name, like):
+    args = bwd_args(rng)
+    bad = list(args[index].shape)
+    bad[1] += 1
+    args[index] = (sentinel(bad) if index >= 5 else
+                   rng.standard_normal(bad).astype(np.float32))
+    want = args[0].shape if like == "q" else args[1].shape
+    with pytest.raises(ValueError, match=rf"{name} shape {esc(bad)} must equal {like} shape "
+                                         rf"{esc(want)}"):
+        eng.flash_attention_v2_backward(*args)
+    assert untouched(*args[5:])
+
+
+# --- heads ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("h,hkv", [(6, 4), (3, 2), (1, 2), (4, 0)])
+def test_heads_not_multiple_of_kv_heads(eng, rng, h, hkv):
+    q, k, v, out = fwd_args(rng, q_shape=(B, SQ, h, D), k_shape=(B, SK, hkv, D))
+    with pytest.raises(ValueError, match=rf"num_heads \({h}, q shape {esc(q.shape)}\) must be a "
+                                         rf"multiple of num_kv_heads \({hkv}, k shape "
+                                         rf"{esc(k.shape)}\)"):
+        eng.flash_attention_v2(q, k, v, out)
+    assert untouched(out)
+
+
+# --- head_dim -------------------------------------------------------------------------------------
+def test_head_dim_over_128(eng, rng):
+    q, k, v, out = fwd_args(rng, q_shape=(1, 2, 1, 136), k_shape=(1, 2, 1, 136))
+    with pytest.raises(ValueError, match=r"head_dim <= 128, got 136 \(q shape \(1, 2, 1, 136\)\)"):
+        eng.flash_attention_v2(q, k, v, out)
+    assert untouched(out)
+
+
+@pytest.mark.parametrize("head_dim,shape", [(7, (3, 14)), (0, (3, 8))])
+def test_rope_odd_or_zero_head_dim(eng, head_dim, shape):
+    x = sentinel(shape)
+    with pytest.raises(ValueError, match=rf"rope needs an even head_dim > 0, got {head_dim} "
+                                         rf"\(tensor shape {esc(shape)}\)"):
+        eng.rope(x, head_dim, 0)
+    assert untouched(x)
+
+
+def test_rope_element_count_not_whole_tokens(eng):
+    x = sentinel((2, 3, 12))  # 12 is not a multiple of head_dim 8
+    with pytest.raises(ValueError, match=r"tensor of shape \(2, 3, 12\) \(72 elements\) is not a "
+                                         r"whole number of 6 tokens x head_dim 8"):
+        eng.rope(x, 8, 0)
+    assert untouched(x)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(pos=-1), r"pos must be a non-negative int, got -1"),
+    (dict(pos=2**32 - 2), r"pos 4294967294 \+ seq_len 3 overflows 32 bits"),
+    (dict(theta=0.0), r"theta must be a positive finite number, got 0.0"),
+    (dict(theta=float("nan")), r"theta must be a positive finite number, got nan")])
+def test_rope_bad_pos_or_theta(eng, kw, match):
+    x = sentinel((3, 16))
+    args = dict(pos=5, theta=10000.0) | kw
+    with pytest.raises(ValueError, match=match):
+        eng.rope_theta(x, 8, args["pos"], args["theta"])
+    assert untouched(x)
+
+
+# --- options --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prob", [-0.1, 1.0, float("nan"), 1.5, 0.99999999])
+def test_dropout_prob_outside_unit_interval(eng, rng, prob):
+    q, k, v, out = fwd_args(rng)
+    with pytest.raises(ValueError, match=rf"dropout_prob must lie in \[0, 1\), got {prob}"):
+        eng.flash_attention_v2(q, k, v, out, dropout_prob=prob, seed=1)
+    assert untouched(out)
+    args = bwd_args(rng)
+    with pytest.raises(ValueError, match=r"dropout_prob must lie in \[0, 1\)"):
+        eng.flash_attention_v2_backward_with(*args, AttentionOptions(dropout_prob=prob))
+    assert untouched(*args[5:])
+
+
+@pytest.mark.parametrize("field", ["causal_offset", "window"])
+@pytest.mark.parametrize("value", [-1, -(2**31)])
+def test_negative_offset_or_window(eng, rng, field, value):
+    q, k, v, out = fwd_args(rng)
+    with pytest.raises(ValueError, match=rf"{field} must be in \[0, 2\*\*32\), got {value}"):
+        eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(**{field: value}))
+    assert untouched(out)
+
+
+def test_non_int_offset_and_bad_seed_and_opts_type(eng, rng):
+    q, k, v, out = fwd_args(rng)
+    with pytest.raises(TypeError, match=r"window must be an int, got float"):
+        eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(window=2.0))
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\), got -3"):
+        eng.flash_attention_v2(q, k, v, out, seed=-3)
+    with pytest.raises(TypeError, match=r"opts must be AttentionOptions, got dict"):
+        eng.flash_attention_v2_with(q, k, v, out, {"causal": True})
+    assert untouched(out)
+
+
+# --- dtype ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int32])
+def test_wrong_dtype(eng, rng, dtype):
+    q, k, v, out = fwd_args(rng, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"q has dtype {np.dtype(dtype)} \(shape "
+                                        rf"{esc(q.shape)}\); the reference kernels take float32"):
+        eng.flash_attention_v2(q, k, v, out)
+    assert untouched(out)
+    x = sentinel((3, 16), dtype)
+    with pytest.raises(TypeError, match=rf"tensor has dtype {np.dtype(dtype)}"):
+        eng.rope(x, 8, 0)
+    assert untouched(x)
+
+
+def test_mixed_dtypes(eng, rng):
+    q, k, v, _ = fwd_args(rng)
+    out = sentinel(q.shape, np.float64)
+    # float64 is refused on its own first; the message names the offending argument.
+    with pytest.raises(TypeError, match=r"out has dtype float64 \(shape \(2, 3, 4, 8\)\)"):
+        eng.flash_attention_v2(q, k, v, out)
+    assert untouched(out)
+
+
+def test_mixed_dtypes_when_backend_takes_two(rng, monkeypatch):
+    # With a backend taking float32 and float64, mixing them is its own error.
+    eng = ComputeEngine("reference")
+    monkeypatch.setattr(eng.backend, "dtypes", (np.dtype(np.float32), np.dtype(np.float64)))
+    q, k, v, out = fwd_args(rng)
+    with pytest.raises(TypeError, match=r"inputs and outputs must share one dtype, got q: "
+                                        r"float32, k: float64"):
+        eng.flash_attention_v2(q, k.astype(np.float64), v, out)
+    assert untouched(out)
+
+
+def test_mask_wrong_dtype(eng, rng):
+    q, k, v, out = fwd_args(rng)
+    mask = np.zeros((1, 1, SQ, SK), np.float64)
+    with pytest.raises(TypeError, match=r"mask has dtype float64 \(shape \(1, 1, 3, 4\)\)"):
+        eng.flash_attention_v2(q, k, v, out, mask=mask)
+    assert untouched(out)
+
+
+# --- device ---------------------------------------------------------------------------------------
+class FakeCudaArray:
+    """Stands in for a cupy.ndarray (CuPy is not installed here): a tensor on cuda:0."""
+
+    __module__ = "cupy.fake"
+
+    def __init__(self, a):
+        self.shape, self.dtype, self.strides, self.flags = a.shape, a.dtype, a.strides, a.flags
+        self.device = SimpleNamespace(id=0)
+
+
+@pytest.mark.parametrize("which", ["q", "v", "out"])
+def test_tensor_on_wrong_device(eng, rng, which):
+    args = dict(zip(("q", "k", "v", "out"), fwd_args(rng)))
+    real_out, shape = args["out"], args[which].shape
+    args[which] = FakeCudaArray(args[which])
+    with pytest.raises(ValueError, match=rf"{which} \(shape {esc(shape)}\) is on cuda:0, but "
+                                         r"this engine's reference backend runs on cpu"):
+        eng.flash_attention_v2(args["q"], args["k"], args["v"], args["out"])
+    assert untouched(real_out)
+
+
+def test_not_an_array(eng, rng):
+    q, k, v, out = fwd_args(rng)
+    with pytest.raises(TypeError, match=r"k: cannot wrap list"):
+        eng.flash_attention_v2(q, k.tolist(), v, out)
+    assert untouched(out)
+
+
+@pytest.mark.parametrize("mshape", [(SQ, SK), (B, H, SQ), (1, 1, SQ, SK + 1), (3, 1, 1, 1),
+                                    (1, H, SK, SQ)])
+def test_bad_mask_shape(eng, rng, mshape):
+    q, k, v, out = fwd_args(rng)
+    mask = np.zeros(mshape, np.float32)
+    with pytest.raises(ValueError, match=rf"mask of shape {esc(mshape)} does not broadcast to "
+                                         rf"\[batch, heads, seq_q, seq_k\] = \[{B}, {H}, {SQ}, "
+                                         rf"{SK}\]"):
+        eng.flash_attention_v2(q, k, v, out, mask=mask)
+    assert untouched(out)
+    args = bwd_args(rng)
+    with pytest.raises(ValueError, match=r"mask of shape"):
+        eng.flash_attention_v2_backward_with(*args, AttentionOptions(), mask)
+    assert untouched(*args[5:])
+
+
+# --- contiguity -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["q", "k", "out", "mask"])
+def test_non_contiguous(eng, rng, which):
+    q, k, v, out = fwd_args(rng)
+    mask = np.zeros((1, 1, SQ, SK), np.float32)
+    args = dict(q=q, k=k, v=v, out=out, mask=mask)
+    wide = np.zeros(args[which].shape[:-1] + (2 * args[which].shape[-1],), np.float32)
+    view = wide[..., ::2]
+    view[...] = args[which]
+    args[which] = view
+    with pytest.raises(ValueError, match=rf"{which} \(shape {esc(view.shape)}\) is not "
+                                         r"C-contiguous \(strides"):
+        eng.flash_attention_v2(args["q"], args["k"], args["v"], args["out"], mask=args["mask"])
+    assert untouched(out) and (which != "out" or untouched(wide[..., ::2]))
+
+
+def test_rope_non_contiguous(eng):
+    x = sentinel((16, 6))
+    with pytest.raises(ValueError, match=r"tensor \(shape \(6, 16\)\) is not C-contiguous"):
+        eng.rope(x.T, 8, 0)
+    assert untouched(x)
+
+
+# --- single-head forms ----------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(SQ,), (1, SQ, D), (1, SQ, 1, D)])
+def test_single_head_wrong_rank(eng, rng, shape):
+    k = rng.standard_normal((SK, D)).astype(np.float32)
+    q = rng.standard_normal(shape).astype(np.float32)
+    out = sentinel((SQ, D))
+    with pytest.raises(ValueError, match=rf"q must be a \[seq_len, head_dim\] tensor, got shape "
+                                         rf"{esc(shape)}"):
+        eng.flash_attention(q, k, k.copy(), out)
+    assert untouched(out)
+
+
+def test_single_head_backward_wrong_rank(eng, rng):
+    q, k, v, out, go = (rng.standard_normal((n, D)).astype(np.float32)
+                        for n in (SQ, SK, SK, SQ, SQ))
+    gq, gk = sentinel((SQ, D)), sentinel((SK, D))
+    gv = sentinel((1, SK, D))
+    with pytest.raises(ValueError, match=r"grad_v must be a \[seq_len, head_dim\] tensor, got "
+                                         r"shape \(1, 4, 8\)"):
+        eng.flash_attention_backward(q, k, v, out, go, gq, gk, gv)
+    assert untouched(gq, gk, gv)

@@ -1,0 +1,119 @@
+"""README.md stays true to the code: its API table matches the engine's signatures, its quick start
+runs, and .ci/run runs exactly its test command."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ferrocupy
+from ferrocupy import ComputeEngine, cuda_available
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+SEED_METHODS = ("rope", "rope_theta", "flash_attention", "flash_attention_v2",
+                "flash_attention_v2_with", "flash_attention_backward",
+                "flash_attention_v2_backward", "flash_attention_v2_backward_with")
+
+
+def _api_rows() -> dict:
+    rows = {}
+    for m in re.finditer(r"^\| `(\w+)` \| `(\w+)(\(.*\)) -> None` \|", README, re.MULTILINE):
+        name, sig_name, sig = m.groups()
+        assert name == sig_name, m.group(0)
+        rows[name] = sig
+    return rows
+
+
+def _params_from_readme(sig: str):
+    fn = ast.parse(f"def f{sig}: pass").body[0]
+    args = fn.args.args
+    defaults = [None] * (len(args) - len(fn.args.defaults)) + list(fn.args.defaults)
+    out = []
+    for a, d in zip(args, defaults):
+        ann = None if a.annotation is None else ast.unparse(a.annotation)
+        default = inspect.Parameter.empty if d is None else eval(  # noqa: S307 - our README
+            ast.unparse(d), vars(ferrocupy))
+        out.append((a.arg, ann, default))
+    return out
+
+
+def _params_from_code(name: str):
+    sig = inspect.signature(getattr(ComputeEngine, name))
+    out = []
+    for p in list(sig.parameters.values())[1:]:  # less self
+        ann = None if p.annotation is inspect.Parameter.empty else str(p.annotation).strip("'")
+        out.append((p.name, ann, p.default))
+    return out
+
+
+def test_api_table_lists_every_seed_method_with_its_signature():
+    rows = _api_rows()
+    assert set(rows) == set(SEED_METHODS), sorted(rows)
+    for name in SEED_METHODS:
+        assert _params_from_readme(rows[name]) == _params_from_code(name), name
+
+
+def _bash_command(after: str) -> str:
+    m = re.search(re.escape(after) + r".*?```bash\n(.+?)\n```", README, re.DOTALL)
+    assert m, f"no bash block after {after!r}"
+    return m.group(1).strip()
+
+
+def test_the_two_commands():
+    main = _bash_command("**Install and run the demo / self-check**")
+    tests = _bash_command("**Install and run the tests**")
+    assert main.endswith("python -m ferrocupy") and "pip install -e \".[cuda13]\"" in main
+    assert tests.endswith("python -m pytest") and "pip install -e \".[cuda13,test]\"" in tests
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    steps = [s.strip() for s in _bash_command("**Install and run the tests**").split("&&")]
+    venv, activate, install, run = steps
+    assert venv.startswith("python3 -m venv") and activate.startswith(". ")
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert install in ci, f"{install!r} is not a line of .ci/run"
+    assert run in ci, f"{run!r} is not a line of .ci/run"
+    assert any(line.startswith("python3 -m venv") for line in ci)
+    assert "set -euo pipefail" in ci
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, re.DOTALL)
+
+
+def test_quick_start_runs(capsys):
+    scope: dict = {}
+    exec(compile(_python_blocks()[0], "README quick start", "exec"), scope)  # noqa: S102
+    out, grads = scope["out"], (scope["grad_q"], scope["grad_k"], scope["grad_v"])
+    assert out.shape == (2, 128, 8, 64)
+    for t in (out, *grads):
+        assert np.isfinite(t.to_numpy()).all()
+
+
+def test_torch_snippet_runs():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    code = _python_blocks()[1]
+    if not cuda_available():
+        code = code.replace('device="cuda"', 'device="cpu"')
+    lines = code.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("t = torch."))
+    lines.insert(at + 1, "t0 = t.clone()")  # remember t before the in-place RoPE
+    scope = {"UnifiedTensor": ferrocupy.UnifiedTensor,
+             "engine": ComputeEngine(None if cuda_available() else "reference", quiet=True)}
+    exec(compile("\n".join(lines), "README torch snippet", "exec"), scope)  # noqa: S102
+    t, t0, back = scope["t"], scope["t0"], scope["back"]
+    assert not torch.equal(t, t0), "RoPE did not write into the torch tensor's memory"
+    assert torch.equal(t[:, 0], t0[:, 0])  # position 0 is not rotated
+    assert back.data_ptr() == t.data_ptr()
+
+
+def test_performance_section_states_no_numbers():
+    section = README.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    assert "benchmarks/RESULTS.md" in section
+    assert not re.search(r"\d+(\.\d+)?\s*(ms|us|µs|TFLOP|GB/s|x faster|%)", section)
