@@ -18,7 +18,7 @@ __all__ = ["dev", "ref"]  # fixtures, imported for pytest (`rng` comes from conf
 pytestmark = gpu_pytestmark()
 
 
-def rope_both(dev, ref, x: np.ndarray, head_dim: int, pos: int, theta: float | None = None,
+def check_rope(dev, ref, x: np.ndarray, head_dim: int, pos: int, theta: float | None = None,
               nan_ok: bool = False) -> np.ndarray:
     """Run RoPE in place on copies of host `x` on both engines; compare; return the device's."""
     res = []
@@ -61,7 +61,7 @@ RANKS = [
 
 @pytest.mark.parametrize("shape,head_dim,pos", RANKS)
 def test_rope_ranks_and_heads(dev, ref, rng, shape, head_dim, pos):
-    rope_both(dev, ref, randn(rng, shape), head_dim, pos)
+    check_rope(dev, ref, randn(rng, shape), head_dim, pos)
 
 
 @pytest.mark.parametrize("shape,head_dim,pos,theta", [
@@ -73,12 +73,12 @@ def test_rope_ranks_and_heads(dev, ref, rng, shape, head_dim, pos):
     pytest.param((2, 64, 2, 32), 32, 31, 10.0, id="theta10"),
 ])
 def test_rope_theta_and_large_positions(dev, ref, rng, shape, head_dim, pos, theta):
-    rope_both(dev, ref, randn(rng, shape), head_dim, pos, theta)
+    check_rope(dev, ref, randn(rng, shape), head_dim, pos, theta)
 
 
 def test_rope_large_tensor(dev, ref, rng):
     """[4, 1024, 8, 128]: 4M elements, many blocks; positions up to 4096 + 1023."""
-    rope_both(dev, ref, randn(rng, (4, 1024, 8, 128)), 128, 4096)
+    check_rope(dev, ref, randn(rng, (4, 1024, 8, 128)), 128, 4096)
 
 
 def test_rope_is_rope_theta_10000(dev, rng):
@@ -111,7 +111,7 @@ def test_rope_is_deterministic(dev, rng):
 def test_rope_nan_stays_in_its_pair(dev, ref, rng):
     x = randn(rng, (2, 9, 3, 32))
     x[1, 4, 2, 3] = np.nan
-    got = rope_both(dev, ref, x, 32, 8, nan_ok=True)
+    got = check_rope(dev, ref, x, 32, 8, nan_ok=True)
     nan = np.isnan(got)
     assert nan[1, 4, 2, 3] and nan[1, 4, 2, 3 + 16] and nan.sum() == 2
 

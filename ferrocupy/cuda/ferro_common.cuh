@@ -6,6 +6,8 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
 // ---- packed parameter structs: field order = ferrocupy/params.py = the seed ----------------------
 struct RopeParams {
     u32 head_dim, seq_len, pos, heads;
@@ -256,14 +258,36 @@ __device__ __forceinline__ void acc_as_a(const float (&c)[4], u32 (&big)[4], u32
 }
 
 
-// acc (16 x 8*KS) += A (16 x 8*NT, accumulator layout, e.g. P) times B (8*NT x 8*KS in shared
-// memory, row-major: frag_b_kn_perm). Each 8-column chunk is summed over the tile in a fresh
-// accumulator and then added to acc in ordinary float32: the tensor cores accumulate with
-// truncation, and over thousands of accumulations into one register that bias reached 1.6e-5
-// relative error (S = 2048); per tile it stays near 1e-7.
+// acc (16 x 8*NT) = A B^T: A is 16 rows x 8*KS at sA, B is 8*NT rows x 8*KS at sB, both
+// row-major in shared memory (S = Q K^T, dP = dO V^T, and their transposes in the dK/dV kernel).
 template <int NT, int KS, int PITCH>
-__device__ __forceinline__ void add_tile_product(const float (&a)[NT][4], const float* sB, Lane L,
-                                                 float (&acc)[KS][4]) {
+__device__ __forceinline__ void gemm_abt(const float* sA, const float* sB, Lane L,
+                                         float (&acc)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        float a[4];
+        u32 ab[4], as[4];
+        frag_a<PITCH>(sA + ks * 8, L, a);
+        split_frag(a, ab, as);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            Split b0, b1;
+            frag_b_nk<PITCH>(sB + nt * 8 * PITCH + ks * 8, L, b0, b1);
+            mma_3xtf32(acc[nt], ab, as, b0, b1);
+        }
+    }
+}
+
+// acc (16 x 8*KS) += A B: A (16 x 8*NT) in accumulator layout (e.g. P), B (8*NT x 8*KS) row-major
+// in shared memory. Each 8-column chunk is summed over the tile in a fresh accumulator and then
+// added to acc in ordinary float32: the tensor cores accumulate with truncation, and over
+// thousands of accumulations into one register that bias reached 1.6e-5 relative error
+// (S = 2048); per tile it stays near 1e-7.
+template <int NT, int KS, int PITCH>
+__device__ __forceinline__ void gemm_acc_ab(const float (&a)[NT][4], const float* sB, Lane L,
+                                            float (&acc)[KS][4]) {
     u32 ab[NT][4], as[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc_as_a(a[nt], ab[nt], as[nt]);
@@ -293,4 +317,99 @@ __device__ __forceinline__ float quad_sum(float x) {
 #define FERRO_LOG2E 1.4426950408889634f
 #define FERRO_LN2 0.6931471805599453f
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+// ---- one block's query tile (forward and dQ kernels) ---------------------------------------------
+struct QueryTile {
+    u32 bh, b, h, hk;
+    long long m0, m_last;     // first row, last valid row
+    long long rows[2];        // this thread's rows: g and g + 8 of its warp's 16
+    u64 q_stride, kv_stride;  // floats between consecutive rows of q/out and of k/v
+    u64 q_off, kv_off;        // where (b, h, row 0) starts in q/out, (b, hk, row 0) in k/v
+};
+
+// A 1-D grid over (batch*heads) x query tiles of BM rows in block_coords order, the last tiles
+// (under causal masking, those that see the most keys) first.
+template <int BM>
+__device__ __forceinline__ QueryTile query_tile(const AttnShape& s, Lane L) {
+    QueryTile t;
+    const u32 q_tiles = (s.seq_q + BM - 1) / BM;
+    u32 rank;
+    block_coords(blockIdx.x, q_tiles, s.batch * s.heads, t.bh, rank);
+    t.b = t.bh / s.heads;
+    t.h = t.bh % s.heads;
+    t.hk = t.h / (s.heads / s.kv_heads);
+    t.m0 = (long long)(q_tiles - 1 - rank) * BM;
+    t.m_last = min((long long)s.seq_q, t.m0 + BM) - 1;
+    t.rows[0] = t.m0 + (threadIdx.x >> 5) * 16 + L.g;
+    t.rows[1] = t.rows[0] + 8;
+    t.q_stride = (u64)s.heads * s.head_dim;
+    t.kv_stride = (u64)s.kv_heads * s.head_dim;
+    t.q_off = ((u64)t.b * s.seq_q * s.heads + t.h) * s.head_dim;
+    t.kv_off = ((u64)t.b * s.seq_k * s.kv_heads + t.hk) * s.head_dim;
+    return t;
+}
+
+// The tiles of BN keys, from j_first on, that can hold a key visible to the tile's rows.
+template <int BN>
+__device__ __forceinline__ int key_tiles(const AttnShape& s, const QueryTile& t,
+                                         long long& j_first) {
+    long long lo, hi;
+    visible_key_range(s, t.m0 + s.offset, t.m_last + s.offset, lo, hi);
+    j_first = lo / BN * BN;
+    return hi > j_first ? (int)((hi - j_first + BN - 1) / BN) : 0;
+}
+
+// True when every key of [j0, j0 + BN) is visible to every row of the tile (and exists), so the
+// per-element visibility test can be skipped.
+template <int BN>
+__device__ __forceinline__ bool keys_wholly_visible(const AttnShape& s, const QueryTile& t,
+                                                    long long j0) {
+    const long long a_lo = t.m0 + s.offset, a_hi = t.m_last + s.offset;
+    return j0 + BN <= s.seq_k && (!s.causal || j0 + BN - 1 <= a_lo) &&
+           (!s.window || (a_hi - j0 < s.window && j0 + BN - 1 - a_lo < s.window));
+}
+
+// Scores of a tile: scale, additive mask, -inf where a key is not visible (or a row or key is
+// past the end). `whole`: every key is known visible (keys_wholly_visible).
+template <int NT>
+__device__ __forceinline__ void score_tile(const AttnShape& s, const float* mask,
+                                           const QueryTile& t, long long j0, bool whole, Lane L,
+                                           float (&sc)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const long long i = t.rows[r >> 1], j = j0 + nt * 8 + 2 * L.t + (r & 1);
+            const bool ok = i < s.seq_q && j < s.seq_k && (whole || visible(s, i + s.offset, j));
+            float x = sc[nt][r] * s.scale;
+            if (s.has_mask && ok) x += mask_at(s, mask, t.b, t.h, i, j);
+            sc[nt][r] = ok ? x : neg_inf();
+        }
+}
+
+// Online softmax over one row of a score tile (rr = 0: c0, c1; rr = 1: c2, c3): updates the running
+// max and sum, overwrites the scores with exp(s - max), returns the factor for the running output.
+// A row whose scores are all -inf so far keeps max -inf and contributes zeros.
+template <int NT>
+__device__ __forceinline__ float online_softmax(float (&sc)[NT][4], int rr, float& m_run,
+                                                float& l_run) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * rr], sc[nt][2 * rr + 1]));
+    mx = quad_max(mx);
+    const float m_new = fmaxf(m_run, mx);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+    const float alpha = exp2f((m_run - m_use) * FERRO_LOG2E);
+    m_run = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float e = exp2f(sc[nt][2 * rr + c] * FERRO_LOG2E - m_use * FERRO_LOG2E);
+            sum += e;
+            sc[nt][2 * rr + c] = e;
+        }
+    l_run = l_run * alpha + sum;
+    return alpha;
+}
+

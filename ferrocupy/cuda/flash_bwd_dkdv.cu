@@ -2,6 +2,7 @@
 // of one (batch, KV head), 4 warps x 16 keys. Reads [Delta, LSE] from the stats the dq kernel
 // wrote, loops over the query heads of its GQA group and the query tiles that can see its keys,
 // and writes grad_k = scale * sum dS^T q, grad_v = sum P'^T grad_out. No atomics: deterministic.
+// The compile test builds these head_dim variants; the backend builds any multiple of 16 <= 128.
 // ferro-variants: FERRO_HEAD_DIM=16,32,64,96,128
 #include "ferro_common.cuh"
 
@@ -17,26 +18,6 @@ constexpr int DP = FERRO_HEAD_DIM, WARPS = 4, THREADS = 32 * WARPS;
 constexpr int BK = 16 * WARPS, BQ = 32, PITCH = DP + 4;
 constexpr int KS = DP / 8, NT = BQ / 8;
 static_assert(DP % 8 == 0 && DP <= 128, "padded head_dim");
-
-// X^T for this warp's 16 keys against the BQ query rows of sY: rows of sXw times rows of sY.
-__device__ __forceinline__ void products(const float* sXw, const float* sY, Lane L,
-                                         float (&acc)[NT][4]) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        float a[4];
-        u32 ab[4], as[4];
-        frag_a<PITCH>(sXw + ks * 8, L, a);
-        split_frag(a, ab, as);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            Split b0, b1;
-            frag_b_nk<PITCH>(sY + nt * 8 * PITCH + ks * 8, L, b0, b1);
-            mma_3xtf32(acc[nt], ab, as, b0, b1);
-        }
-    }
-}
 
 }  // namespace
 
@@ -118,10 +99,10 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
         cp_async_wait<1>();
         __syncthreads();  // Q_t (and K, V) landed
         float sT[NT][4], dpT[NT][4];  // [16 keys x BQ queries]: S^T and (dO V^T)^T
-        products(sKw, sQ, L, sT);
+        gemm_abt<NT, KS, PITCH>(sKw, sQ, L, sT);
         cp_async_wait<0>();
         __syncthreads();  // dO_t and its stats landed
-        products(sVw, sdO, L, dpT);
+        gemm_abt<NT, KS, PITCH>(sVw, sdO, L, dpT);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -141,11 +122,11 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
                 sT[nt][r] = keep ? P * keep_scale : 0.f;      // P'
                 dpT[nt][r] = P * (dP - sSt[2 * c]);            // dS
             }
-        add_tile_product<NT, KS, PITCH>(dpT, sQ, L, dk);
+        gemm_acc_ab<NT, KS, PITCH>(dpT, sQ, L, dk);
         __syncthreads();  // every warp is done with Q_t
         if (more) load_q(t + 1);
         cp_async_commit();
-        add_tile_product<NT, KS, PITCH>(sT, sdO, L, dv);
+        gemm_acc_ab<NT, KS, PITCH>(sT, sdO, L, dv);
         __syncthreads();  // every warp is done with dO_t and its stats
         if (more) load_do(t + 1);
         cp_async_commit();

@@ -2,6 +2,7 @@
 // rows of one (batch, head). Computes each row's [Delta, LSE] into the stats buffer (LSE by a
 // first pass over the visible keys, since the forward keeps no statistics), then recomputes P and
 // writes grad_q = scale * sum_j dS_ij k_j with dS = P (dP - Delta). No atomics.
+// The compile test builds these head_dim variants; the backend builds any multiple of 16 <= 128.
 // ferro-variants: FERRO_HEAD_DIM=16,32,64,96,128
 #include "ferro_common.cuh"
 
@@ -18,40 +19,6 @@ constexpr int BM = 16 * WARPS, BN = 32, PITCH = DP + 4;
 constexpr int KS = DP / 8, NT = BN / 8;
 static_assert(DP % 8 == 0 && DP <= 128, "padded head_dim");
 
-// S = Q K^T for this warp's 16 rows against the BN keys in sK (scores unscaled).
-__device__ __forceinline__ void scores(const float* sQw, const float* sK, Lane L, float (&sc)[NT][4]) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        float a[4];
-        u32 ab[4], as[4];
-        frag_a<PITCH>(sQw + ks * 8, L, a);
-        split_frag(a, ab, as);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            Split b0, b1;
-            frag_b_nk<PITCH>(sK + nt * 8 * PITCH + ks * 8, L, b0, b1);
-            mma_3xtf32(sc[nt], ab, as, b0, b1);
-        }
-    }
-}
-
-// Scaled, masked scores; -inf where a key is not visible (or past the end).
-__device__ __forceinline__ void finish_scores(const AttnShape& s, const float* mask, u32 b, u32 h,
-                                              const long long (&rows)[2], long long j0, Lane L,
-                                              float (&sc)[NT][4]) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const long long i = rows[r >> 1], j = j0 + nt * 8 + 2 * L.t + (r & 1);
-            const bool ok = i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j);
-            float x = sc[nt][r] * s.scale;
-            if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
-            sc[nt][r] = ok ? x : neg_inf();
-        }
-}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
@@ -69,18 +36,13 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    const u32 q_tiles = (s.seq_q + BM - 1) / BM;
-    u32 bh, rank;
-    block_coords(blockIdx.x, q_tiles, s.batch * s.heads, bh, rank);
-    const u32 tile = q_tiles - 1 - rank;  // the last query tiles see the most keys
-    const u32 b = bh / s.heads, h = bh % s.heads, hk = h / (s.heads / s.kv_heads);
-    const long long m0 = (long long)tile * BM;
-    const long long rows[2] = {m0 + warp * 16 + L.g, m0 + warp * 16 + L.g + 8};
-
-    const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
-    const u64 q_off = ((u64)b * s.seq_q * s.heads + h) * D;
-    const float* kb = k + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
-    const float* vb = v + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+    const QueryTile T = query_tile<BM>(s, L);
+    const u32 bh = T.bh;
+    const long long m0 = T.m0;
+    const long long(&rows)[2] = T.rows;
+    const u64 q_stride = T.q_stride, kv_stride = T.kv_stride, q_off = T.q_off;
+    const float* kb = k + T.kv_off;
+    const float* vb = v + T.kv_off;
 
     load_tile<BM, DP, PITCH, FERRO_VEC, THREADS>(sQ, q + q_off, q_stride, m0, s.seq_q, D);
     load_tile<BM, DP, PITCH, FERRO_VEC, THREADS>(sdO, grad_out + q_off, q_stride, m0, s.seq_q, D);
@@ -103,11 +65,8 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         delta[rr] = quad_sum(acc);
     }
 
-    const long long m_last = min((long long)s.seq_q, m0 + BM) - 1;
-    long long k_lo, k_hi;
-    visible_key_range(s, m0 + s.offset, m_last + s.offset, k_lo, k_hi);
-    const long long j_first = k_lo / BN * BN;
-    const int n_tiles = k_hi > j_first ? (int)((k_hi - j_first + BN - 1) / BN) : 0;
+    long long j_first;
+    const int n_tiles = key_tiles<BN>(s, T, j_first);
 
     // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys. Only K is read, so sK and
     // sV double-buffer it: tile j+1 loads while tile j is multiplied.
@@ -124,24 +83,10 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                                                          j0 + BN, s.seq_k, D);
         cp_async_commit();
         float sc[NT][4];
-        scores(sQw, (it & 1) ? sV : sK, L, sc);
-        finish_scores(s, mask, b, h, rows, j0, L, sc);
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            float mx = neg_inf();
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * rr], sc[nt][2 * rr + 1]));
-            mx = quad_max(mx);
-            const float m_new = fmaxf(m_run[rr], mx);
-            const float m_use = m_new == neg_inf() ? 0.f : m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                sum += exp2f((sc[nt][2 * rr] - m_use) * FERRO_LOG2E) +
-                       exp2f((sc[nt][2 * rr + 1] - m_use) * FERRO_LOG2E);
-            l_run[rr] = l_run[rr] * exp2f((m_run[rr] - m_use) * FERRO_LOG2E) + sum;
-            m_run[rr] = m_new;
-        }
+        gemm_abt<NT, KS, PITCH>(sQw, (it & 1) ? sV : sK, L, sc);
+        score_tile<NT>(s, mask, T, j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
+        online_softmax<NT>(sc, 0, m_run[0], l_run[0]);
+        online_softmax<NT>(sc, 1, m_run[1], l_run[1]);
     }
     __syncthreads();  // both buffers are reloaded by pass 2
     float lse[2];
@@ -178,14 +123,14 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         cp_async_wait<1>();
         __syncthreads();  // V_j landed
         float sc[NT][4], dp[NT][4];
-        scores(sdOw, sV, L, dp);
+        gemm_abt<NT, KS, PITCH>(sdOw, sV, L, dp);
         __syncthreads();  // every warp is done with V_j
         if (more) load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sV, vb, kv_stride, j0 + BN, s.seq_k, D);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed
-        scores(sQw, sK, L, sc);
-        finish_scores(s, mask, b, h, rows, j0, L, sc);
+        gemm_abt<NT, KS, PITCH>(sQw, sK, L, sc);
+        score_tile<NT>(s, mask, T, j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             u32 keep = 0xFu;
@@ -203,7 +148,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                 sc[nt][r] = P * (dP - delta[r >> 1]);
             }
         }
-        add_tile_product<NT, KS, PITCH>(sc, sK, L, dq);
+        gemm_acc_ab<NT, KS, PITCH>(sc, sK, L, dq);
         __syncthreads();  // every warp is done with K_j
         if (more) load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D);
         cp_async_commit();
