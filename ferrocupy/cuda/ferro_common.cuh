@@ -374,6 +374,13 @@ template <int NT>
 __device__ __forceinline__ void score_tile(const AttnShape& s, const float* mask,
                                            const QueryTile& t, long long j0, bool whole, Lane L,
                                            float (&sc)[NT][4]) {
+    if (whole && !s.has_mask) {  // the common case: nothing to test per element
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sc[nt][r] *= s.scale;
+        return;
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
