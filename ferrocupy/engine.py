@@ -3,7 +3,6 @@ kernel launch (name, buffers, packed params) to a backend: CUDA or the NumPy ref
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
@@ -31,16 +30,22 @@ class AttentionOptions:
     seed: int = 0
 
     def validate(self) -> None:
+        if not isinstance(self.causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be a bool, got {self.causal!r}")
         for name in ("causal_offset", "window"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if not 0 <= value < 2**32:
                 raise ValueError(f"{name} must be in [0, 2**32), got {value}")
-        p = float(self.dropout_prob)
-        if not 0.0 <= p < 1.0 or not 0.0 <= float(np.float32(p)) < 1.0:
+        p = self.dropout_prob
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer,
+                                                                 np.floating)):
+            raise TypeError(f"dropout_prob must be a number, got {p!r}")
+        if not 0.0 <= float(p) < 1.0 or not 0.0 <= float(np.float32(p)) < 1.0:
             raise ValueError(f"dropout_prob must lie in [0, 1), got {self.dropout_prob}")
-        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**64:
+        if (isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer))
+                or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
 
 
@@ -89,8 +94,11 @@ class ComputeEngine:
         if head_dim == 0 or head_dim % 2:
             raise ValueError(f"rope needs an even head_dim > 0, got {head_dim} "
                              f"(tensor shape {t.shape})")
-        if not math.isfinite(theta) or theta <= 0:
-            raise ValueError(f"theta must be a positive finite number, got {theta}")
+        with np.errstate(over="ignore"):
+            theta32 = np.float32(theta) if isinstance(theta, (int, float, np.number)) else None
+        if theta32 is None or not np.isfinite(theta32) or not theta32 > 0:
+            raise ValueError(f"theta must be a positive finite number, got {theta} (the kernel "
+                             f"takes it as float32: {theta32})")
         params = rope_params(t.shape, head_dim, pos, theta)
         tokens = max(1, t.shape[0] * t.shape[1] if len(t.shape) >= 3 else
                      (t.shape[0] if len(t.shape) == 2 else 1))
@@ -157,18 +165,21 @@ class ComputeEngine:
         if dims.batch * dims.heads * dims.seq_q == 0:
             # No query row (seq_q or heads 0): every key gets zero gradient, written, not left
             # as it was.
-            t["grad_k"].buffer().fill(0)
-            t["grad_v"].buffer().fill(0)
+            self.backend.zero(t["grad_k"].buffer())
+            self.backend.zero(t["grad_v"].buffer())
             return
-        xp = self.backend.xp
         # Per (batch, head, query) row: [Delta, LSE], written by dq, read by dkdv.
-        stats = xp.empty((dims.batch * dims.heads * dims.seq_q, 2), dtype=np.float32)
+        stats = self.backend.empty((dims.batch * dims.heads * dims.seq_q, 2), np.float32)
         t["stats"] = UnifiedTensor(stats)
-        self.backend.run(BWD_DQ, self._buffers(t, "q", "k", "v", "out", "grad_out", "grad_q",
-                                               "mask", "stats"), params)
+        dq = self._buffers(t, "q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats")
+        dkdv = self._buffers(t, "q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats")
+        # Both launches are compiled and checked first: nothing is written if either cannot run.
+        self.backend.prepare(BWD_DQ, dq, params)
         if dims.seq_k:
-            self.backend.run(BWD_DKDV, self._buffers(t, "q", "k", "v", "grad_out", "grad_k",
-                                                     "grad_v", "mask", "stats"), params)
+            self.backend.prepare(BWD_DKDV, dkdv, params)
+        self.backend.run(BWD_DQ, dq, params)
+        if dims.seq_k:
+            self.backend.run(BWD_DKDV, dkdv, params)
 
     # --- validation (every check runs before any kernel) ----------------------------------------
     def _tensor(self, name: str, x) -> UnifiedTensor:
@@ -217,11 +228,35 @@ class ComputeEngine:
         for name in kv_outputs:
             if t[name].shape != k.shape:
                 raise ValueError(f"{name} shape {t[name].shape} must equal k shape {k.shape}")
+        _check_outputs(t, ("grad_q", "grad_k", "grad_v") if pack == "params_bwd" else ("out",))
         return dims, getattr(dims, pack)(opts, t["mask"])
 
     @staticmethod
     def _buffers(t: dict, *names) -> dict:
         return {n: (None if t[n] is None else t[n].buffer()) for n in names}
+
+
+def _memory_range(a) -> tuple[int, int]:
+    start = a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
+    return start, start + a.nbytes
+
+
+def _check_outputs(t: dict, written) -> None:
+    """Outputs must be writable and share no memory with any other argument: the kernels read
+    inputs after other blocks (or the other backward kernel) have written outputs."""
+    names = [n for n, x in t.items() if x is not None]
+    for out in written:
+        buf = t[out].buffer()
+        if isinstance(buf, np.ndarray) and not buf.flags.writeable:
+            raise ValueError(f"{out} (shape {t[out].shape}) is read-only")
+        lo, hi = _memory_range(buf)
+        for other in names:
+            if other == out or t[out].numel == 0 or t[other].numel == 0:
+                continue
+            olo, ohi = _memory_range(t[other].buffer())
+            if t[out].device == t[other].device and lo < ohi and olo < hi:
+                raise ValueError(f"{out} (shape {t[out].shape}) shares memory with {other} "
+                                 f"(shape {t[other].shape}); pass a separate output tensor")
 
 
 def _single_head_view(name: str, x, engine: ComputeEngine) -> UnifiedTensor:

@@ -108,6 +108,10 @@ class AttentionDims:
             raise ValueError(f"batch of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
         if int(k.shape[3]) != dims.head_dim:
             raise ValueError(f"head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+        for name, n in (("seq_q", dims.seq_q), ("seq_k", dims.seq_k)):
+            if n >= 2**31:  # the kernels count tiles in 32 bits
+                raise ValueError(f"{name} = {n} must be below 2**31 (q shape {tuple(q.shape)}, "
+                                 f"k shape {tuple(k.shape)})")
         if dims.head_dim == 0:
             raise ValueError(f"head_dim must be at least 1, got q shape {tuple(q.shape)}")
         if dims.head_dim > MAX_HEAD_DIM:

@@ -300,6 +300,17 @@ class ReferenceBackend:
     xp = np
     dtypes = (np.dtype(np.float32),)  # what the CUDA kernels take today
 
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype=dtype)
+
+    def zero(self, array) -> None:
+        array.fill(0)
+
+    def prepare(self, kernel: str, buffers: dict, params: np.void) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; the reference backend has "
+                             f"{sorted(KERNELS)}")
+
     def run(self, kernel: str, buffers: dict, params: np.void) -> None:
         try:
             fn = KERNELS[kernel]

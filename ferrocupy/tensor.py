@@ -33,7 +33,8 @@ def _cupy():
 def _resolve_device(device: str | None) -> str:
     if device is None:
         return "cuda" if cuda_available() else "cpu"
-    if device.split(":")[0] not in ("cuda", "cpu"):
+    kind, _, index = device.partition(":")
+    if kind not in ("cuda", "cpu") or (kind == "cpu" and index) or (index and not index.isdigit()):
         raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
     if device.startswith("cuda") and not cuda_available():
         raise RuntimeError(f"device={device!r} asked for, but no CUDA device is usable")
@@ -48,10 +49,13 @@ def _wrap(obj):
         return obj
     if hasattr(obj, "__dlpack_device__"):
         kind = int(obj.__dlpack_device__()[0])
-        if kind == _DLPACK_CPU:
-            return np.from_dlpack(obj)
-        if kind == _DLPACK_CUDA:
-            return _cupy().from_dlpack(obj)
+        try:
+            if kind == _DLPACK_CPU:
+                return np.from_dlpack(obj)
+            if kind == _DLPACK_CUDA:
+                return _cupy().from_dlpack(obj)
+        except (RuntimeError, BufferError) as e:  # e.g. a torch tensor that requires grad
+            raise TypeError(f"cannot share {type(obj).__name__} through DLPack: {e}") from e
         raise TypeError(f"DLPack device type {kind} of {type(obj).__name__} is neither CPU "
                         f"nor CUDA")
     if hasattr(obj, "__cuda_array_interface__"):
@@ -168,6 +172,11 @@ class UnifiedTensor:
         return self._array.__cuda_array_interface__
 
     def __array__(self, dtype=None, copy=None):
+        if not self.is_cuda and not copy:
+            return self._array if dtype is None else self._array.astype(dtype, copy=False)
+        if copy is False:
+            raise ValueError(f"a tensor on {self.device} cannot become a NumPy array without "
+                             f"a copy; use to_numpy()")
         a = self.to_numpy()
         return a if dtype is None else a.astype(dtype)
 
@@ -176,4 +185,5 @@ class UnifiedTensor:
 
 
 def _device_id(device: str) -> int:
-    return int(device.split(":")[1]) if ":" in device else 0
+    """'cuda:N' -> N; plain 'cuda' is CuPy's current device."""
+    return int(device.split(":")[1]) if ":" in device else _cupy().cuda.Device().id

@@ -328,3 +328,74 @@ def test_single_head_backward_wrong_rank(eng, rng):
                                          r"shape \(1, 4, 8\)"):
         eng.flash_attention_backward(q, k, v, out, go, gq, gk, gv)
     assert untouched(gq, gk, gv)
+
+
+# --- outputs that share memory with another argument, or cannot be written -------------------------
+@pytest.mark.parametrize("alias", ["q", "k_view", "mask"])
+def test_forward_out_sharing_memory(eng, rng, alias):
+    q, k, v, out = fwd_args(rng, k_shape=(B, SQ, H, D))
+    mask = None
+    if alias == "q":
+        out = q
+    elif alias == "k_view":  # a view over part of k's memory, as .reshaped() can make
+        out = k.reshape(-1)[: out.size].reshape(out.shape)
+    else:
+        mask = out.reshape(-1)[: B * H * SQ * SQ].reshape(B, H, SQ, SQ)
+    before = [a.copy() for a in (q, k, v, out)]
+    with pytest.raises(ValueError, match=rf"out \(shape .*\) shares memory with {alias[0]}"):
+        eng.flash_attention_v2(q, k, v, out, mask=mask)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip((q, k, v, out), before))
+
+
+@pytest.mark.parametrize("grad,other", [("grad_q", "q"), ("grad_q", "grad_out"),
+                                        ("grad_k", "grad_v"), ("grad_v", "v")])
+def test_backward_grad_sharing_memory(eng, rng, grad, other):
+    names = ["q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v"]
+    args = dict(zip(names, bwd_args(rng, k_shape=(B, SQ, H, D))))
+    before = {n: a.copy() for n, a in args.items()}
+    args[grad] = args[other]
+    with pytest.raises(ValueError, match=rf"(({grad})|({other})) \(shape .*\) shares memory"):
+        eng.flash_attention_v2_backward(**args)
+    for n in names:  # nothing written anywhere
+        if n not in (grad, other):
+            assert args[n].tobytes() == before[n].tobytes(), n
+    assert args[other].tobytes() == before[other].tobytes()
+
+
+def test_read_only_grad_raises_before_anything_is_written(eng, rng):
+    q, k, v, out, go, gq, gk, gv = bwd_args(rng)
+    gk.flags.writeable = False
+    with pytest.raises(ValueError, match=r"grad_k \(shape .*\) is read-only"):
+        eng.flash_attention_v2_backward(q, k, v, out, go, gq, gk, gv)
+    assert untouched(gq, gv)
+
+
+@pytest.mark.parametrize("opts,exc,match", [
+    (dict(causal="False"), TypeError, r"causal must be a bool, got 'False'"),
+    (dict(causal=1), TypeError, r"causal must be a bool, got 1"),
+    (dict(dropout_prob="0.5"), TypeError, r"dropout_prob must be a number, got '0.5'"),
+    (dict(seed=True), ValueError, r"seed must be an int in \[0, 2\*\*64\), got True"),
+])
+def test_option_types(eng, rng, opts, exc, match):
+    q, k, v, out = fwd_args(rng)
+    with pytest.raises(exc, match=match):
+        eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(**opts))
+    assert untouched(out)
+
+
+@pytest.mark.parametrize("theta", [1e-46, 1e39, float("nan")])
+def test_rope_theta_not_finite_in_float32(eng, theta):
+    x = sentinel((2, 3, 2, 8))
+    with pytest.raises(ValueError, match=r"theta must be a positive finite number"):
+        eng.rope_theta(x, 8, 0, theta)
+    assert untouched(x)
+
+
+@pytest.mark.parametrize("field", ["seq_q", "seq_k"])
+def test_sequence_of_2_31_rejected(field):
+    from ferrocupy import AttentionDims
+    big = 2**31
+    q = SimpleNamespace(shape=(1, big if field == "seq_q" else 4, 1, 8))
+    k = SimpleNamespace(shape=(1, big if field == "seq_k" else 4, 1, 8))
+    with pytest.raises(ValueError, match=rf"{field} = {big} must be below 2\*\*31"):
+        AttentionDims.new(q, k)

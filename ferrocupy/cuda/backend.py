@@ -36,7 +36,7 @@ ATTENTION = {
         64, False, (64 + 64 + 32 + 32, 0)),
     "flash_attn_v2_bw_dkdv": AttentionKernel(
         "flash_bwd_dkdv.cu", ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
-        64, True, (64 + 64 + 32 + 32, 2 * 32)),
+        64, True, (64 + 64 + 32 + 32, 0)),
 }
 
 
@@ -64,12 +64,31 @@ class CudaBackend:
         name = props["name"]
         return name.decode() if isinstance(name, bytes) else name
 
+    def empty(self, shape, dtype):
+        """An uninitialised array on this backend's device."""
+        with self.xp.cuda.Device(self._id):
+            return self.xp.empty(shape, dtype=dtype)
+
+    def zero(self, array) -> None:
+        """Fill `array` with zeros on this backend's device (its current stream)."""
+        with self.xp.cuda.Device(self._id):
+            array.fill(0)
+
+    def prepare(self, kernel: str, buffers: dict, params: np.void) -> None:
+        """Compile and check a launch without running it, so that a launch sequence (the
+        backward's two kernels) fails before its first kernel writes anything."""
+        if kernel != "rope":
+            with self.xp.cuda.Device(self._id):
+                self._plan(ATTENTION[kernel], kernel, buffers, params)
+
     def run(self, kernel: str, buffers: dict, params: np.void) -> None:
         with self.xp.cuda.Device(self._id):
             if kernel == "rope":
                 self._rope(buffers["x"], params)
             else:
-                self._attention(ATTENTION[kernel], kernel, buffers, params)
+                fn, blocks, smem, args = self._plan(ATTENTION[kernel], kernel, buffers, params)
+                if blocks:
+                    fn((blocks,), (THREADS,), args + (params,), shared_mem=smem)
 
     def _rope(self, x, params) -> None:
         fn = self.loader.function("rope.cu", "rope")
@@ -79,13 +98,18 @@ class CudaBackend:
         blocks = max(1, min(-(-items // 256), 132 * 16))
         fn((blocks,), (256,), (x, np.uint64(tokens), params))
 
-    def _attention(self, spec: AttentionKernel, name: str, buffers: dict, params) -> None:
+    def _plan(self, spec: AttentionKernel, name: str, buffers: dict, params):
+        """(kernel, blocks, shared bytes, arguments) of one attention launch."""
         d = int(params["head_dim"])
         dp = padded_head_dim(d)
         data = [buffers[a] for a in spec.args if a != "mask" and buffers.get(a) is not None]
         vec = 4 if d % 4 == 0 and all(b.data.ptr % 16 == 0 for b in data) else 1
         fn = self.loader.function(spec.source, name, {"FERRO_HEAD_DIM": dp, "FERRO_VEC": vec})
         smem = spec.shared_bytes(dp)
+        limit = self.xp.cuda.Device(self._id).attributes["MaxSharedMemoryPerBlockOptin"]
+        if smem > limit:
+            raise ValueError(f"{name} needs {smem} bytes of shared memory per block for "
+                             f"head_dim {d}; this GPU allows {limit}")
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
         rows = int(params["seq_k"] if spec.per_kv_head else params["seq_q"])
@@ -93,8 +117,6 @@ class CudaBackend:
         blocks = -(-rows // spec.tile) * int(params["batch"]) * heads
         if blocks > GRID_X_MAX:
             raise ValueError(f"{name}: {blocks} blocks exceed the grid limit {GRID_X_MAX}")
-        if blocks == 0:
-            return
         args = tuple(self._no_mask if buffers[a] is None and a == "mask" else buffers[a]
                      for a in spec.args)
-        fn((blocks,), (THREADS,), args + (params,), shared_mem=smem)
+        return fn, blocks, smem, args

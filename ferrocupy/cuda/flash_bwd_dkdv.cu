@@ -31,8 +31,7 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
     float* sK = smem;               // [BK][PITCH]
     float* sV = sK + BK * PITCH;    // [BK][PITCH]
     float* sQ = sV + BK * PITCH;    // [BQ][PITCH]
-    float* sdO = sQ + BQ * PITCH;   // [BQ][PITCH]
-    float* sSt = sdO + BQ * PITCH;  // [BQ][2]: Delta, LSE
+    float* sdO = sQ + BQ * PITCH;   // [BQ][PITCH]; columns DP, DP+1 hold the row's Delta, LSE
     const AttnShape s = attn_shape(p);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
@@ -84,7 +83,9 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
         const float* st = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
         for (int idx = threadIdx.x; idx < 2 * BQ; idx += THREADS) {
             const bool ok = i0 + idx / 2 < s.seq_q;  // rows past the end: never visible
-            cp_async<4>(sSt + idx, ok ? st + (i0 * 2 + idx) : st, ok);
+            // Into sdO's pad columns (never read by the products): the block stays at
+            // 99 KB of shared memory, the per-block limit of sm_86/sm_89.
+            cp_async<4>(sdO + (idx / 2) * PITCH + DP + (idx & 1), ok ? st + (i0 * 2 + idx) : st, ok);
         }
     };
     if (steps > 0) load_q(0);
@@ -112,7 +113,7 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
                 const bool ok = i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j);
                 float x = sT[nt][r] * s.scale;
                 if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
-                const float lse = sSt[2 * c + 1];
+                const float lse = sdO[c * PITCH + DP + 1];
                 const float P = ok && lse != neg_inf() ? exp2f((x - lse) * FERRO_LOG2E) : 0.f;
                 bool keep = true;
                 if (dropout) {
@@ -120,7 +121,7 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
                 }
                 const float dP = keep ? dpT[nt][r] * keep_scale : 0.f;
                 sT[nt][r] = keep ? P * keep_scale : 0.f;      // P'
-                dpT[nt][r] = P * (dP - sSt[2 * c]);            // dS
+                dpT[nt][r] = P * (dP - sdO[c * PITCH + DP]);   // dS
             }
         gemm_acc_ab<NT, KS, PITCH>(dpT, sQ, L, dk);
         __syncthreads();  // every warp is done with Q_t
