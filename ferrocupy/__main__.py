@@ -267,7 +267,8 @@ def run_checks(runner: Runner, oracle, rng, quick: bool) -> list[Row]:
           lambda: both("rope", k, 100, 100000.0))
 
     cases = [
-        ("causal, GQA", _shape(("q", q), ("kv", k)), (q, k, v, AttentionOptions(causal=True), None)),
+        ("causal, GQA", _shape(("q", q), ("kv", k)),
+         (q, k, v, AttentionOptions(causal=True), None)),
         ("mask [B,1,S,S], GQA", _shape(("q", q), ("kv", k), ("mask", mask)),
          (q, k, v, AttentionOptions(), mask)),
         ("decode: offset + window", _shape(("q", qd), ("kv", k)),

@@ -12,7 +12,8 @@ from .params import AttentionDims, rope_params
 from .tensor import UnifiedTensor, cuda_available
 
 # Kernel names, as the seed calls its pipelines; each backend implements all four.
-ROPE, FWD, BWD_DQ, BWD_DKDV = "rope", "flash_attn_v2", "flash_attn_v2_bw_dq", "flash_attn_v2_bw_dkdv"
+ROPE, FWD = "rope", "flash_attn_v2"
+BWD_DQ, BWD_DKDV = "flash_attn_v2_bw_dq", "flash_attn_v2_bw_dkdv"
 
 
 @dataclass(frozen=True)

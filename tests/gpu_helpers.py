@@ -545,3 +545,33 @@ def batch_slice(case: AttnCase, idx) -> AttnCase:
         m = np.ascontiguousarray(m[idx])
     return replace(case, q=case.q[idx], k=case.k[idx], v=case.v[idx],
                    grad_out=case.grad_out[idx], mask=m)
+
+
+# --- case lists shared by the forward and backward suites -----------------------------------
+SEQ_Q_NE_K = [
+    pytest.param(dict(sq=7, sk=300), id="q7-k300"),
+    pytest.param(dict(sq=300, sk=7), id="q300-k7"),
+    pytest.param(dict(sq=300, sk=7, causal=True), id="q300-k7-causal"),
+    pytest.param(dict(sq=1, sk=1000, causal=True, causal_offset=999), id="decode-q1-k1000"),
+    pytest.param(dict(sq=1, sk=1000, causal=True, causal_offset=999, window=128),
+                 id="decode-q1-k1000-win128"),
+    pytest.param(dict(sq=1, sk=1000, causal=True, causal_offset=500), id="decode-q1-k1000-off500"),
+    pytest.param(dict(sq=16, sk=1000, causal=True, causal_offset=984), id="chunk-q16-k1000"),
+    pytest.param(dict(sq=129, sk=1000, causal=True, causal_offset=871, mask="B,1,1,Sk"),
+                 id="chunk-q129-k1000-padmask"),
+    pytest.param(dict(sq=1000, sk=1), id="q1000-k1"),
+    pytest.param(dict(sq=1, sk=1), id="q1-k1"),
+]
+
+DEAD_ROW_CASES = [
+    pytest.param(dict(sq=20, sk=8, causal=True, window=4), id="causal-window-past-the-keys"),
+    pytest.param(dict(sq=6, sk=10, causal_offset=50, window=8), id="window-offset-all-rows-dead"),
+    pytest.param(dict(sq=1, sk=1000, causal=True, causal_offset=2000, window=500),
+                 id="decode-window-beyond-cache"),
+    pytest.param(dict(sq=140, sk=130, causal=True, causal_offset=10, window=1),
+                 id="window1-diagonal-and-dead-tail"),
+    pytest.param(dict(sq=20, sk=8, causal=True, window=4, dropout_prob=0.2, seed=5),
+                 id="dead-rows-with-dropout"),
+]
+
+BIG_BATCH_SLICES = [0, 1023, 1024, 1099]  # b*64 + h crosses 65535 at b = 1024

@@ -17,7 +17,8 @@ import pytest
 from ferrocupy import AttentionOptions
 
 # gpu_helpers is in tests/, which conftest puts on sys.path.
-from gpu_helpers import (DROPOUT_SEED, assert_grads_close, batch_slice, check_backward,
+from gpu_helpers import (BIG_BATCH_SLICES, DEAD_ROW_CASES, SEQ_Q_NE_K,
+                         DROPOUT_SEED, assert_grads_close, batch_slice, check_backward,
                          dead_keys, dead_rows, dense_backward, dense_forward, dev,
                          gpu_pytestmark, make_case, needs_real_gpu, option_case, option_rows,
                          ref, run_backward, run_forward)
@@ -59,19 +60,6 @@ def test_backward_seq_lengths(dev, ref, rng, seq, causal):
                                        causal=causal))
 
 
-SEQ_Q_NE_K = [
-    pytest.param(dict(sq=7, sk=300), id="q7-k300"),
-    pytest.param(dict(sq=300, sk=7), id="q300-k7"),
-    pytest.param(dict(sq=300, sk=7, causal=True), id="q300-k7-causal"),
-    pytest.param(dict(sq=1, sk=1000, causal=True, causal_offset=999), id="decode-q1-k1000"),
-    pytest.param(dict(sq=1, sk=1000, causal=True, causal_offset=999, window=128),
-                 id="decode-q1-k1000-win128"),
-    pytest.param(dict(sq=16, sk=1000, causal=True, causal_offset=984), id="chunk-q16-k1000"),
-    pytest.param(dict(sq=129, sk=1000, causal=True, causal_offset=871, mask="B,1,1,Sk"),
-                 id="chunk-q129-k1000-padmask"),
-    pytest.param(dict(sq=1000, sk=1), id="q1000-k1"),
-    pytest.param(dict(sq=1, sk=1), id="q1-k1"),
-]
 
 
 @pytest.mark.parametrize("shape", SEQ_Q_NE_K)
@@ -98,7 +86,6 @@ def test_backward_mask_broadcast_shapes(dev, ref, rng, spec):
     check_backward(dev, ref, case)
 
 
-BIG_BATCH_SLICES = [0, 1023, 1024, 1099]  # b*64 + h crosses 65535 at b = 1024
 
 
 def test_backward_batch_heads_beyond_grid_z(dev, ref, rng):
@@ -142,16 +129,6 @@ def test_backward_unaligned_views(dev, ref, rng, d):
 
 # --- fully-masked rows ----------------------------------------------------------------------------
 
-DEAD_ROW_CASES = [
-    pytest.param(dict(sq=20, sk=8, causal=True, window=4), id="causal-window-past-the-keys"),
-    pytest.param(dict(sq=6, sk=10, causal_offset=50, window=8), id="window-offset-all-rows-dead"),
-    pytest.param(dict(sq=1, sk=1000, causal=True, causal_offset=2000, window=500),
-                 id="decode-window-beyond-cache"),
-    pytest.param(dict(sq=140, sk=130, causal=True, causal_offset=10, window=1),
-                 id="window1-diagonal-and-dead-tail"),
-    pytest.param(dict(sq=20, sk=8, causal=True, window=4, dropout_prob=0.2, seed=5),
-                 id="dead-rows-with-dropout"),
-]
 
 
 @pytest.mark.parametrize("shape", DEAD_ROW_CASES)

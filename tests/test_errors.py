@@ -330,7 +330,7 @@ def test_single_head_backward_wrong_rank(eng, rng):
     assert untouched(gq, gk, gv)
 
 
-# --- outputs that share memory with another argument, or cannot be written -------------------------
+# --- outputs that share memory with another argument, or cannot be written ---------------------
 @pytest.mark.parametrize("alias", ["q", "k_view", "mask"])
 def test_forward_out_sharing_memory(eng, rng, alias):
     q, k, v, out = fwd_args(rng, k_shape=(B, SQ, H, D))
