@@ -58,6 +58,8 @@ class CudaBackend:
         self.loader = KernelLoader()
         with cupy.cuda.Device(self._id):
             self._no_mask = cupy.zeros(1, dtype=np.float32)  # the seed's dummy binding
+            # Read once: CuPy's `attributes` queries every device attribute on each access.
+            self._smem_limit = cupy.cuda.Device(self._id).attributes["MaxSharedMemoryPerBlockOptin"]
 
     def device_name(self) -> str:
         props = self.xp.cuda.runtime.getDeviceProperties(self._id)
@@ -106,7 +108,7 @@ class CudaBackend:
         vec = 4 if d % 4 == 0 and all(b.data.ptr % 16 == 0 for b in data) else 1
         fn = self.loader.function(spec.source, name, {"FERRO_HEAD_DIM": dp, "FERRO_VEC": vec})
         smem = spec.shared_bytes(dp)
-        limit = self.xp.cuda.Device(self._id).attributes["MaxSharedMemoryPerBlockOptin"]
+        limit = self._smem_limit
         if smem > limit:
             raise ValueError(f"{name} needs {smem} bytes of shared memory per block for "
                              f"head_dim {d}; this GPU allows {limit}")
