@@ -1,5 +1,6 @@
 """ComputeEngine: the seed's eight methods. Validates and packs in one place, then hands each
-kernel launch (name, buffers, packed params) to a backend: CUDA or the NumPy reference."""
+operation (rope, forward, backward: named buffers and the packed params) to a backend, CUDA or the
+NumPy reference, which picks, orders and launches its own kernels."""
 
 from __future__ import annotations
 
@@ -8,20 +9,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import dtypes as _dt
 from .params import AttentionDims, rope_params
 from .tensor import UnifiedTensor, cuda_available
-
-# Kernel names, as the seed calls its pipelines; each backend implements all four.
-ROPE, FWD = "rope", "flash_attn_v2"
-BWD_DQ, BWD_DKDV = "flash_attn_v2_bw_dq", "flash_attn_v2_bw_dkdv"
 
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    """Options of `flash_attention_v2_with` and its backward (the seed's five fields).
+    """Options of `flash_attention_v2_with` and its backward (the seed's five fields, and
+    `scale`).
 
     Query `i` sits at absolute position `i + causal_offset`; key `j` is visible when
     `j <= i + causal_offset` (if `causal`) and `|i + causal_offset - j| < window` (if `window > 0`).
+    `scale` multiplies `q . k` before the softmax; None is `1/sqrt(head_dim)` (the seed's).
     """
 
     causal: bool = False
@@ -29,6 +29,7 @@ class AttentionOptions:
     window: int = 0
     dropout_prob: float = 0.0
     seed: int = 0
+    scale: float | None = None
 
     def validate(self) -> None:
         if not isinstance(self.causal, (bool, np.bool_)):
@@ -48,6 +49,20 @@ class AttentionOptions:
         if (isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer))
                 or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        sc = self.scale
+        if sc is not None:
+            if isinstance(sc, (bool, np.bool_)) or not isinstance(sc, (int, float, np.integer,
+                                                                      np.floating)):
+                raise TypeError(f"scale must be a number or None, got {sc!r}")
+            try:
+                sc64 = float(sc)
+            except OverflowError:
+                sc64 = float("inf")
+            with np.errstate(over="ignore"):
+                sc32 = np.float32(sc64)
+            if not (np.isfinite(sc64) and np.isfinite(sc32) and sc32 > 0):
+                raise ValueError(f"scale must be finite and > 0 (as float32, which the kernels "
+                                 f"take: {sc32}), got {sc}")
 
 
 def _make_backend(backend: str):
@@ -89,6 +104,8 @@ class ComputeEngine:
         """`rope` with base frequency `theta` (a Hugging Face config's `rope_theta`)."""
         t = self._tensor("tensor", tensor)
         self._check_dtype(("tensor", t))
+        if isinstance(t.buffer(), np.ndarray) and not t.buffer().flags.writeable:
+            raise ValueError(f"tensor (shape {t.shape}) is read-only; rope writes it in place")
         for name, value in (("head_dim", head_dim), ("pos", pos)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -109,7 +126,7 @@ class ComputeEngine:
         if pos + int(params["seq_len"]) > 2**32:
             raise ValueError(f"pos {pos} + seq_len {int(params['seq_len'])} overflows 32 bits")
         if t.numel:
-            self.backend.run(ROPE, {"x": t.buffer()}, params)
+            self.backend.rope(t.buffer(), params)
 
     # --- forward --------------------------------------------------------------------------------
     def flash_attention(self, q, k, v, out, causal: bool = False) -> None:
@@ -129,13 +146,17 @@ class ComputeEngine:
         self.flash_attention_v2_with(q, k, v, out, opts, mask)
 
     def flash_attention_v2_with(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
-                                mask=None) -> None:
-        """`flash_attention_v2` with every option (KV-cache offset, sliding window)."""
-        t = self._tensors(q=q, k=k, v=v, out=out, mask=mask)
-        dims, params = self._attention(t, opts, "params", outputs=("out",))
+                                mask=None, *, lse=None) -> None:
+        """`flash_attention_v2` with every option (KV-cache offset, sliding window, scale).
+
+        `lse` (optional output, float32 `[batch, heads, seq_q]`): each row's log-sum-exp of its
+        scaled, masked scores (natural log, before dropout; -inf for a row that sees no key).
+        Give it to the backward to spare it recomputing it."""
+        t = self._tensors(q=q, k=k, v=v, out=out, mask=mask, lse=lse)
+        dims, params = self._attention(t, opts, "params", outputs=("out",), written=("out", "lse"))
         if dims.batch * dims.heads * dims.seq_q == 0:
             return
-        self.backend.run(FWD, self._buffers(t, "q", "k", "v", "out", "mask"), params)
+        self.backend.forward(self._buffers(t, "q", "k", "v", "out", "mask", "lse"), params)
 
     # --- backward -------------------------------------------------------------------------------
     def flash_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
@@ -154,33 +175,27 @@ class ComputeEngine:
 
     def flash_attention_v2_backward_with(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
                                          opts: AttentionOptions = AttentionOptions(),
-                                         mask=None) -> None:
+                                         mask=None, *, lse=None) -> None:
         """Backward of `flash_attention_v2_with`: `out` is the forward's output for the same
         inputs, `opts` and `mask` (dropout is regenerated from `opts.seed`). Writes, never
-        accumulates into, `grad_q`, `grad_k`, `grad_v`; no gradient for the mask."""
+        accumulates into, `grad_q`, `grad_k`, `grad_v`; no gradient for the mask.
+
+        `lse` (optional input, float32 `[batch, heads, seq_q]`): the forward's, taken as it is;
+        the backward then skips recomputing it (same results to float32 rounding)."""
         t = self._tensors(q=q, k=k, v=v, out=out, grad_out=grad_out, grad_q=grad_q,
-                          grad_k=grad_k, grad_v=grad_v, mask=mask)
+                          grad_k=grad_k, grad_v=grad_v, mask=mask, lse=lse)
         dims, params = self._attention(t, opts, "params_bwd",
                                        outputs=("out", "grad_out", "grad_q"),
-                                       kv_outputs=("grad_k", "grad_v"))
+                                       kv_outputs=("grad_k", "grad_v"),
+                                       written=("grad_q", "grad_k", "grad_v"))
         if dims.batch * dims.heads * dims.seq_q == 0:
             # No query row (seq_q or heads 0): every key gets zero gradient, written, not left
             # as it was.
             self.backend.zero(t["grad_k"].buffer())
             self.backend.zero(t["grad_v"].buffer())
             return
-        # Per (batch, head, query) row: [Delta, LSE], written by dq, read by dkdv.
-        stats = self.backend.empty((dims.batch * dims.heads * dims.seq_q, 2), np.float32)
-        t["stats"] = UnifiedTensor(stats)
-        dq = self._buffers(t, "q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats")
-        dkdv = self._buffers(t, "q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats")
-        # Both launches are compiled and checked first: nothing is written if either cannot run.
-        self.backend.prepare(BWD_DQ, dq, params)
-        if dims.seq_k:
-            self.backend.prepare(BWD_DKDV, dkdv, params)
-        self.backend.run(BWD_DQ, dq, params)
-        if dims.seq_k:
-            self.backend.run(BWD_DKDV, dkdv, params)
+        self.backend.backward(self._buffers(t, "q", "k", "v", "out", "grad_out", "grad_q",
+                                             "grad_k", "grad_v", "mask", "lse"), params)
 
     # --- validation (every check runs before any kernel) ----------------------------------------
     def _tensor(self, name: str, x) -> UnifiedTensor:
@@ -199,22 +214,36 @@ class ComputeEngine:
         return t
 
     def _tensors(self, **named) -> dict:
-        return {n: (None if x is None and n == "mask" else self._tensor(n, x))
+        return {n: (None if x is None and n in _OPTIONAL else self._tensor(n, x))
                 for n, x in named.items()}
 
     def _check_dtype(self, *named) -> None:
+        """One data dtype the backend takes for every tensor but `mask` (float32 or that dtype)
+        and `lse` (float32)."""
         ok = self.backend.dtypes
-        for name, t in named:
-            if t is not None and t.dtype not in ok:
+        data = [(n, t) for n, t in named if t is not None and n not in _OPTIONAL]
+        for name, t in data:
+            if t.dtype not in ok:
                 raise TypeError(f"{name} has dtype {t.dtype} (shape {t.shape}); the "
                                 f"{self.backend.name} kernels take "
                                 f"{', '.join(str(d) for d in ok)}")
-        dtypes = {t.dtype for n, t in named if t is not None and n != "mask"}
-        if len(dtypes) > 1:
-            listing = ", ".join(f"{n}: {t.dtype}" for n, t in named if t is not None)
+        if len({t.dtype for n, t in data}) > 1:
+            listing = ", ".join(f"{n}: {t.dtype}" for n, t in data)
             raise TypeError(f"inputs and outputs must share one dtype, got {listing}")
+        named = dict(named)
+        if named.get("mask") is not None and data:
+            allowed = _dt.mask_dtypes(data[0][1].dtype)
+            m = named["mask"]
+            if m.dtype not in allowed:
+                raise TypeError(f"mask has dtype {m.dtype} (shape {m.shape}); with "
+                                f"{data[0][1].dtype} inputs it must be "
+                                f"{' or '.join(str(d) for d in allowed)}")
+        if named.get("lse") is not None and named["lse"].dtype != _dt.FLOAT32:
+            raise TypeError(f"lse has dtype {named['lse'].dtype} (shape {named['lse'].shape}); "
+                            f"it is float32 for every input dtype")
 
-    def _attention(self, t: dict, opts: AttentionOptions, pack: str, outputs=(), kv_outputs=()):
+    def _attention(self, t: dict, opts: AttentionOptions, pack: str, outputs=(), kv_outputs=(),
+                   written=()):
         if not isinstance(opts, AttentionOptions):
             raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
         opts.validate()
@@ -229,7 +258,12 @@ class ComputeEngine:
         for name in kv_outputs:
             if t[name].shape != k.shape:
                 raise ValueError(f"{name} shape {t[name].shape} must equal k shape {k.shape}")
-        _check_outputs(t, ("grad_q", "grad_k", "grad_v") if pack == "params_bwd" else ("out",))
+        if t.get("lse") is not None:
+            want = (dims.batch, dims.heads, dims.seq_q)
+            if t["lse"].shape != want:
+                raise ValueError(f"lse shape {t['lse'].shape} must be [batch, heads, seq_q] = "
+                                 f"{list(want)} (q shape {q.shape})")
+        _check_outputs(t, tuple(n for n in written if t.get(n) is not None))
         return dims, getattr(dims, pack)(opts, t["mask"])
 
     @staticmethod
@@ -237,8 +271,12 @@ class ComputeEngine:
         return {n: (None if t[n] is None else t[n].buffer()) for n in names}
 
 
+_OPTIONAL = ("mask", "lse")  # None is allowed; neither takes the data dtype
+
+
 def _memory_range(a) -> tuple[int, int]:
-    start = a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
+    # (NumPy's `a.data` is a memoryview, which refuses bfloat16; the array interface does not)
+    start = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
     return start, start + a.nbytes
 
 

@@ -147,7 +147,8 @@ class AttentionDims:
                             ("mask_stride_b", sb), ("mask_stride_h", sh),
                             ("mask_stride_q", sq), ("mask_stride_k", sk)]:
             p[name] = _u32(value, name)
-        p["scale"] = self.scale()
+        scale = getattr(opts, "scale", None)
+        p["scale"] = self.scale() if scale is None else np.float32(scale)
         p["dropout_prob"] = np.float32(opts.dropout_prob)
         p["seed"] = int(opts.seed) & 0xFFFFFFFF  # the seed uses the low 32 bits only
         return p[()]

@@ -1,9 +1,10 @@
 """The NumPy reference backend: the four kernels, one function each, as the CUDA kernels run them.
 
 Every function reads its sizes, flags, strides, scale and seed from the same packed struct the
-CUDA kernel receives (`ferrocupy.params`), computes in float64 and writes its outputs in place, in
-the output arrays' dtype. They also run on float64 arrays when called directly (the tests use
-that for finite differences); `ReferenceBackend.dtypes` is what the engine accepts.
+CUDA kernel receives (`ferrocupy.params`), computes in float64 from inputs of any dtype (float32,
+float16, bfloat16) and writes its outputs in place, rounded once to the output arrays' dtype.
+They also run on float64 arrays when called directly (the tests use that for finite
+differences); `ReferenceBackend.dtypes` is what the engine accepts.
 
 Memory stays bounded: attention loops over (batch, head) and blocks of query rows, so no
 temporary holds more than about `_CHUNK_ELEMS` float64 scores.
@@ -18,6 +19,8 @@ also a visible v whose dropout keep is 0, since 0 * NaN is NaN).
 from __future__ import annotations
 
 import numpy as np
+
+from .dtypes import ATTENTION_DTYPES
 
 _CHUNK_ELEMS = 1 << 21  # scores per temporary: 16 MB of float64
 _BLOCK_ROWS = 256  # query rows per block: small blocks let causal/window skip unseen keys
@@ -215,8 +218,9 @@ def _f64(a):
 
 
 # --- the three attention kernels ------------------------------------------------------------------
-def flash_attn_v2(q, k, v, out, mask, p) -> None:
-    """Forward (SPEC "Attention forward"): writes `out` [B, Sq, H, D]."""
+def flash_attn_v2(q, k, v, out, mask, p, lse=None) -> None:
+    """Forward (SPEC "Attention forward"): writes `out` [B, Sq, H, D] and, when given, `lse`
+    [B, H, Sq] (float32: each row's log-sum-exp, -inf for a row that sees no key)."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
     q4, o4 = q.reshape(B, Sq, H, D), out.reshape(B, Sq, H, D)
     k4, v4 = k.reshape(B, Sk, Hkv, D), v.reshape(B, Sk, Hkv, D)
@@ -227,14 +231,17 @@ def flash_attn_v2(q, k, v, out, mask, p) -> None:
                 kh, vh = _f64(k4[b, :, h // group]), _f64(v4[b, :, h // group])
                 for rows, cols, keys in _blocks(p, Sq, Sk):
                     s, live = _scores(_f64(q4[b, rows, h]), kh[keys], p, mask, b, h, rows, cols)
-                    prob, _ = _softmax(s)
+                    prob, row_lse = _softmax(s)
                     prob = _apply(prob, _dropout_factor(p, b, h, rows, cols))
                     o4[b, rows, h] = _masked_matmul(prob, vh[keys], live)
+                    if lse is not None:
+                        lse.reshape(B, H, Sq)[b, h, rows] = row_lse
 
 
-def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p) -> None:
+def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p, lse=None) -> None:
     """Backward, first kernel: writes `stats` [B*H*Sq, 2] = [Delta, LSE] per row
-    (row `(b*H + h)*Sq + i`) and `grad_q`."""
+    (row `(b*H + h)*Sq + i`) and `grad_q`. With `lse` [B, H, Sq] given (the forward's), P is
+    `exp(s - lse)` and that LSE is what `stats` passes on, as the CUDA kernel does."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
     q4, o4 = q.reshape(B, Sq, H, D), out.reshape(B, Sq, H, D)
     do4, dq4 = grad_out.reshape(B, Sq, H, D), grad_q.reshape(B, Sq, H, D)
@@ -249,11 +256,16 @@ def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p) -> None:
                     do = _f64(do4[b, rows, h])
                     delta = np.einsum("rd,rd->r", do, _f64(o4[b, rows, h]))
                     s, live = _scores(_f64(q4[b, rows, h]), kh[keys], p, mask, b, h, rows, cols)
-                    prob, lse = _softmax(s)
+                    if lse is None:
+                        prob, row_lse = _softmax(s)
+                    else:
+                        row_lse = _f64(lse.reshape(B, H, Sq)[b, h, rows])
+                        live &= (row_lse != -np.inf)[:, None]
+                        prob = np.where(live, np.exp(s - row_lse[:, None]), 0.0)
                     dprob = _apply(do @ vh[keys].T, _dropout_factor(p, b, h, rows, cols))
                     ds = prob * (dprob - delta[:, None])
                     st[b, h, rows, 0] = delta
-                    st[b, h, rows, 1] = lse
+                    st[b, h, rows, 1] = row_lse
                     dq4[b, rows, h] = scale * _masked_matmul(ds, kh[keys], live)
 
 
@@ -292,13 +304,14 @@ KERNELS = {"rope": rope, "flash_attn_v2": flash_attn_v2,
 
 
 class ReferenceBackend:
-    """Runs each kernel launch on the host in NumPy; the oracle the CUDA kernels are tested
-    against and the backend of a machine without a GPU."""
+    """Runs each operation on the host in NumPy; the oracle the CUDA kernels are tested against
+    and the backend of a machine without a GPU. Same operations, same order of kernels, same
+    packed bytes as the CUDA backend."""
 
     name = "reference"
     device = "cpu"
     xp = np
-    dtypes = (np.dtype(np.float32),)  # what the CUDA kernels take today
+    dtypes = ATTENTION_DTYPES
 
     def empty(self, shape, dtype):
         return np.empty(shape, dtype=dtype)
@@ -306,15 +319,22 @@ class ReferenceBackend:
     def zero(self, array) -> None:
         array.fill(0)
 
-    def prepare(self, kernel: str, buffers: dict, params: np.void) -> None:
-        if kernel not in KERNELS:
-            raise ValueError(f"unknown kernel {kernel!r}; the reference backend has "
-                             f"{sorted(KERNELS)}")
+    # Kernels are looked up in KERNELS at each call, so a test can stand a wrong one in.
+    def rope(self, x, params: np.void) -> None:
+        KERNELS["rope"](x, params)
 
-    def run(self, kernel: str, buffers: dict, params: np.void) -> None:
-        try:
-            fn = KERNELS[kernel]
-        except KeyError:
-            raise ValueError(f"unknown kernel {kernel!r}; the reference backend has "
-                             f"{sorted(KERNELS)}") from None
-        fn(**buffers, p=params)
+    def forward(self, buffers: dict, params: np.void) -> None:
+        """buffers: q, k, v, out, mask (or None), lse (or None)."""
+        KERNELS["flash_attn_v2"](**buffers, p=params)
+
+    def backward(self, buffers: dict, params: np.void) -> None:
+        """buffers: q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse (None: computed
+        again). The dQ kernel writes each row's [Delta, LSE] for the dK/dV kernel."""
+        b = buffers
+        stats = np.empty((int(params["batch"]) * int(params["heads"]) * int(params["seq_q"]), 2),
+                         np.float32)
+        KERNELS["flash_attn_v2_bw_dq"](b["q"], b["k"], b["v"], b["out"], b["grad_out"],
+                                       b["grad_q"], b["mask"], stats, params, lse=b["lse"])
+        if int(params["seq_k"]):
+            KERNELS["flash_attn_v2_bw_dkdv"](b["q"], b["k"], b["v"], b["grad_out"], b["grad_k"],
+                                             b["grad_v"], b["mask"], stats, params)

@@ -51,7 +51,7 @@ def _wrap(obj):
         kind = int(obj.__dlpack_device__()[0])
         try:
             if kind == _DLPACK_CPU:
-                return np.from_dlpack(obj)
+                return _host_from_dlpack(obj)
             if kind == _DLPACK_CUDA:
                 return _cupy().from_dlpack(obj)
         except (RuntimeError, BufferError) as e:  # e.g. a torch tensor that requires grad
@@ -62,6 +62,22 @@ def _wrap(obj):
         return _cupy().asarray(obj)
     raise TypeError(f"cannot wrap {type(obj).__name__}: expected a NumPy or CuPy array or a "
                     f"DLPack producer such as a PyTorch tensor")
+
+
+def _host_from_dlpack(obj):
+    """`np.from_dlpack`, plus bfloat16: NumPy's DLPack import knows no bfloat16, so a host
+    bf16 tensor (PyTorch's) is shared as int16 and viewed as ml_dtypes' bfloat16, the dtype CuPy
+    gives the same tensor on the GPU."""
+    try:
+        return np.from_dlpack(obj)
+    except (RuntimeError, BufferError):
+        if str(getattr(obj, "dtype", "")) != "torch.bfloat16":
+            raise
+    import torch
+
+    from .dtypes import BFLOAT16
+
+    return np.from_dlpack(obj.view(torch.int16)).view(BFLOAT16)
 
 
 class UnifiedTensor:

@@ -1,4 +1,10 @@
-"""Every kernel source in ferrocupy/cuda compiles, with nvcc and with NVRTC, for sm_80 and sm_90.
+"""Every kernel variant the CUDA backend can launch compiles, with nvcc and with NVRTC.
+
+The variants are `ferrocupy/cuda/configs.py`'s table (every (op, dtype, head_dim, geometry) the
+selector can return, and RoPE per dtype). NVRTC, the compiler the backend uses, builds every one
+of them for sm_90 and the widest and narrowest head_dim for sm_80; nvcc builds every source in
+every dtype at the widest head_dim (the most registers) for both. A source the table does not
+know compiles as it stands (with its `// ferro-variants:` line, if any).
 
 Neither needs a GPU: nvcc is a plain program, and NVRTC is a library that CuPy loads without
 touching the driver (`cupy_backends.cuda.libs.nvrtc`; CuPy's own `compile_using_nvrtc` asks the
@@ -125,21 +131,58 @@ def nvcc():
 
 
 # --- the project's kernels ----------------------------------------------------------------------
+def _table_jobs() -> tuple[list, list]:
+    """(nvrtc jobs, nvcc jobs) of configs.py's variants: (path, arch, defines, id)."""
+    from ferrocupy.cuda import configs
+
+    nvrtc, nvcc, seen = [], [], set()
+    widest, narrowest = max(configs.HEAD_DIMS), min(configs.HEAD_DIMS)
+    for v in configs.all_variants():
+        defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
+        if (v.source, defines) in seen:
+            continue
+        seen.add((v.source, defines))
+        first = configs.TABLE[(v.op, v.dtype, v.head_dim)][0] == v
+        archs = ARCHS if v.head_dim in (widest, narrowest) else ("90",)
+        for arch in archs:
+            job = (CUDA_DIR / v.source, arch, defines,
+                   f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}-sm_{arch}")
+            nvrtc.append(job)
+            if first and v.head_dim == widest:
+                nvcc.append(job)
+    for dtype in configs.ROPE_DTYPE_DEFINE:
+        for arch in ARCHS:
+            job = (CUDA_DIR / configs.ROPE_SOURCE, arch,
+                   tuple(f"{k}={x}" for k, x in configs.rope_defines(dtype).items()),
+                   f"rope-{dtype}-sm_{arch}")
+            nvrtc.append(job)
+            nvcc.append(job)
+    return nvrtc, nvcc
+
+
 def _kernel_cases():
-    cases = []
+    """(nvrtc cases, nvcc cases)."""
+    nvrtc, nvcc = _table_jobs()
+    known = {job[0] for job in nvrtc}
     for path in sorted(CUDA_DIR.glob("*.cu")):
+        if path in known:
+            continue
         for arch in ARCHS:
             for defines in variants(path.read_text()):
-                cid = "-".join([path.name, f"sm_{arch}", *defines])
-                cases.append(pytest.param(path, arch, defines, id=cid))
-    if not cases:
-        cases.append(pytest.param(None, None, None, id="no-kernels", marks=pytest.mark.skip(
-            reason=f"no .cu files in {CUDA_DIR} yet (the machinery tests below still run)")))
+                job = (path, arch, defines, "-".join([path.name, f"sm_{arch}", *defines]))
+                nvrtc.append(job)
+                nvcc.append(job)
+    cases = tuple([pytest.param(*job[:3], id=job[3]) for job in jobs] for jobs in (nvrtc, nvcc))
+    for c in cases:
+        if not c:
+            c.append(pytest.param(None, None, None, id="no-kernels", marks=pytest.mark.skip(
+                reason=f"no .cu files in {CUDA_DIR} yet (the machinery tests below still run)")))
     return cases
 
 
-KERNEL_CASES = _kernel_cases()
-_JOBS = [tuple(c.values) for c in KERNEL_CASES if c.values[0] is not None]
+NVRTC_CASES, NVCC_CASES = _kernel_cases()
+_NVRTC_JOBS = [tuple(c.values) for c in NVRTC_CASES if c.values[0] is not None]
+_NVCC_JOBS = [tuple(c.values) for c in NVCC_CASES if c.values[0] is not None]
 
 
 def _workers() -> int:
@@ -155,7 +198,7 @@ def nvcc_results(nvcc, tmp_path_factory):
     its own result, so a failure is reported against its (file, arch, variant)."""
     out_dir = tmp_path_factory.mktemp("nvcc")
     with ThreadPoolExecutor(_workers()) as pool:
-        yield {job: pool.submit(compile_nvcc, nvcc, *job, out_dir) for job in _JOBS}
+        yield {job: pool.submit(compile_nvcc, nvcc, *job, out_dir) for job in _NVCC_JOBS}
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +206,16 @@ def nvrtc_results():
     """As `nvcc_results`, through NVRTC (which releases the GIL while it compiles)."""
     nvrtc = load_nvrtc()
     with ThreadPoolExecutor(_workers()) as pool:
-        yield {job: pool.submit(compile_nvrtc, nvrtc, *job) for job in _JOBS}
+        yield {job: pool.submit(compile_nvrtc, nvrtc, *job) for job in _NVRTC_JOBS}
 
 
-@pytest.mark.parametrize("path, arch, defines", KERNEL_CASES)
+@pytest.mark.parametrize("path, arch, defines", NVCC_CASES)
 def test_kernel_compiles_with_nvcc(nvcc_results, path, arch, defines):
     ok, log = nvcc_results[(path, arch, defines)].result()
     assert ok, f"{path.name} does not compile for sm_{arch} with {defines}:\n{log}"
 
 
-@pytest.mark.parametrize("path, arch, defines", KERNEL_CASES)
+@pytest.mark.parametrize("path, arch, defines", NVRTC_CASES)
 def test_kernel_compiles_with_nvrtc(nvrtc_results, path, arch, defines):
     ok, log = nvrtc_results[(path, arch, defines)].result()
     assert ok, f"{path.name} does not compile for sm_{arch} with {defines} via NVRTC:\n{log}"
@@ -265,3 +308,18 @@ def test_nvrtc_machinery(tiny, arch):
     assert not ok and "undeclared_name" in log
     ok, log = compile_nvrtc(nvrtc, tiny / "greedy.cu", arch, ())
     assert not ok and "shared" in log.lower(), log
+
+
+def test_every_selectable_variant_is_compiled():
+    """The compile cases cover whatever `configs.select` can return, for every dtype and
+    head_dim 1..128, at a small (99 KB, sm_86) and a large (227 KB, sm_90) shared-memory limit."""
+    from ferrocupy.cuda import configs
+
+    compiled = {(p.name, d) for p, a, d in _NVRTC_JOBS if a == "90"}
+    for op in (configs.FORWARD, configs.BACKWARD_DQ, configs.BACKWARD_DKDV):
+        for dtype in configs.ROPE_DTYPE_DEFINE:
+            for hd in range(1, 129):
+                for limit in (99 * 1024, 227 * 1024):
+                    v = configs.select(op, dtype, hd, limit)
+                    defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
+                    assert (v.source, defines) in compiled, v.describe()

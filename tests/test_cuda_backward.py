@@ -265,13 +265,13 @@ def test_backward_batch_zero_runs_without_launching(dev, rng, monkeypatch):
     case = make_case(rng, b=0, sq=5, sk=5, h=4, hkv=2, d=32)
     launches = []
     backend_cls = type(dev.engine.backend)
-    real_run = backend_cls.run
+    real_op = backend_cls.backward
 
-    def counting_run(self, *args, **kwargs):
-        launches.append(args[0] if args else kwargs)
-        return real_run(self, *args, **kwargs)
+    def counting_op(self, *args, **kwargs):
+        launches.append("backward")
+        return real_op(self, *args, **kwargs)
 
-    monkeypatch.setattr(backend_cls, "run", counting_run)
+    monkeypatch.setattr(backend_cls, "backward", counting_op)
     got = run_backward(dev, case, np.zeros_like(case.q))
     assert launches == [], f"launched {launches} for batch 0"
     assert all(x.size == 0 for x in got.values())

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ferrocupy import AttentionOptions, ComputeEngine
+from ferrocupy.dtypes import BFLOAT16
 
 SENTINEL = -12345.5
 B, SQ, SK, H, HKV, D = 2, 3, 4, 4, 2, 8
@@ -198,15 +199,19 @@ def test_non_int_offset_and_bad_seed_and_opts_type(eng, rng):
 
 
 # --- dtype ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int32])
+TAKES = r"the reference kernels take float32, float16, bfloat16"
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.complex64])
 def test_wrong_dtype(eng, rng, dtype):
     q, k, v, out = fwd_args(rng, dtype=dtype)
     with pytest.raises(TypeError, match=rf"q has dtype {np.dtype(dtype)} \(shape "
-                                        rf"{esc(q.shape)}\); the reference kernels take float32"):
+                                        rf"{esc(q.shape)}\); {TAKES}"):
         eng.flash_attention_v2(q, k, v, out)
     assert untouched(out)
     x = sentinel((3, 16), dtype)
-    with pytest.raises(TypeError, match=rf"tensor has dtype {np.dtype(dtype)}"):
+    with pytest.raises(TypeError, match=rf"tensor has dtype {np.dtype(dtype)} \(shape \(3, 16\)\); "
+                                        rf"{TAKES}"):
         eng.rope(x, 8, 0)
     assert untouched(x)
 
@@ -218,6 +223,20 @@ def test_mixed_dtypes(eng, rng):
     with pytest.raises(TypeError, match=r"out has dtype float64 \(shape \(2, 3, 4, 8\)\)"):
         eng.flash_attention_v2(q, k, v, out)
     assert untouched(out)
+
+
+def test_mixed_half_and_float32(eng, rng):
+    q, k, v, out = fwd_args(rng, dtype=np.float16)
+    with pytest.raises(TypeError, match=r"inputs and outputs must share one dtype, got q: "
+                                        r"float16, k: float32, v: float16, out: float16"):
+        eng.flash_attention_v2(q, k.astype(np.float32), v, out)
+    assert untouched(out)
+    args = bwd_args(rng, dtype=np.float16)
+    args[6] = sentinel(args[6].shape, BFLOAT16)
+    with pytest.raises(TypeError, match=r"must share one dtype, got .*grad_q: float16, "
+                                        r"grad_k: bfloat16, grad_v: float16"):
+        eng.flash_attention_v2_backward(*args)
+    assert untouched(*args[5:])
 
 
 def test_mixed_dtypes_when_backend_takes_two(rng, monkeypatch):
@@ -237,6 +256,117 @@ def test_mask_wrong_dtype(eng, rng):
     with pytest.raises(TypeError, match=r"mask has dtype float64 \(shape \(1, 1, 3, 4\)\)"):
         eng.flash_attention_v2(q, k, v, out, mask=mask)
     assert untouched(out)
+
+
+@pytest.mark.parametrize("data,mask_dtype,allowed", [
+    (np.float16, np.float64, "float32 or float16"), (np.float16, BFLOAT16, "float32 or float16"),
+    (BFLOAT16, np.float16, "float32 or bfloat16"), (np.float32, np.float16, "float32")])
+def test_mask_of_a_third_dtype(eng, rng, data, mask_dtype, allowed):
+    q, k, v, out = fwd_args(rng, dtype=data)
+    mask = np.zeros((1, H, SQ, SK), mask_dtype)
+    with pytest.raises(TypeError, match=rf"mask has dtype {np.dtype(mask_dtype)} \(shape "
+                                        rf"\(1, 4, 3, 4\)\); with {np.dtype(data)} inputs it "
+                                        rf"must be {allowed}$"):
+        eng.flash_attention_v2(q, k, v, out, mask=mask)
+    assert untouched(out)
+    args = bwd_args(rng, dtype=data)
+    with pytest.raises(TypeError, match=r"mask has dtype"):
+        eng.flash_attention_v2_backward_with(*args, AttentionOptions(), mask)
+    assert untouched(*args[5:])
+
+
+# --- lse ------------------------------------------------------------------------------------------
+LSE_SHAPE = (B, H, SQ)
+
+
+@pytest.mark.parametrize("data", [np.float32, np.float16, BFLOAT16], ids=str)
+@pytest.mark.parametrize("lse_dtype", [np.float16, np.float64, BFLOAT16], ids=str)
+def test_lse_wrong_dtype(eng, rng, data, lse_dtype):
+    q, k, v, out = fwd_args(rng, dtype=data)
+    lse = sentinel(LSE_SHAPE, lse_dtype)
+    with pytest.raises(TypeError, match=rf"lse has dtype {np.dtype(lse_dtype)} \(shape "
+                                        rf"{esc(LSE_SHAPE)}\); it is float32 for every input"):
+        eng.flash_attention_v2_with(q, k, v, out, lse=lse)
+    assert untouched(out, lse)
+    args = bwd_args(rng, dtype=data)
+    with pytest.raises(TypeError, match=r"lse has dtype"):
+        eng.flash_attention_v2_backward_with(*args, lse=lse)
+    assert untouched(*args[5:])
+
+
+@pytest.mark.parametrize("shape", [(B, SQ, H), (B, H, SQ, 1), (H, SQ), (B, H, SK), (B, HKV, SQ)])
+def test_lse_wrong_shape(eng, rng, shape):
+    q, k, v, out = fwd_args(rng)
+    lse = sentinel(shape)
+    match = (rf"lse shape {esc(shape)} must be \[batch, heads, seq_q\] = \[{B}, {H}, {SQ}\] "
+             rf"\(q shape {esc(q.shape)}\)")
+    with pytest.raises(ValueError, match=match):
+        eng.flash_attention_v2_with(q, k, v, out, lse=lse)
+    assert untouched(out, lse)
+    args = bwd_args(rng)
+    with pytest.raises(ValueError, match=match):
+        eng.flash_attention_v2_backward_with(*args, lse=lse)
+    assert untouched(*args[5:])
+
+
+def test_lse_sharing_memory_with_out(eng, rng):
+    q, k, v, out = fwd_args(rng)
+    lse = out.reshape(-1)[: B * H * SQ].reshape(LSE_SHAPE)
+    with pytest.raises(ValueError, match=r"(out|lse) \(shape .*\) shares memory with (lse|out)"):
+        eng.flash_attention_v2_with(q, k, v, out, lse=lse)
+    assert untouched(out)
+    # Given to the backward, lse is an input: a gradient written over it is refused too.
+    args = bwd_args(rng)
+    lse = args[5].reshape(-1)[: B * H * SQ].reshape(LSE_SHAPE)
+    with pytest.raises(ValueError, match=r"grad_q \(shape .*\) shares memory with lse"):
+        eng.flash_attention_v2_backward_with(*args, lse=lse)
+    assert untouched(*args[5:])
+
+
+def test_read_only_lse_output(eng, rng):
+    q, k, v, out = fwd_args(rng)
+    lse = sentinel(LSE_SHAPE)
+    lse.flags.writeable = False
+    with pytest.raises(ValueError, match=rf"lse \(shape {esc(LSE_SHAPE)}\) is read-only"):
+        eng.flash_attention_v2_with(q, k, v, out, lse=lse)
+    assert untouched(out, lse)
+
+
+# --- scale ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale,exc,match", [
+    (0.0, ValueError, r"scale must be finite and > 0 .*got 0.0$"),
+    (0, ValueError, r"scale must be finite and > 0 .*got 0$"),
+    (-0.5, ValueError, r"scale must be finite and > 0 .*got -0.5$"),
+    (float("inf"), ValueError, r"scale must be finite and > 0 .*got inf$"),
+    (float("nan"), ValueError, r"scale must be finite and > 0 .*got nan$"),
+    (1e39, ValueError, r"scale must be finite and > 0 \(as float32, .*: inf\), got 1e\+39$"),
+    (1e-46, ValueError, r"scale must be finite and > 0 \(as float32, .*: 0.0\), got 1e-46$"),
+    (True, TypeError, r"scale must be a number or None, got True"),
+    (np.bool_(True), TypeError, r"scale must be a number or None, got "),
+    ("0.5", TypeError, r"scale must be a number or None, got '0.5'"),
+    ([0.5], TypeError, r"scale must be a number or None, got \[0.5\]")])
+def test_bad_scale(eng, rng, scale, exc, match):
+    q, k, v, out = fwd_args(rng)
+    lse = sentinel(LSE_SHAPE)
+    with pytest.raises(exc, match=match):
+        eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(scale=scale), lse=lse)
+    assert untouched(out, lse)
+    args = bwd_args(rng, dtype=np.float16)
+    with pytest.raises(exc, match=match):
+        eng.flash_attention_v2_backward_with(*args, AttentionOptions(scale=scale))
+    assert untouched(*args[5:])
+
+
+@pytest.mark.parametrize("scale", [2**64, 10**400])
+def test_huge_int_scale(eng, rng, scale):
+    # 2**64 is finite as float32 (accepted); 10**400 is not (a ValueError naming scale).
+    q, k, v, out = fwd_args(rng)
+    if scale == 2**64:
+        eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(scale=scale))
+        assert np.isfinite(out).all()
+    else:
+        with pytest.raises(ValueError, match=r"scale must be finite and > 0"):
+            eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(scale=scale))
 
 
 # --- device ---------------------------------------------------------------------------------------

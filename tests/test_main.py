@@ -7,6 +7,7 @@ demo to fail on exactly the rows that use it, with a non-zero exit code.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 
 from ferrocupy import AttentionOptions, cuda_available
 from ferrocupy import __main__ as demo
-from ferrocupy.reference import ReferenceBackend
+from ferrocupy import reference
 
 ROWS = 10  # 2 RoPE rows + 4 cases x (forward, backward)
 CASES = ("causal, GQA", "mask [B,1,S,S], GQA", "decode: offset + window", "dropout 0.1, causal")
@@ -77,18 +78,19 @@ def test_demo_full_size_default(capsys):
 ])
 @pytest.mark.parametrize("corruption", ["scale", "unwritten"])
 def test_demo_fails_on_a_wrong_kernel(capsys, monkeypatch, kernel, buffer, failing, corruption):
-    real_run = ReferenceBackend.run
+    real = reference.KERNELS[kernel]
+    names = inspect.signature(real).parameters
 
-    def wrong_run(self, name, buffers, params):
-        real_run(self, name, buffers, params)
-        if name == kernel:
-            flat = buffers[buffer].reshape(-1)
-            if corruption == "scale":
-                flat *= np.float32(1.01)  # a 1% error: far above every tolerance
-            else:
-                flat[flat.size // 2] = np.nan  # one element left unwritten (outputs start NaN)
+    def wrong(*args, **kwargs):
+        real(*args, **kwargs)
+        bound = dict(zip(names, args), **kwargs)
+        flat = bound[buffer].reshape(-1)
+        if corruption == "scale":
+            flat *= np.float32(1.01)  # a 1% error: far above every tolerance
+        else:
+            flat[flat.size // 2] = np.nan  # one element left unwritten (outputs start NaN)
 
-    monkeypatch.setattr(ReferenceBackend, "run", wrong_run)
+    monkeypatch.setitem(reference.KERNELS, kernel, wrong)
     rc, out = run_demo(capsys)
     rows = table_rows(out)
     assert rc == 1, out
@@ -97,10 +99,13 @@ def test_demo_fails_on_a_wrong_kernel(capsys, monkeypatch, kernel, buffer, faili
 
 
 def test_demo_reports_a_kernel_that_raises(capsys, monkeypatch):
-    def not_written(self, name, buffers, params):
-        raise NotImplementedError(f"kernel {name} is not written yet")
+    def not_written(name):
+        def kernel(*args, **kwargs):
+            raise NotImplementedError(f"kernel {name} is not written yet")
+        return kernel
 
-    monkeypatch.setattr(ReferenceBackend, "run", not_written)
+    for name in list(reference.KERNELS):
+        monkeypatch.setitem(reference.KERNELS, name, not_written(name))
     rc, out = run_demo(capsys)
     assert rc == 1
     assert "NotImplementedError: kernel rope is not written yet" in out

@@ -158,3 +158,21 @@ def test_values_over_32_bits_rejected(field):
 def test_dims_validation(q, k, match):
     with pytest.raises(ValueError, match=match):
         AttentionDims.new(Shape(*q), Shape(*k))
+
+
+@pytest.mark.parametrize("scale", [None, 0.125, 0.1, 2, 1e-3, np.float32(0.3), np.float64(7.7),
+                                   3e38])
+@pytest.mark.parametrize("d", [8, 80])
+def test_scale_option_word(scale, d):
+    # `AttentionOptions.scale`: float32(scale) in the scale word; None is the seed's 1/sqrt(D).
+    # Every other word is what the seed packs.
+    dims = AttentionDims.new(Shape(2, 3, 4, d), Shape(2, 5, 2, d))
+    opts = AttentionOptions(causal=True, window=2, scale=scale)
+    want = f32_bits(np.float32(1.0) / np.sqrt(np.float32(d)) if scale is None else scale)
+    for bwd, pack in ((False, dims.params), (True, dims.params_bwd)):
+        w = words(pack(opts, Shape(1, 4, 3, 5))).tolist()
+        seed = seed_words(2, 3, 5, 4, 2, d, opts, (1, 4, 3, 5), bwd)
+        assert w[6] == want
+        assert w[:6] + w[7:] == seed[:6] + seed[7:]
+        if scale is None:
+            assert w == seed

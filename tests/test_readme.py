@@ -34,6 +34,8 @@ def _params_from_readme(sig: str):
     fn = ast.parse(f"def f{sig}: pass").body[0]
     args = fn.args.args
     defaults = [None] * (len(args) - len(fn.args.defaults)) + list(fn.args.defaults)
+    args = args + fn.args.kwonlyargs
+    defaults = defaults + list(fn.args.kw_defaults)
     out = []
     for a, d in zip(args, defaults):
         ann = None if a.annotation is None else ast.unparse(a.annotation)

@@ -142,6 +142,28 @@ def test_torch_cpu_tensor_in_and_out(rng):
     assert t.buffer()[2, 3] == -4.0
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_torch_cpu_half_tensor_shares_memory(rng, name):
+    # A host bf16 tensor has no NumPy DLPack dtype: it wraps through an int16 view as
+    # ml_dtypes' bfloat16 (CuPy's), still sharing memory; float16 wraps directly.
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from ferrocupy.dtypes import BFLOAT16, FLOAT16
+
+    x = torch.from_numpy(rng.standard_normal((3, 4)).astype(np.float32)).to(getattr(torch, name))
+    t = UnifiedTensor(x)
+    assert t.dtype == {"bfloat16": BFLOAT16, "float16": FLOAT16}[name]
+    assert t.shape == (3, 4) and t.device == "cpu" and t.is_contiguous
+    np.testing.assert_array_equal(t.buffer().astype(np.float32), x.float().numpy())
+    t.buffer()[0, 1] = 11.5
+    assert float(x[0, 1]) == 11.5  # written through the wrapper, seen in torch
+    x[2, 3] = -4.25
+    assert float(t.buffer()[2, 3]) == -4.25  # and the other way
+    view = t.reshaped((2, 6))
+    view.buffer()[1, 5] = 0.75
+    assert float(x[2, 3]) == 0.75
+    assert repr(t) == f"UnifiedTensor(shape=(3, 4), dtype={name}, device='cpu')"
+
+
 def test_dlpack_out(rng):
     a = rng.standard_normal((2, 5)).astype(np.float32)
     t = UnifiedTensor(a)

@@ -1,65 +1,38 @@
-"""The CUDA backend: maps the engine's four kernel launches onto the `.cu` kernels, picking each
-kernel's variant (padded head_dim, copy width) and launch geometry. The engine has already
-validated the inputs and packed the parameter struct, which is passed to the kernel by value."""
+"""The CUDA backend: runs the engine's three operations (rope, forward, backward) as kernel
+launches. Each operation picks its kernel variants from `configs.py` (by dtype, head_dim and the
+GPU's shared memory), checks every launch it will make, then launches them in order on CuPy's
+current stream of this backend's device. The engine has already validated the inputs and packed
+the parameter struct, which each kernel receives by value."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
+from . import configs
 from .loader import KernelLoader
 
-WARPS = 4
-THREADS = 32 * WARPS
 GRID_X_MAX = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class AttentionKernel:
-    source: str
-    args: tuple  # buffer names, in the kernel's parameter order (the packed struct comes last)
-    tile: int  # rows (queries, or keys for dK/dV) per block
-    per_kv_head: bool  # one block row per (batch, KV head) instead of (batch, head)
-    smem_rows: tuple  # (rows of head_dim pitch, extra floats) per block, see shared_bytes
-
-    def shared_bytes(self, dp: int) -> int:
-        rows, extra = self.smem_rows
-        return 4 * (rows * (dp + 4) + extra)
-
-
-ATTENTION = {
-    "flash_attn_v2": AttentionKernel(
-        "flash_fwd.cu", ("q", "k", "v", "out", "mask"), 64, False, (64 + 64 + 64, 0)),
-    "flash_attn_v2_bw_dq": AttentionKernel(
-        "flash_bwd_dq.cu", ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats"),
-        64, False, (64 + 64 + 32 + 32, 0)),
-    "flash_attn_v2_bw_dkdv": AttentionKernel(
-        "flash_bwd_dkdv.cu", ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
-        64, True, (64 + 64 + 32 + 32, 0)),
-}
-
-
-def padded_head_dim(d: int) -> int:
-    """Kernel variant for head_dim d: the next multiple of 16 (one compiled variant each)."""
-    return max(16, -(-d // 16) * 16)
+NULL = np.uint64(0)  # a null pointer argument: no mask, no lse
+_MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 
 
 class CudaBackend:
     name = "cuda"
-    dtypes = (np.dtype(np.float32),)
+    dtypes = ATTENTION_DTYPES
 
-    def __init__(self):
+    def __init__(self, table: dict | None = None):
         import cupy
 
         self.xp = cupy
         self._id = cupy.cuda.Device().id
         self.device = f"cuda:{self._id}"
         self.loader = KernelLoader()
-        with cupy.cuda.Device(self._id):
-            self._no_mask = cupy.zeros(1, dtype=np.float32)  # the seed's dummy binding
-            # Read once: CuPy's `attributes` queries every device attribute on each access.
-            self._smem_limit = cupy.cuda.Device(self._id).attributes["MaxSharedMemoryPerBlockOptin"]
+        self.table = configs.TABLE if table is None else table  # a tuning sweep may swap it
+        # Read once: CuPy's `attributes` queries every device attribute on each access.
+        attrs = cupy.cuda.Device(self._id).attributes
+        self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
+        self.sm_count = attrs["MultiProcessorCount"]
 
     def device_name(self) -> str:
         props = self.xp.cuda.runtime.getDeviceProperties(self._id)
@@ -76,49 +49,71 @@ class CudaBackend:
         with self.xp.cuda.Device(self._id):
             array.fill(0)
 
-    def prepare(self, kernel: str, buffers: dict, params: np.void) -> None:
-        """Compile and check a launch without running it, so that a launch sequence (the
-        backward's two kernels) fails before its first kernel writes anything."""
-        if kernel != "rope":
-            with self.xp.cuda.Device(self._id):
-                self._plan(ATTENTION[kernel], kernel, buffers, params)
-
-    def run(self, kernel: str, buffers: dict, params: np.void) -> None:
-        with self.xp.cuda.Device(self._id):
-            if kernel == "rope":
-                self._rope(buffers["x"], params)
-            else:
-                fn, blocks, smem, args = self._plan(ATTENTION[kernel], kernel, buffers, params)
-                if blocks:
-                    fn((blocks,), (THREADS,), args + (params,), shared_mem=smem)
-
-    def _rope(self, x, params) -> None:
-        fn = self.loader.function("rope.cu", "rope")
+    # --- operations -----------------------------------------------------------------------------
+    def rope(self, x, params: np.void) -> None:
         head_dim, heads = int(params["head_dim"]), int(params["heads"])
         tokens = x.size // (head_dim * heads)
         items = tokens * (head_dim // 2)
-        blocks = max(1, min(-(-items // 256), 132 * 16))
-        fn((blocks,), (256,), (x, np.uint64(tokens), params))
+        threads = configs.ROPE_THREADS
+        # Enough blocks to fill every SM several times over; each thread loops past that.
+        blocks = max(1, min(-(-items // threads), self.sm_count * 16))
+        with self.xp.cuda.Device(self._id):
+            fn = self.loader.function(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
+                                      configs.rope_defines(x.dtype))
+            fn((blocks,), (threads,), (x, np.uint64(tokens), params))
 
-    def _plan(self, spec: AttentionKernel, name: str, buffers: dict, params):
-        """(kernel, blocks, shared bytes, arguments) of one attention launch."""
+    def forward(self, buffers: dict, params: np.void) -> None:
+        with self.xp.cuda.Device(self._id):
+            launch = self._plan(configs.FORWARD, buffers, params)
+            self._launch(*launch, params)
+
+    def backward(self, buffers: dict, params: np.void) -> None:
+        """dQ (and each row's [Delta, LSE] into a stats buffer), then dK/dV from the stats.
+        Both launches are compiled and checked before either runs: nothing is written if
+        either cannot run."""
+        with self.xp.cuda.Device(self._id):
+            rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
+            bufs = dict(buffers, stats=self.xp.empty((rows, 2), dtype=np.float32))
+            dq = self._plan(configs.BACKWARD_DQ, bufs, params)
+            dkdv = self._plan(configs.BACKWARD_DKDV, bufs, params) if int(params["seq_k"]) else None
+            self._launch(*dq, params)
+            if dkdv is not None:
+                self._launch(*dkdv, params)
+
+    # --- planning ---------------------------------------------------------------------------------
+    def variant(self, op: str, dtype, head_dim: int) -> configs.Variant:
+        return configs.select(op, dtype, head_dim, self._smem_limit, self.table)
+
+    def _plan(self, op: str, buffers: dict, params):
+        """(kernel, blocks, threads, shared bytes, arguments) of one attention launch."""
         d = int(params["head_dim"])
-        dp = padded_head_dim(d)
-        data = [buffers[a] for a in spec.args if a != "mask" and buffers.get(a) is not None]
-        vec = 4 if d % 4 == 0 and all(b.data.ptr % 16 == 0 for b in data) else 1
-        fn = self.loader.function(spec.source, name, {"FERRO_HEAD_DIM": dp, "FERRO_VEC": vec})
-        smem = spec.shared_bytes(dp)
-        limit = self._smem_limit
-        if smem > limit:
-            raise ValueError(f"{name} needs {smem} bytes of shared memory per block for "
-                             f"head_dim {d}; this GPU allows {limit}")
+        dtype = np.dtype(buffers["q"].dtype)
+        v = self.variant(op, dtype, d)
+        data = [buffers[a] for a in v.args if a not in ("mask", "lse", "stats")]
+        vec = _copy_width(dtype, d, data)
+        fn = self.loader.function(v.source, v.kernel, v.defines)
+        smem = v.shared_bytes
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
-        rows = int(params["seq_k"] if spec.per_kv_head else params["seq_q"])
-        heads = int(params["kv_heads"] if spec.per_kv_head else params["heads"])
-        blocks = -(-rows // spec.tile) * int(params["batch"]) * heads
+        blocks = v.blocks(params)
         if blocks > GRID_X_MAX:
-            raise ValueError(f"{name}: {blocks} blocks exceed the grid limit {GRID_X_MAX}")
-        args = tuple(self._no_mask if buffers[a] is None and a == "mask" else buffers[a]
-                     for a in spec.args)
-        return fn, blocks, smem, args
+            raise ValueError(f"{op}: {blocks} blocks exceed the grid limit {GRID_X_MAX}")
+        mask = buffers.get("mask")
+        args = tuple(NULL if buffers.get(a) is None else buffers[a] for a in v.args)
+        mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
+        return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind)
+
+    @staticmethod
+    def _launch(fn, blocks, threads, smem, args, params) -> None:
+        if blocks:
+            fn((blocks,), (threads,), args + (params,), shared_mem=smem)
+
+
+def _copy_width(dtype: np.dtype, d: int, arrays) -> int:
+    """Elements per global load of a tile row: 16 bytes when head_dim and every row allow it,
+    else 4 bytes, else one element (a half-precision head_dim that is odd)."""
+    size = dtype.itemsize
+    for width in (16 // size, 4 // size):
+        if width and d % width == 0 and all(a.data.ptr % (width * size) == 0 for a in arrays):
+            return width
+    return 1

@@ -2,37 +2,35 @@
 // of one (batch, KV head), 4 warps x 16 keys. Reads [Delta, LSE] from the stats the dq kernel
 // wrote, loops over the query heads of its GQA group and the query tiles that can see its keys,
 // and writes grad_k = scale * sum dS^T q, grad_v = sum P'^T grad_out. No atomics: deterministic.
-// The compile test builds these head_dim variants; the backend builds any multiple of 16 <= 128.
-// ferro-variants: FERRO_HEAD_DIM=16,32,64,96,128
-#include "ferro_common.cuh"
-
-#ifndef FERRO_HEAD_DIM
-#define FERRO_HEAD_DIM 128
-#endif
-#ifndef FERRO_VEC
-#define FERRO_VEC 4
-#endif
+// Geometry (FERRO_*; FERRO_BN is BQ here) comes from cuda/configs.py.
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+#include "ferro_philox.cuh"
+#include "ferro_softmax.cuh"
+#include "ferro_copy.cuh"
+#include "ferro_tiles.cuh"
+#include "ferro_mma_tf32.cuh"
 
 namespace {
-constexpr int DP = FERRO_HEAD_DIM, WARPS = 4, THREADS = 32 * WARPS;
-constexpr int BK = 16 * WARPS, BQ = 32, PITCH = DP + 4;
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, THREADS = 32 * WARPS;
+constexpr int BK = 16 * WARPS, BQ = FERRO_BN, PITCH = DP + 4;
 constexpr int KS = DP / 8, NT = BQ / 8;
-static_assert(DP % 8 == 0 && DP <= 128, "padded head_dim");
-
+static_assert(DP % 8 == 0 && DP <= 128 && FERRO_MT == 1, "tile geometry");
+static_assert(4 * (2 * BK + 2 * BQ) * PITCH == FERRO_SMEM_BYTES, "shared memory = configs.py's");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
                       const float* __restrict__ v, const float* __restrict__ grad_out,
                       float* __restrict__ grad_k, float* __restrict__ grad_v,
-                      const float* __restrict__ mask, const float* __restrict__ stats,
-                      const FlashBwdParams p) {
-    extern __shared__ float smem[];
+                      const void* __restrict__ mask, const float* __restrict__ stats,
+                      const u32 vec, const u32 mask_kind, const FlashBwdParams p) {
+    extern __shared__ __align__(16) float smem[];
     float* sK = smem;               // [BK][PITCH]
     float* sV = sK + BK * PITCH;    // [BK][PITCH]
     float* sQ = sV + BK * PITCH;    // [BQ][PITCH]
     float* sdO = sQ + BQ * PITCH;   // [BQ][PITCH]; columns DP, DP+1 hold the row's Delta, LSE
-    const AttnShape s = attn_shape(p);
+    const AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
@@ -45,8 +43,8 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
 
     const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
     const u64 kv_off = ((u64)b * s.seq_k * s.kv_heads + hk) * D;
-    load_tile<BK, DP, PITCH, FERRO_VEC, THREADS>(sK, k + kv_off, kv_stride, k0, s.seq_k, D);
-    load_tile<BK, DP, PITCH, FERRO_VEC, THREADS>(sV, v + kv_off, kv_stride, k0, s.seq_k, D);
+    load_tile<float, BK, DP, PITCH, THREADS>(sK, k + kv_off, kv_stride, k0, s.seq_k, D, vec);
+    load_tile<float, BK, DP, PITCH, THREADS>(sV, v + kv_off, kv_stride, k0, s.seq_k, D, vec);
     const float* sKw = sK + warp * 16 * PITCH;
     const float* sVw = sV + warp * 16 * PITCH;
 
@@ -73,13 +71,13 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
         const float* qh = q + ((u64)b * s.seq_q * s.heads + h) * D;
-        load_tile<BQ, DP, PITCH, FERRO_VEC, THREADS>(sQ, qh, q_stride, i0, s.seq_q, D);
+        load_tile<float, BQ, DP, PITCH, THREADS>(sQ, qh, q_stride, i0, s.seq_q, D, vec);
     };
     auto load_do = [&](int t) {
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
         const float* gh = grad_out + ((u64)b * s.seq_q * s.heads + h) * D;
-        load_tile<BQ, DP, PITCH, FERRO_VEC, THREADS>(sdO, gh, q_stride, i0, s.seq_q, D);
+        load_tile<float, BQ, DP, PITCH, THREADS>(sdO, gh, q_stride, i0, s.seq_q, D, vec);
         const float* st = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
         for (int idx = threadIdx.x; idx < 2 * BQ; idx += THREADS) {
             const bool ok = i0 + idx / 2 < s.seq_q;  // rows past the end: never visible

@@ -1,51 +1,50 @@
 // Attention backward, first kernel (float32, 3xTF32 tensor-core products): one block = BM query
-// rows of one (batch, head). Computes each row's [Delta, LSE] into the stats buffer (LSE by a
-// first pass over the visible keys, since the forward keeps no statistics), then recomputes P and
-// writes grad_q = scale * sum_j dS_ij k_j with dS = P (dP - Delta). No atomics.
-// The compile test builds these head_dim variants; the backend builds any multiple of 16 <= 128.
-// ferro-variants: FERRO_HEAD_DIM=16,32,64,96,128
-#include "ferro_common.cuh"
-
-#ifndef FERRO_HEAD_DIM
-#define FERRO_HEAD_DIM 128
-#endif
-#ifndef FERRO_VEC
-#define FERRO_VEC 4
-#endif
+// rows of one (batch, head). Writes each row's [Delta, LSE] into the stats buffer (LSE is the
+// forward's when given as `lse_in`, else a first pass over the visible keys computes it), then
+// recomputes P and writes grad_q = scale * sum_j dS_ij k_j with dS = P (dP - Delta). No atomics.
+// Geometry (FERRO_*) comes from cuda/configs.py.
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+#include "ferro_philox.cuh"
+#include "ferro_softmax.cuh"
+#include "ferro_copy.cuh"
+#include "ferro_tiles.cuh"
+#include "ferro_mma_tf32.cuh"
 
 namespace {
-constexpr int DP = FERRO_HEAD_DIM, WARPS = 4, THREADS = 32 * WARPS;
-constexpr int BM = 16 * WARPS, BN = 32, PITCH = DP + 4;
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, THREADS = 32 * WARPS;
+constexpr int BM = 16 * WARPS, BN = FERRO_BN, PITCH = DP + 4;
 constexpr int KS = DP / 8, NT = BN / 8;
-static_assert(DP % 8 == 0 && DP <= 128, "padded head_dim");
-
+static_assert(DP % 8 == 0 && DP <= 128 && FERRO_MT == 1, "tile geometry");
+static_assert(4 * (2 * BM + 2 * BN) * PITCH == FERRO_SMEM_BYTES, "shared memory = configs.py's");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                     const float* __restrict__ v, const float* __restrict__ out,
                     const float* __restrict__ grad_out, float* __restrict__ grad_q,
-                    const float* __restrict__ mask, float* __restrict__ stats,
+                    const void* __restrict__ mask, float* __restrict__ stats,
+                    const float* __restrict__ lse_in, const u32 vec, const u32 mask_kind,
                     const FlashBwdParams p) {
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) float smem[];
     float* sQ = smem;               // [BM][PITCH]
     float* sdO = sQ + BM * PITCH;   // [BM][PITCH]
     float* sK = sdO + BM * PITCH;   // [BN][PITCH]
     float* sV = sK + BN * PITCH;    // [BN][PITCH]
-    const AttnShape s = attn_shape(p);
+    const AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    const QueryTile T = query_tile<BM>(s, L);
+    const QueryTile T = query_tile<BM, 1>(s, L);
     const u32 bh = T.bh;
     const long long m0 = T.m0;
-    const long long(&rows)[2] = T.rows;
+    const long long rows[2] = {T.row(0, 0), T.row(0, 1)};
     const u64 q_stride = T.q_stride, kv_stride = T.kv_stride, q_off = T.q_off;
     const float* kb = k + T.kv_off;
     const float* vb = v + T.kv_off;
 
-    load_tile<BM, DP, PITCH, FERRO_VEC, THREADS>(sQ, q + q_off, q_stride, m0, s.seq_q, D);
-    load_tile<BM, DP, PITCH, FERRO_VEC, THREADS>(sdO, grad_out + q_off, q_stride, m0, s.seq_q, D);
+    load_tile<float, BM, DP, PITCH, THREADS>(sQ, q + q_off, q_stride, m0, s.seq_q, D, vec);
+    load_tile<float, BM, DP, PITCH, THREADS>(sdO, grad_out + q_off, q_stride, m0, s.seq_q, D, vec);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -68,32 +67,38 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
     long long j_first;
     const int n_tiles = key_tiles<BN>(s, T, j_first);
 
-    // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys. Only K is read, so sK and
-    // sV double-buffer it: tile j+1 loads while tile j is multiplied.
-    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
-    if (n_tiles > 0)
-        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D);
-    cp_async_commit();
-    for (int it = 0; it < n_tiles; ++it) {
-        const long long j0 = j_first + (long long)it * BN;
-        cp_async_wait<0>();
-        __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
-        if (it + 1 < n_tiles)
-            load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>((it & 1) ? sK : sV, kb, kv_stride,
-                                                         j0 + BN, s.seq_k, D);
-        cp_async_commit();
-        float sc[NT][4];
-        gemm_abt<NT, KS, PITCH>(sQw, (it & 1) ? sV : sK, L, sc);
-        score_tile<NT>(s, mask, T, j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
-        online_softmax<NT>(sc, 0, m_run[0], l_run[0]);
-        online_softmax<NT>(sc, 1, m_run[1], l_run[1]);
-    }
-    __syncthreads();  // both buffers are reloaded by pass 2
     float lse[2];
+    if (lse_in) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr)
+            lse[rr] = rows[rr] < s.seq_q ? lse_in[(u64)bh * s.seq_q + rows[rr]] : neg_inf();
+    } else {
+        // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys. Only K is read, so sK and
+        // sV double-buffer it: tile j+1 loads while tile j is multiplied.
+        float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+        if (n_tiles > 0)
+            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D, vec);
+        cp_async_commit();
+        for (int it = 0; it < n_tiles; ++it) {
+            const long long j0 = j_first + (long long)it * BN;
+            cp_async_wait<0>();
+            __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
+            if (it + 1 < n_tiles)
+                load_tile<float, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, kv_stride,
+                                                             j0 + BN, s.seq_k, D, vec);
+            cp_async_commit();
+            float sc[NT][4];
+            gemm_abt<NT, KS, PITCH>(sQw, (it & 1) ? sV : sK, L, sc);
+            score_tile<NT>(s, mask, T.b, T.h, rows[0], rows[1], j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
+            online_softmax<NT>(sc, 0, m_run[0], l_run[0]);
+            online_softmax<NT>(sc, 1, m_run[1], l_run[1]);
+        }
+        __syncthreads();  // both buffers are reloaded by pass 2
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) lse[rr] = row_lse(m_run[rr], quad_sum(l_run[rr]));
+    }
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-        const float l = quad_sum(l_run[rr]);
-        lse[rr] = l == 0.f ? neg_inf() : m_run[rr] + logf(l);  // no visible key: -inf
         const long long i = rows[rr];
         if (L.t == 0 && i < s.seq_q) {
             float* st = stats + ((u64)bh * s.seq_q + i) * 2;
@@ -112,10 +117,10 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
 
     // V_{j+1} loads while S, dS and dQ use K_j; K_{j+1} loads while dP uses V_{j+1}.
     if (n_tiles > 0)
-        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sV, vb, kv_stride, j_first, s.seq_k, D);
+        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_first, s.seq_k, D, vec);
     cp_async_commit();
     if (n_tiles > 0)
-        load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D);
+        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D, vec);
     cp_async_commit();
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
@@ -125,12 +130,12 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         float sc[NT][4], dp[NT][4];
         gemm_abt<NT, KS, PITCH>(sdOw, sV, L, dp);
         __syncthreads();  // every warp is done with V_j
-        if (more) load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sV, vb, kv_stride, j0 + BN, s.seq_k, D);
+        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0 + BN, s.seq_k, D, vec);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed
         gemm_abt<NT, KS, PITCH>(sQw, sK, L, sc);
-        score_tile<NT>(s, mask, T, j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
+        score_tile<NT>(s, mask, T.b, T.h, rows[0], rows[1], j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             u32 keep = 0xFu;
@@ -143,14 +148,15 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const float pr = exp2f((sc[nt][r] - lse[r >> 1]) * FERRO_LOG2E);
-                const float P = sc[nt][r] == neg_inf() ? 0.f : pr;  // also when LSE = -inf
+                // 0 where not visible, and for a row that sees nothing (LSE = -inf)
+                const float P = sc[nt][r] == neg_inf() || lse[r >> 1] == neg_inf() ? 0.f : pr;
                 const float dP = ((keep >> r) & 1) ? dp[nt][r] * keep_scale : 0.f;
                 sc[nt][r] = P * (dP - delta[r >> 1]);
             }
         }
         gemm_acc_ab<NT, KS, PITCH>(sc, sK, L, dq);
         __syncthreads();  // every warp is done with K_j
-        if (more) load_tile<BN, DP, PITCH, FERRO_VEC, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D);
+        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D, vec);
         cp_async_commit();
     }
 

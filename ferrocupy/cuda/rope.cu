@@ -1,10 +1,38 @@
-// Rotate-half RoPE in place, float32. One thread per (token, pair index i): the angle depends only
-// on the position and i, so it is computed once (to the bit of the NumPy reference: float32
-// inverse frequency and angle, accurate sincosf) and applied to every head of the token.
-#include "ferro_common.cuh"
+// Rotate-half RoPE in place, float32, float16 or bfloat16 (FERRO_ROPE_DTYPE 0, 1, 2, from
+// cuda/configs.py). One thread per (token, pair index i): the angle depends only on the position
+// and i, so it is computed once (to the bit of the NumPy reference: float32 inverse frequency and
+// angle, accurate sincosf) and applied to every head of the token. The rotation is computed in
+// float32 and rounded once to the element type.
+#include "ferro_params.cuh"
+
+#if FERRO_ROPE_DTYPE == 0
+typedef float elem_t;
+__device__ __forceinline__ float load1(const float* p) { return *p; }
+__device__ __forceinline__ void store1(float* p, float x) { *p = x; }
+#else
+typedef u16 elem_t;
+__device__ __forceinline__ float load1(const u16* p) {
+#if FERRO_ROPE_DTYPE == 2
+    return __uint_as_float((u32)*p << 16);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+    return f;
+#endif
+}
+__device__ __forceinline__ void store1(u16* p, float x) {
+    u16 h;
+#if FERRO_ROPE_DTYPE == 2
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#endif
+    *p = h;
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(256)
-rope(float* __restrict__ x, const u64 tokens, const RopeParams p) {
+rope(elem_t* __restrict__ x, const u64 tokens, const RopeParams p) {
     const u32 half = p.head_dim / 2;
     const u64 items = tokens * half;
     const u64 token_stride = (u64)p.heads * p.head_dim;
@@ -20,25 +48,25 @@ rope(float* __restrict__ x, const u64 tokens, const RopeParams p) {
         const float angle = (float)t * inv;
         float sn, cs;
         sincosf(angle, &sn, &cs);
-        float* row = x + token * token_stride + i;
+        elem_t* row = x + token * token_stride + i;
         u32 h = 0;
         for (; h + 4 <= p.heads; h += 4) {  // four heads' loads in flight before the stores
             float a[4], b[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                a[u] = row[(u64)(h + u) * p.head_dim];
-                b[u] = row[(u64)(h + u) * p.head_dim + half];
+                a[u] = load1(row + (u64)(h + u) * p.head_dim);
+                b[u] = load1(row + (u64)(h + u) * p.head_dim + half);
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                row[(u64)(h + u) * p.head_dim] = a[u] * cs - b[u] * sn;
-                row[(u64)(h + u) * p.head_dim + half] = b[u] * cs + a[u] * sn;
+                store1(row + (u64)(h + u) * p.head_dim, a[u] * cs - b[u] * sn);
+                store1(row + (u64)(h + u) * p.head_dim + half, b[u] * cs + a[u] * sn);
             }
         }
         for (; h < p.heads; ++h) {
-            const float a = row[(u64)h * p.head_dim], b = row[(u64)h * p.head_dim + half];
-            row[(u64)h * p.head_dim] = a * cs - b * sn;
-            row[(u64)h * p.head_dim + half] = b * cs + a * sn;
+            const float a = load1(row + (u64)h * p.head_dim), b = load1(row + (u64)h * p.head_dim + half);
+            store1(row + (u64)h * p.head_dim, a * cs - b * sn);
+            store1(row + (u64)h * p.head_dim + half, b * cs + a * sn);
         }
     }
 }

@@ -1,0 +1,160 @@
+"""Every kernel variant the CUDA backend can launch, in one table: its source, tile geometry,
+shared memory and arguments. The backend selects from it, the kernels receive its geometry as
+defines (and static_assert the shared memory it computes), and the compile tests build every
+entry, so a tile size lives here and nowhere else.
+
+Geometry: a block has `warps` warps; each warp owns `16 * mt` rows (query rows, or keys for
+dK/dV), so a block covers `block_rows = 16 * mt * warps` of them and steps through the other
+sequence `step` at a time (BN keys, or BQ query rows for dK/dV). Head dims are padded to a
+multiple of 16 (`head_dim`, the mma k size), one variant per padded size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dtypes import BFLOAT16, FLOAT16, FLOAT32
+
+FORWARD, BACKWARD_DQ, BACKWARD_DKDV, ROPE = "forward", "backward_dq", "backward_dkdv", "rope"
+HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
+
+_ARGS = {
+    FORWARD: ("q", "k", "v", "out", "mask", "lse"),
+    BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse"),
+    BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
+}
+# (source, kernel) per (op, is_half)
+_SOURCES = {
+    (FORWARD, False): ("flash_fwd.cu", "flash_attn_v2"),
+    (BACKWARD_DQ, False): ("flash_bwd_dq.cu", "flash_attn_v2_bw_dq"),
+    (BACKWARD_DKDV, False): ("flash_bwd_dkdv.cu", "flash_attn_v2_bw_dkdv"),
+    (FORWARD, True): ("flash_fwd_half.cu", "flash_fwd_half"),
+    (BACKWARD_DQ, True): ("flash_bwd_dq_half.cu", "flash_bwd_dq_half"),
+    (BACKWARD_DKDV, True): ("flash_bwd_dkdv_half.cu", "flash_bwd_dkdv_half"),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    op: str
+    dtype: np.dtype
+    head_dim: int  # padded
+    warps: int
+    mt: int  # 16-row m-tiles per warp
+    step: int  # BN (keys per step) or, for dK/dV, BQ (query rows per step)
+
+    @property
+    def half(self) -> bool:
+        return self.dtype != FLOAT32
+
+    @property
+    def source(self) -> str:
+        return _SOURCES[(self.op, self.half)][0]
+
+    @property
+    def kernel(self) -> str:
+        return _SOURCES[(self.op, self.half)][1]
+
+    @property
+    def args(self) -> tuple:
+        """Buffer names in the kernel's parameter order; then `vec`, `mask_kind`, the struct."""
+        return _ARGS[self.op]
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def block_rows(self) -> int:
+        return 16 * self.mt * self.warps
+
+    @property
+    def per_kv_head(self) -> bool:
+        """One block row per (batch, KV head) rather than per (batch, head)."""
+        return self.op == BACKWARD_DKDV
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
+        halves: conflict-free fragment loads), as each kernel lays them out."""
+        elem = self.dtype.itemsize
+        pitch = self.head_dim + (4 if elem == 4 else 8)
+        m, n = self.block_rows, self.step
+        rows = {FORWARD: m + 2 * n, BACKWARD_DQ: 2 * m + 2 * n, BACKWARD_DKDV: 2 * m + 2 * n}
+        extra = 8 * n if (self.op == BACKWARD_DKDV and self.half) else 0  # [BQ][Delta, LSE]
+        return elem * rows[self.op] * pitch + extra
+
+    @property
+    def defines(self) -> dict:
+        d = {"FERRO_HEAD_DIM": self.head_dim, "FERRO_WARPS": self.warps, "FERRO_MT": self.mt,
+             "FERRO_BN": self.step, "FERRO_SMEM_BYTES": self.shared_bytes}
+        if self.half:
+            d["FERRO_BF16"] = int(self.dtype == BFLOAT16)
+        return d
+
+    def blocks(self, params) -> int:
+        rows = int(params["seq_k"] if self.per_kv_head else params["seq_q"])
+        heads = int(params["kv_heads"] if self.per_kv_head else params["heads"])
+        return -(-rows // self.block_rows) * int(params["batch"]) * heads
+
+    def describe(self) -> str:
+        return (f"{self.op}/{self.dtype}/d{self.head_dim}: {self.warps} warps x {16 * self.mt} "
+                f"rows, step {self.step}, {self.shared_bytes} B shared")
+
+
+def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
+    """(warps, mt, step) candidates for one (op, dtype, padded head_dim), best first; later ones
+    need less shared memory, for GPUs with a smaller per-block limit."""
+    if dtype == FLOAT32:
+        return [{FORWARD: (4, 1, 64), BACKWARD_DQ: (4, 1, 32), BACKWARD_DKDV: (4, 1, 32)}[op]]
+    if op == FORWARD:
+        return [(4, 2, 64), (4, 1, 64)]
+    if op == BACKWARD_DQ:
+        return [(4, 1, 64), (4, 1, 32)]
+    return [(4, 1, 64) if dp <= 64 else (4, 1, 32), (4, 1, 32) if dp <= 64 else (4, 1, 16)]
+
+
+def _table() -> dict:
+    table = {}
+    for op in (FORWARD, BACKWARD_DQ, BACKWARD_DKDV):
+        for dtype in (FLOAT32, FLOAT16, BFLOAT16):
+            for dp in HEAD_DIMS:
+                table[(op, dtype, dp)] = tuple(Variant(op, dtype, dp, w, mt, n)
+                                               for w, mt, n in _geometry(op, dtype, dp))
+    return table
+
+
+TABLE = _table()
+
+
+def padded_head_dim(d: int) -> int:
+    """The variant's head_dim for head_dim d: the next multiple of 16."""
+    return max(16, -(-d // 16) * 16)
+
+
+def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None) -> Variant:
+    """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block."""
+    dtype = np.dtype(dtype)
+    candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
+    for v in candidates:
+        if v.shared_bytes <= smem_limit:
+            return v
+    raise ValueError(f"{op} in {dtype} at head_dim {head_dim} needs at least "
+                     f"{min(v.shared_bytes for v in candidates)} bytes of shared memory per "
+                     f"block; this GPU allows {smem_limit}")
+
+
+def all_variants() -> list[Variant]:
+    """Every variant `select` can return (what the compile tests build)."""
+    return [v for vs in TABLE.values() for v in vs]
+
+
+# RoPE: one thread per (token, pair), every head of the token in a loop.
+ROPE_SOURCE, ROPE_KERNEL, ROPE_THREADS = "rope.cu", "rope", 256
+ROPE_DTYPE_DEFINE = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}
+
+
+def rope_defines(dtype) -> dict:
+    return {"FERRO_ROPE_DTYPE": ROPE_DTYPE_DEFINE[np.dtype(dtype)]}

@@ -1,0 +1,151 @@
+// float16 / bfloat16 products on tensor cores (sm_80+): mma.sync m16n8k16 with float32
+// accumulators, operands loaded from shared memory by ldmatrix. Elements are handled as raw
+// 16-bit words (u16), so no CUDA half header is needed under NVRTC; FERRO_BF16 picks the type.
+//
+// Fragments (g = lane/4, t = lane%4; each register holds two consecutive-k elements, low first):
+//   A 16x16: a0 (g, 2t..) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..)
+//   B 16x8:  b0 (k=2t.., n=g) b1 (k=2t+8.., n=g)
+//   C 16x8:  c0 c1 (g, 2t..) c2 c3 (g+8, 2t..)
+// so an accumulator tile of 16 x 16 is, packed pairwise, the A operand of the next product
+// (P of the forward, dS and P' of the backward) with no shuffles.
+//
+// Shared-memory tiles are row-major with a row pitch of DP + 8 elements: DP is a multiple of 16,
+// so the pitch is an odd number of 16-byte units and the 8 row addresses of one ldmatrix phase
+// fall in 8 different bank groups (conflict-free, no swizzle needed).
+#pragma once
+#include "ferro_params.cuh"
+
+#ifndef FERRO_BF16
+#error "FERRO_BF16 (0: float16, 1: bfloat16) comes from ferrocupy/cuda/configs.py"
+#endif
+
+// Two floats rounded (to nearest even) into one register of two 16-bit elements, lo first.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if FERRO_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ u16 round1(float x) {
+    return (u16)(pack2(x, 0.f) & 0xffffu);
+}
+
+__device__ __forceinline__ float widen(u16 x) {
+#if FERRO_BF16
+    return __uint_as_float((u32)x << 16);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+#endif
+}
+
+// D += A B (16x8x16), float32 accumulate.
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if FERRO_BF16
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#endif
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// The A fragment of rows [0, 16) x cols [k0, k0 + 16) of a row-major tile x (pitch PITCH).
+template <int PITCH>
+__device__ __forceinline__ void frag_a(const u16* x, int k0, u32 (&a)[4]) {
+    const int l = threadIdx.x & 31;
+    ldmatrix_x4(a, x + (l & 15) * PITCH + k0 + 8 * (l >> 4));
+}
+
+// B fragments of two n-tiles (n0 .. n0+15) x k [k0, k0+16) from a tile stored n-major, x[n][k]
+// (K for S = Q K^T): b[0], b[1] for n-tile n0, b[2], b[3] for n0 + 8.
+template <int PITCH>
+__device__ __forceinline__ void frag_b_nk(const u16* x, int n0, int k0, u32 (&b)[4]) {
+    const int l = threadIdx.x & 31, m = l >> 3;
+    ldmatrix_x4(b, x + (n0 + 8 * (m >> 1) + (l & 7)) * PITCH + k0 + 8 * (m & 1));
+}
+
+// The same from a tile stored k-major, x[k][n] (V for O = P V), through ldmatrix's transpose.
+template <int PITCH>
+__device__ __forceinline__ void frag_b_kn(const u16* x, int n0, int k0, u32 (&b)[4]) {
+    const int l = threadIdx.x & 31, m = l >> 3;
+    ldmatrix_x4_trans(b, x + (k0 + 8 * (m & 1) + (l & 7)) * PITCH + n0 + 8 * (m >> 1));
+}
+
+// acc[mt] (16 x 8*NT, MT m-tiles) = A B^T with A the MT*16 rows at sA and B the 8*NT rows at sB,
+// both [rows][DP] in shared memory: S = Q K^T, dP = dO V^T and their transposes.
+template <int MT, int NT, int DP, int PITCH>
+__device__ __forceinline__ void gemm_abt(const u16* sA, const u16* sB, float (&acc)[MT][NT][4]) {
+    static_assert(NT % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] =
+                                            acc[mt][nt][3] = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < DP; k0 += 16) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) frag_a<PITCH>(sA + mt * 16 * PITCH, k0, a[mt]);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            u32 b[4];
+            frag_b_nk<PITCH>(sB, np * 16, k0, b);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(acc[mt][2 * np], a[mt], b[0], b[1]);
+                mma16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// An accumulator tile (16 x 8*NT, float32) rounded into A fragments, one per 16 columns.
+template <int NT>
+__device__ __forceinline__ void acc_to_a(const float (&c)[NT][4], u32 (&a)[NT / 2][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+// acc[mt] (16 x DP) += A[mt] B with A given as fragments (16 x 8*NT, e.g. P) and B the
+// 8*NT x DP tile at sB, stored [k][DP] in shared memory (V, K, Q or dO).
+template <int MT, int NT, int DP, int PITCH>
+__device__ __forceinline__ void gemm_acc_ab(const u32 (&a)[MT][NT / 2][4], const u16* sB,
+                                            float (&acc)[MT][DP / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk)
+#pragma unroll
+        for (int dp = 0; dp < DP / 16; ++dp) {
+            u32 b[4];
+            frag_b_kn<PITCH>(sB, dp * 16, kk * 16, b);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(acc[mt][2 * dp], a[mt][kk], b[0], b[1]);
+                mma16816(acc[mt][2 * dp + 1], a[mt][kk], b[2], b[3]);
+            }
+        }
+}

@@ -1,0 +1,68 @@
+// The packed parameter structs (the seed's uniforms, word for word: ferrocupy/params.py is the
+// other half of this contract) and the options every attention kernel reads from them.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// A lane's place in an mma fragment: g = lane / 4 (accumulator row), t = lane % 4.
+struct Lane { int g, t; };
+__device__ __forceinline__ Lane lane_ids() { int l = threadIdx.x & 31; return Lane{l >> 2, l & 3}; }
+
+struct RopeParams {
+    u32 head_dim, seq_len, pos, heads;
+    float theta;
+    u32 pad0, pad1, pad2;
+};
+
+struct FlashV2Params {
+    u32 batch, heads, seq_q, seq_k, head_dim, causal;
+    float scale;
+    u32 kv_heads;
+    float dropout_prob;
+    u32 seed, has_mask, causal_offset;
+    u32 mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;
+    u32 window, pad0, pad1, pad2;
+};
+
+struct FlashBwdParams {
+    u32 batch, heads, seq_q, seq_k, head_dim, kv_heads;
+    float scale, dropout_prob;
+    u32 seed, causal, has_mask, causal_offset;
+    u32 mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;
+    u32 window, pad0, pad1, pad2;
+};
+
+static_assert(sizeof(RopeParams) == 32, "RopeParams is 8 words");
+static_assert(sizeof(FlashV2Params) == 80, "FlashV2Params is 20 words");
+static_assert(sizeof(FlashBwdParams) == 80, "FlashBwdParams is 20 words");
+
+// What a launch adds beside the struct (kernel arguments, not struct words, so the seed's structs
+// stay as they are): the copy width every data row allows, and the mask's element type.
+enum MaskKind : u32 { MASK_F32 = 0, MASK_F16 = 1, MASK_BF16 = 2 };
+
+// The options every attention kernel reads, gathered from either struct (their orders differ).
+struct AttnShape {
+    u32 batch, heads, kv_heads, seq_q, seq_k, head_dim;
+    u32 causal, window, has_mask, seed;
+    long long offset;
+    u32 sb, sh, sq, sk;
+    float scale, dropout_prob;
+    u32 mask_kind;
+};
+
+template <class P>
+__device__ __forceinline__ AttnShape attn_shape(const P& p, u32 mask_kind) {
+    AttnShape s;
+    s.batch = p.batch; s.heads = p.heads; s.kv_heads = p.kv_heads;
+    s.seq_q = p.seq_q; s.seq_k = p.seq_k; s.head_dim = p.head_dim;
+    s.causal = p.causal; s.window = p.window; s.has_mask = p.has_mask; s.seed = p.seed;
+    s.offset = (long long)p.causal_offset;
+    s.sb = p.mask_stride_b; s.sh = p.mask_stride_h; s.sq = p.mask_stride_q; s.sk = p.mask_stride_k;
+    s.scale = p.scale; s.dropout_prob = p.dropout_prob;
+    s.mask_kind = mask_kind;
+    return s;
+}

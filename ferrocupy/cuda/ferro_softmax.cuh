@@ -1,0 +1,51 @@
+// Row reductions over an mma accumulator tile and the online softmax (float32 for every dtype).
+// A row's elements sit in the 4 lanes of a quad (lane = 4g + t), so a row reduction is two
+// shuffles.
+#pragma once
+#include "ferro_params.cuh"
+
+#define FERRO_LOG2E 1.4426950408889634f
+#define FERRO_LN2 0.6931471805599453f
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Online softmax over one row of a score tile (rr = 0: c0, c1; rr = 1: c2, c3): updates the running
+// max and sum, overwrites the scores with exp(s - max), returns the factor for the running output.
+// A row whose scores are all -inf so far keeps max -inf and contributes zeros.
+template <int NT>
+__device__ __forceinline__ float online_softmax(float (&sc)[NT][4], int rr, float& m_run,
+                                                float& l_run) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * rr], sc[nt][2 * rr + 1]));
+    mx = quad_max(mx);
+    const float m_new = fmaxf(m_run, mx);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+    const float alpha = exp2f((m_run - m_use) * FERRO_LOG2E);
+    m_run = m_new;
+    const float m_log2 = m_use * FERRO_LOG2E;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float e = exp2f(fmaf(sc[nt][2 * rr + c], FERRO_LOG2E, -m_log2));
+            sum += e;
+            sc[nt][2 * rr + c] = e;
+        }
+    l_run = l_run * alpha + sum;
+    return alpha;
+}
+
+// A finished row's log-sum-exp (natural log) from its running max and quad-summed sum;
+// -inf for a row that saw no key.
+__device__ __forceinline__ float row_lse(float m_run, float l) {
+    return l == 0.f ? neg_inf() : m_run + logf(l);
+}

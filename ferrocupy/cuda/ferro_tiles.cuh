@@ -1,0 +1,96 @@
+// Which tile of which (batch, head) a block computes, the key tiles it visits, and the scores of
+// one tile (scale, additive mask, -inf where not visible). Shared by every precision.
+#pragma once
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+
+// ---- block order: a 1-D grid of (row of heads) x tiles. Blocks go in groups of up to 16 heads,
+// tile-major inside a group, so the heaviest causal tiles of every head in a group start first
+// (no long block left for the tail) while a group's K/V (16 heads) still shares the L2. ---------
+__device__ __forceinline__ void block_coords(u32 x, u32 tiles, u32 n_heads, u32& head,
+                                             u32& rank) {
+    const u32 G = n_heads < 16u ? n_heads : 16u;
+    const u32 grp = x / (G * tiles), r = x % (G * tiles);
+    const u32 in_grp = min(G, n_heads - grp * G);
+    rank = r / in_grp;  // 0 = first dispatched
+    head = grp * G + r % in_grp;
+}
+
+// ---- one block's query tile (forward and dQ kernels) ---------------------------------------------
+struct QueryTile {
+    u32 bh, b, h, hk;
+    long long m0, m_last;     // first row, last valid row
+    long long row0;           // this thread's first row: its warp's first row + g
+    u64 q_stride, kv_stride;  // elements between consecutive rows of q/out and of k/v
+    u64 q_off, kv_off;        // where (b, h, row 0) starts in q/out, (b, hk, row 0) in k/v
+
+    // Row of accumulator element (m-tile mt, half rr: c0/c1 or c2/c3).
+    __device__ __forceinline__ long long row(int mt, int rr) const {
+        return row0 + 16 * mt + 8 * rr;
+    }
+};
+
+// A 1-D grid over (batch*heads) x query tiles of BM rows in block_coords order, the last tiles
+// (under causal masking, those that see the most keys) first. Each warp owns 16*MT rows.
+template <int BM, int MT>
+__device__ __forceinline__ QueryTile query_tile(const AttnShape& s, Lane L) {
+    QueryTile t;
+    const u32 q_tiles = (s.seq_q + BM - 1) / BM;
+    u32 rank;
+    block_coords(blockIdx.x, q_tiles, s.batch * s.heads, t.bh, rank);
+    t.b = t.bh / s.heads;
+    t.h = t.bh % s.heads;
+    t.hk = t.h / (s.heads / s.kv_heads);
+    t.m0 = (long long)(q_tiles - 1 - rank) * BM;
+    t.m_last = min((long long)s.seq_q, t.m0 + BM) - 1;
+    t.row0 = t.m0 + (threadIdx.x >> 5) * 16 * MT + L.g;
+    t.q_stride = (u64)s.heads * s.head_dim;
+    t.kv_stride = (u64)s.kv_heads * s.head_dim;
+    t.q_off = ((u64)t.b * s.seq_q * s.heads + t.h) * s.head_dim;
+    t.kv_off = ((u64)t.b * s.seq_k * s.kv_heads + t.hk) * s.head_dim;
+    return t;
+}
+
+// The tiles of BN keys, from j_first on, that can hold a key visible to the tile's rows.
+template <int BN>
+__device__ __forceinline__ int key_tiles(const AttnShape& s, const QueryTile& t,
+                                         long long& j_first) {
+    long long lo, hi;
+    visible_key_range(s, t.m0 + s.offset, t.m_last + s.offset, lo, hi);
+    j_first = lo / BN * BN;
+    return hi > j_first ? (int)((hi - j_first + BN - 1) / BN) : 0;
+}
+
+// True when every key of [j0, j0 + BN) is visible to every row of the tile (and exists), so the
+// per-element visibility test can be skipped.
+template <int BN>
+__device__ __forceinline__ bool keys_wholly_visible(const AttnShape& s, const QueryTile& t,
+                                                    long long j0) {
+    return wholly_visible(s, t.m0, t.m_last, j0, j0 + BN - 1);
+}
+
+// Scores of 16 rows (i0: c0/c1's row, i1 = c2/c3's) x 8*NT keys from j0: scale, additive mask,
+// -inf where a key is not visible (or a row or key is past the end). `whole`: every key is known
+// visible (keys_wholly_visible).
+template <int NT>
+__device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask, u32 b, u32 h,
+                                           long long i0, long long i1, long long j0, bool whole,
+                                           Lane L, float (&sc)[NT][4]) {
+    if (whole && !s.has_mask) {  // the common case: nothing to test per element
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sc[nt][r] *= s.scale;
+        return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const long long i = r < 2 ? i0 : i1, j = j0 + nt * 8 + 2 * L.t + (r & 1);
+            const bool ok = i < s.seq_q && j < s.seq_k && (whole || visible(s, i + s.offset, j));
+            float x = sc[nt][r] * s.scale;
+            if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
+            sc[nt][r] = ok ? x : neg_inf();
+        }
+}

@@ -1,0 +1,181 @@
+// Attention backward, second kernel, float16 / bfloat16 (mma.sync m16n8k16, float32
+// accumulators): one block = BK keys of one (batch, KV head), each warp 16*MT of them. Reads each
+// query row's [Delta, LSE] from the stats the dQ kernel wrote, loops over the query heads of its
+// GQA group and the query tiles (BQ rows) that can see its keys, and writes
+// grad_k = scale * sum dS^T q and grad_v = sum P'^T grad_out, each rounded once. No atomics.
+// Geometry comes from cuda/configs.py.
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+#include "ferro_philox.cuh"
+#include "ferro_softmax.cuh"
+#include "ferro_copy.cuh"
+#include "ferro_tiles.cuh"
+#include "ferro_mma_f16.cuh"
+
+namespace {
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, MT = FERRO_MT, BQ = FERRO_BN;
+constexpr int THREADS = 32 * WARPS, BK = 16 * MT * WARPS, PITCH = DP + 8;
+constexpr int NT = BQ / 8, DT = DP / 8;
+static_assert(DP % 16 == 0 && DP <= 256 && BQ % 16 == 0, "tile geometry");
+static_assert(2 * (2 * BK + 2 * BQ) * PITCH + 8 * BQ == FERRO_SMEM_BYTES,
+              "shared memory = configs.py's");
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
+                    const u16* __restrict__ v, const u16* __restrict__ grad_out,
+                    u16* __restrict__ grad_k, u16* __restrict__ grad_v,
+                    const void* __restrict__ mask, const float* __restrict__ stats,
+                    const u32 vec, const u32 mask_kind, const FlashBwdParams p) {
+    extern __shared__ __align__(16) u16 smem_h[];
+    u16* sK = smem_h;              // [BK][PITCH]
+    u16* sV = sK + BK * PITCH;     // [BK][PITCH]
+    u16* sQ = sV + BK * PITCH;     // [BQ][PITCH]
+    u16* sdO = sQ + BQ * PITCH;    // [BQ][PITCH]
+    float* sSt = reinterpret_cast<float*>(sdO + BQ * PITCH);  // [BQ][2]: Delta, LSE
+    const AttnShape s = attn_shape(p, mask_kind);
+    const Lane L = lane_ids();
+    const int warp = threadIdx.x >> 5, D = s.head_dim;
+
+    const u32 k_tiles = (s.seq_k + BK - 1) / BK;
+    u32 bhk, tile;  // the first key tiles are seen by the most queries
+    block_coords(blockIdx.x, k_tiles, s.batch * s.kv_heads, bhk, tile);
+    const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
+    const long long k0 = (long long)tile * BK;
+    const long long key0 = k0 + warp * 16 * MT + L.g;  // + 16 mt + 8 rr
+
+    const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
+    const u64 kv_off = ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+    load_tile<u16, BK, DP, PITCH, THREADS>(sK, k + kv_off, kv_stride, k0, s.seq_k, D, vec);
+    load_tile<u16, BK, DP, PITCH, THREADS>(sV, v + kv_off, kv_stride, k0, s.seq_k, D, vec);
+    const u16* sKw = sK + warp * 16 * MT * PITCH;
+    const u16* sVw = sV + warp * 16 * MT * PITCH;
+
+    const long long k_last = min((long long)s.seq_k, k0 + BK) - 1;
+    long long q_lo, q_hi;
+    visible_row_range(s, k0, k_last, q_lo, q_hi);
+    const long long i_first = q_lo / BQ * BQ;
+    const int n_tiles = q_hi > i_first ? (int)((q_hi - i_first + BQ - 1) / BQ) : 0;
+
+    const bool dropout = s.dropout_prob > 0.f;
+    const u32 thr = dropout_threshold(s.dropout_prob);
+    const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
+
+    float dk[MT][DT][4], dv[MT][DT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nd = 0; nd < DT; ++nd)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) dk[mt][nd][r] = dv[mt][nd][r] = 0.f;
+
+    // Steps t = (query head of the group, query tile). Q_{t+1} loads while dV uses dO_t;
+    // dO_{t+1} and its stats load while S^T uses Q_{t+1}.
+    const int steps = (int)group * n_tiles;
+    auto load_q = [&](int t) {
+        const u32 h = hk * group + t / n_tiles;
+        const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+        const u16* qh = q + ((u64)b * s.seq_q * s.heads + h) * D;
+        load_tile<u16, BQ, DP, PITCH, THREADS>(sQ, qh, q_stride, i0, s.seq_q, D, vec);
+    };
+    auto load_do = [&](int t) {
+        const u32 h = hk * group + t / n_tiles;
+        const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+        const u16* gh = grad_out + ((u64)b * s.seq_q * s.heads + h) * D;
+        load_tile<u16, BQ, DP, PITCH, THREADS>(sdO, gh, q_stride, i0, s.seq_q, D, vec);
+        const float* st = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
+        for (int idx = threadIdx.x; idx < 2 * BQ; idx += THREADS) {
+            const bool ok = i0 + idx / 2 < s.seq_q;  // rows past the end: never visible
+            cp_async<4>(sSt + idx, ok ? st + (i0 * 2 + idx) : st, ok);
+        }
+    };
+    if (steps > 0) load_q(0);
+    cp_async_commit();  // (with K and V)
+    if (steps > 0) load_do(0);
+    cp_async_commit();
+
+    for (int t = 0; t < steps; ++t) {
+        const u32 h = hk * group + t / n_tiles, bh = b * s.heads + h;
+        const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+        const bool more = t + 1 < steps;
+        cp_async_wait<1>();
+        __syncthreads();  // Q_t (and K, V) landed
+        float sT[MT][NT][4], dpT[MT][NT][4];  // [16 keys x BQ queries]: S^T and (dO V^T)^T
+        gemm_abt<MT, NT, DP, PITCH>(sKw, sQ, sT);
+        cp_async_wait<0>();
+        __syncthreads();  // dO_t and its stats landed
+        gemm_abt<MT, NT, DP, PITCH>(sVw, sdO, dpT);
+        const bool whole = !s.has_mask && wholly_visible(s, i0, i0 + BQ - 1, k0, k0 + BK - 1);
+        u32 pa[MT][NT / 2][4], da[MT][NT / 2][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int c = nt * 8 + 2 * L.t;  // query column of r = 0, 2 (r = 1, 3: c + 1)
+                u32 keep = 0xFu;
+                if (dropout) {
+                    // Bits r of keep: (key row r>>1, query column c + (r&1)).
+                    const u32 i = (u32)(i0 + c);
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        const u32 j = (u32)(key0 + 16 * mt + 8 * rr);
+                        const u32 k0b = dropout_keep4(s.seed, thr, bh, i, j) >> (j & 3);
+                        const u32 k1b = dropout_keep4(s.seed, thr, bh, i + 1, j) >> (j & 3);
+                        keep &= ~(3u << (2 * rr));
+                        keep |= ((k0b & 1u) | ((k1b & 1u) << 1)) << (2 * rr);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const long long j = key0 + 16 * mt + 8 * (r >> 1), i = i0 + c + (r & 1);
+                    const int ci = c + (r & 1);
+                    const bool ok = whole || (i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j));
+                    float x = sT[mt][nt][r] * s.scale;
+                    if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
+                    const float lse = sSt[2 * ci + 1];
+                    const float P = ok && lse != neg_inf() ? exp2f((x - lse) * FERRO_LOG2E) : 0.f;
+                    const bool kept = (keep >> r) & 1u;
+                    const float dP = kept ? dpT[mt][nt][r] * keep_scale : 0.f;
+                    sT[mt][nt][r] = kept ? P * keep_scale : 0.f;   // P'
+                    dpT[mt][nt][r] = P * (dP - sSt[2 * ci]);        // dS
+                }
+            }
+            acc_to_a<NT>(sT[mt], pa[mt]);
+            acc_to_a<NT>(dpT[mt], da[mt]);
+        }
+        gemm_acc_ab<MT, NT, DP, PITCH>(da, sQ, dk);
+        __syncthreads();  // every warp is done with Q_t
+        if (more) load_q(t + 1);
+        cp_async_commit();
+        gemm_acc_ab<MT, NT, DP, PITCH>(pa, sdO, dv);
+        __syncthreads();  // every warp is done with dO_t and its stats
+        if (more) load_do(t + 1);
+        cp_async_commit();
+    }
+
+    cp_async_wait<0>();  // (with no query step, the K/V copies are still in flight)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const long long j = key0 + 16 * mt + 8 * rr;
+            if (j >= s.seq_k) continue;
+            u16* gk = grad_k + kv_off + (u64)j * kv_stride;
+            u16* gv = grad_v + kv_off + (u64)j * kv_stride;
+#pragma unroll
+            for (int nd = 0; nd < DT; ++nd) {
+                const int d = nd * 8 + 2 * L.t;
+                const float k0v = dk[mt][nd][2 * rr] * s.scale, k1v = dk[mt][nd][2 * rr + 1] * s.scale;
+                const float v0 = dv[mt][nd][2 * rr], v1 = dv[mt][nd][2 * rr + 1];
+                if (vec > 1) {
+                    if (d < D) {
+                        *reinterpret_cast<u32*>(gk + d) = pack2(k0v, k1v);
+                        *reinterpret_cast<u32*>(gv + d) = pack2(v0, v1);
+                    }
+                } else {
+                    if (d < D) gk[d] = round1(k0v), gv[d] = round1(v0);
+                    if (d + 1 < D) gk[d + 1] = round1(k1v), gv[d + 1] = round1(v1);
+                }
+            }
+        }
+}

@@ -1,0 +1,208 @@
+"""float16 and bfloat16 attention and RoPE on the GPU (issue 8): SPEC's half-precision accuracy
+rule (at most twice the error of plain PyTorch in the same dtype, against float64) for out, lse
+and the three gradients, over the float32 suite's option covering; lse given to the backward;
+dropout's keep mask bit-identical across dtypes.
+
+Skipped unless `ferrocupy.cuda_available()`; `FERRO_GPU_TESTS_ON_REFERENCE=1` runs it with the
+reference standing in for the device (see tests/gpu_helpers.py). PyTorch (the CPU build is
+enough) supplies the plain same-dtype computation; without it the rule's tests skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from ferrocupy import AttentionOptions
+from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
+from gpu_helpers import (AttnCase, DEAD_ROW_CASES, DROPOUT_SEED, dead_rows, dev, gpu_pytestmark,
+                         grad_floors,
+                         make_case, option_case, option_rows, ref, self_check)
+from half_rule import check_rule, rounded, torch_plain, x64
+
+__all__ = ["dev", "ref"]
+
+pytestmark = gpu_pytestmark()
+
+HALF = [pytest.param(FLOAT16, id="f16"), pytest.param(BFLOAT16, id="bf16")]
+ULP = {FLOAT16: 2.0**-10, BFLOAT16: 2.0**-7}  # relative spacing of the mantissa
+
+
+def _torch_device() -> str:
+    torch = pytest.importorskip("torch", reason="the half-precision rule compares with PyTorch")
+    return "cuda" if (not self_check() and torch.cuda.is_available()) else "cpu"
+
+
+def run(d, case: AttnCase, backward: bool = True, give_lse: bool = True) -> dict:
+    """Forward (with lse) and, with `backward`, the backward given the device's own out (and
+    lse, when `give_lse`), every output NaN-poisoned first. Host arrays."""
+    b, sq, h, dd, sk, hkv = case.dims
+    q, k, v, go, mask = (d.put(x) for x in (case.q, case.k, case.v, case.grad_out, case.mask))
+    dt = case.q.dtype
+    out = d.poisoned(case.q.shape, dtype=dt)
+    lse = d.poisoned((b, h, sq), dtype=np.float32)
+    d.engine.flash_attention_v2_with(q, k, v, out, case.opts, mask, lse=lse)
+    res = {"out": d.get(out), "lse": d.get(lse)}
+    if backward:
+        gq = d.poisoned(case.q.shape, dtype=dt)
+        gk, gv = d.poisoned(case.k.shape, dtype=dt), d.poisoned(case.k.shape, dtype=dt)
+        d.engine.flash_attention_v2_backward_with(q, k, v, out, go, gq, gk, gv, case.opts, mask,
+                                                  lse=lse if give_lse else None)
+        res.update(grad_q=d.get(gq), grad_k=d.get(gk), grad_v=d.get(gv))
+    return res
+
+
+def check_half(dev, case, backward: bool = True) -> dict:
+    """The device meets SPEC's rule on every output; rows that see nothing are exactly 0."""
+    got = run(dev, case, backward)
+    want = x64(case, backward)
+    theirs = torch_plain(case, _torch_device(), backward)
+    what = case.describe() + f" dtype={case.q.dtype} mask dtype=" + (
+        "-" if case.mask is None else str(case.mask.dtype))
+    floors = grad_floors(case) if backward else {}
+    ulp = ULP[np.dtype(case.q.dtype)]
+    errs = {n: check_rule(n, got[n], want[n], theirs[n], what, floors.get(n, 0.0), ulp)
+            for n in got}
+    dead = dead_rows(case)
+    if dead.any():
+        assert (got["out"][dead].astype(np.float32) == 0).all(), f"dead rows not 0 {what}"
+    return errs
+
+
+# --- the option covering, in each half dtype ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("row", option_rows())
+def test_half_option_combinations(dev, rng, row, dtype):
+    case = option_case(rng, row)
+    # Alternate the mask between float32 and the data dtype (both are allowed).
+    mask_dtype = dtype if row["d"] in (16, 64) else FLOAT32
+    check_half(dev, rounded(case, dtype, mask_dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("seq,d,causal", [(1024, 128, True), (1000, 64, False), (513, 96, True)],
+                         ids=["s1024-d128-causal", "s1000-d64", "s513-d96-causal"])
+def test_half_long_sequences(dev, rng, dtype, seq, d, causal):
+    case = make_case(rng, b=1, sq=seq, sk=seq, h=2, hkv=1, d=d, causal=causal, qk_scale=1.0)
+    check_half(dev, rounded(case, dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [1, 6, 7, 33, 40, 80, 112, 128], ids=lambda d: f"d{d}")
+def test_half_head_dims(dev, rng, dtype, d):
+    """Odd head_dims take the element-wise copies, even ones not divisible by 8 the 4-byte ones."""
+    case = make_case(rng, b=2, sq=70, sk=90, h=4, hkv=2, d=d, causal=True, causal_offset=20)
+    check_half(dev, rounded(case, dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("shape", DEAD_ROW_CASES)
+def test_half_dead_rows(dev, rng, dtype, shape):
+    check_half(dev, rounded(make_case(rng, b=2, h=4, hkv=2, d=32, **shape), dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_unaligned_views(dev, rng, dtype):
+    """Inputs starting 2 bytes into their allocation: only element-wise copies are legal."""
+    case = rounded(make_case(rng, b=2, sq=65, sk=77, h=4, hkv=2, d=64, causal=True), dtype)
+    t = {n: dev.put_unaligned(getattr(case, n)) for n in ("q", "k", "v")}
+    out = dev.poisoned(case.q.shape, dtype=dtype)
+    dev.engine.flash_attention_v2_with(t["q"], t["k"], t["v"], out, case.opts)
+    aligned = run(dev, case, backward=False)["out"]
+    assert np.array_equal(dev.get(out).astype(np.float32), aligned.astype(np.float32))
+
+
+# --- lse ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [pytest.param(FLOAT32, id="f32"), *HALF])
+def test_lse_matches_the_reference(dev, rng, dtype):
+    # rows i > 109 sit past the last key's window: dead, lse -inf
+    case = make_case(rng, b=2, sq=130, sk=100, h=4, hkv=2, d=64, causal=True, causal_offset=10,
+                     window=20, mask="B,1,Sq,Sk", neg_inf=0.1)
+    if dtype != FLOAT32:
+        case = rounded(case, dtype)
+    got = run(dev, case, backward=False)["lse"]
+    want = x64(case, backward=False)["lse"]
+    fin = np.isfinite(want)
+    assert (~fin).any(), "the case should have dead rows"
+    assert (got[~fin] == -np.inf).all(), "lse of a row that sees nothing must be -inf"
+    np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=2e-5 * np.abs(want[fin]).max())
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(FLOAT32, id="f32"), *HALF])
+@pytest.mark.parametrize("drop", [0.0, 0.2], ids=["nodrop", "drop"])
+def test_backward_with_and_without_lse_agree(dev, rng, dtype, drop):
+    case = make_case(rng, b=2, sq=150, sk=170, h=4, hkv=2, d=64, causal=True, causal_offset=20,
+                     mask="B,1,1,Sk", dropout_prob=drop, seed=DROPOUT_SEED)
+    if dtype != FLOAT32:
+        case = rounded(case, dtype)
+    with_lse = run(dev, case, give_lse=True)
+    without = run(dev, case, give_lse=False)
+    ulp = 1e-5 if dtype == FLOAT32 else ULP[dtype]
+    for n in ("grad_q", "grad_k", "grad_v"):
+        a, b = (x[n].astype(np.float64) for x in (with_lse, without))
+        # equal to float32 rounding: within a few units of the output's last place
+        assert np.abs(a - b).max() <= 4 * ulp * np.abs(b).max(), n
+
+
+def test_backward_uses_the_given_lse(dev, rng):
+    """A different lse gives different gradients: the argument is read, not ignored."""
+    case = make_case(rng, b=1, sq=40, sk=40, h=2, d=32)
+    q, k, v, go = (dev.put(x) for x in (case.q, case.k, case.v, case.grad_out))
+    out = dev.poisoned(case.q.shape)
+    lse = dev.poisoned((1, 2, 40))
+    dev.engine.flash_attention_v2_with(q, k, v, out, case.opts, lse=lse)
+    grads = []
+    for shift in (0.0, 1.0):
+        shifted = dev.put(dev.get(lse) + np.float32(shift))
+        g = [dev.poisoned(x.shape) for x in (case.q, case.k, case.v)]
+        dev.engine.flash_attention_v2_backward_with(q, k, v, out, go, *g, lse=shifted)
+        grads.append(dev.get(g[0]))
+    assert not np.allclose(grads[0], grads[1])
+
+
+# --- dropout's keep mask is the same in every dtype -----------------------------------------------
+
+def test_dropout_keep_mask_is_identical_across_dtypes(dev, rng):
+    """v one-hot per key makes out[i, :Sk] = P'_ij itself: exactly 0 where dropped. The zero
+    pattern must be the reference's keep mask, in float32, float16 and bfloat16 alike."""
+    from gpu_helpers import keep_mask
+
+    sq, sk, d = 37, 64, 64
+    case = make_case(rng, b=2, sq=sq, sk=sk, h=2, hkv=1, d=d, qk_scale=0.3, dropout_prob=0.5,
+                     seed=DROPOUT_SEED)
+    onehot = np.zeros((2, sk, 1, d), np.float32)
+    onehot[:, np.arange(sk), 0, np.arange(sk)] = 1.0
+    case = replace(case, v=onehot)
+    keep = keep_mask(case)                                  # [B, H, Sq, Sk]
+    want = np.transpose(keep, (0, 2, 1, 3))                 # [B, Sq, H, Sk]
+    for dtype in (FLOAT32, FLOAT16, BFLOAT16):
+        c = case if dtype == FLOAT32 else rounded(case, dtype)
+        out = run(dev, c, backward=False)["out"].astype(np.float32)[..., :sk]
+        assert ((out != 0) == want).all(), f"keep mask differs in {dtype}"
+
+
+# --- RoPE ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("shape,head_dim,pos", [((2, 37, 3, 64), 64, 5), ((5, 128), 128, 1000),
+                                                ((3, 11, 2, 6), 6, 0)],
+                         ids=["bshd-d64", "2d-d128-pos1000", "d6"])
+def test_half_rope_rounds_once(dev, ref, rng, dtype, shape, head_dim, pos):
+    """The device equals the reference (float64, rounded once) to one unit in the last place."""
+    x = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    got, want = dev.put(x), ref.put(x)
+    dev.engine.rope(got, head_dim, pos)
+    ref.engine.rope(want, head_dim, pos)
+    g, w = (a.astype(np.float64) for a in (dev.get(got), ref.get(want)))
+    assert np.abs(g - w).max() <= ULP[dtype] * np.abs(w).max(), "more than 1 ulp from the reference"
+    assert not np.array_equal(g, x.astype(np.float64)), "nothing was rotated"
+
+
+def test_half_scale_option(dev, rng):
+    case = rounded(make_case(rng, b=1, sq=50, sk=60, h=2, d=32,
+                             opts=AttentionOptions(scale=0.05)), FLOAT16)
+    check_half(dev, case, backward=True)
