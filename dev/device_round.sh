@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device round: precompile, the GPU test suite, compute-sanitizer on a small run of every
+# kernel. Logs under $OUT. Usage (on the device): bash dev/device_round.sh [pytest args...]
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -m ferrocupy.cuda.precompile 2>&1 | tee "$OUT/precompile.log"
+python3 -m pytest tests/test_cuda_half.py tests/test_cuda_attention.py tests/test_cuda_backward.py \
+    tests/test_cuda_rope.py tests/test_cuda_torch.py -q -p no:cacheprovider -W ignore::RuntimeWarning \
+    "$@" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error" | tail -3
+for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool python3 dev/sanitize_run.py > "$OUT/sanitize_$tool.log" 2>&1
+    echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Error|error' "$OUT/sanitize_$tool.log" | tail -2)"
+done

@@ -1,0 +1,52 @@
+"""A small run of every kernel variant family, for `compute-sanitizer` (memcheck, racecheck):
+
+    compute-sanitizer --tool memcheck python3 dev/sanitize_run.py
+    compute-sanitizer --tool racecheck python3 dev/sanitize_run.py
+
+Each dtype runs the forward (with lse, a mask, dropout), the backward with and without lse, at a
+head_dim that takes 16-byte copies, one that takes 4-byte copies and (half) an odd one that
+takes element-wise copies, with GQA, causal + offset and a window; then RoPE. Prints one line per
+call; the sanitizer's summary says whether anything was found.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ferrocupy import AttentionOptions, ComputeEngine, UnifiedTensor
+from ferrocupy.dtypes import ATTENTION_DTYPES
+
+
+def main() -> None:
+    eng = ComputeEngine("cuda", quiet=True)
+    rng = np.random.default_rng(0)
+    B, Sq, Sk, H, Hkv = 1, 70, 90, 4, 2
+    for dtype in ATTENTION_DTYPES:
+        for d in (64, 6, 7) if dtype != np.float32 else (64, 7):
+            def put(shape, scale=1.0):
+                a = (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+                return UnifiedTensor.from_numpy(a, device="cuda")
+            q, k, v = put((B, Sq, H, d)), put((B, Sk, Hkv, d)), put((B, Sk, Hkv, d))
+            go = put((B, Sq, H, d))
+            mask = UnifiedTensor.from_numpy(rng.standard_normal((B, 1, Sq, Sk)).astype(dtype),
+                                            device="cuda")
+            out = UnifiedTensor.empty(q.shape, dtype, device="cuda")
+            lse = UnifiedTensor.empty((B, H, Sq), np.float32, device="cuda")
+            opts = AttentionOptions(causal=True, causal_offset=20, window=40, dropout_prob=0.2,
+                                    seed=3)
+            eng.flash_attention_v2_with(q, k, v, out, opts, mask, lse=lse)
+            grads = [UnifiedTensor.empty(x.shape, dtype, device="cuda") for x in (q, k, v)]
+            eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, opts, mask, lse=lse)
+            eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, opts, mask)
+            eng.flash_attention_v2_with(q, k, v, out)  # no options: the tile fast paths
+            eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, lse=None)
+            if d % 2 == 0:
+                eng.rope(q, d, 3)
+            import cupy
+
+            cupy.cuda.Device().synchronize()
+            print(f"{np.dtype(dtype)} d={d}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

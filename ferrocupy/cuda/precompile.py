@@ -1,0 +1,54 @@
+"""Compile every kernel variant for the current GPU ahead of first use, in parallel.
+
+    python -m ferrocupy.cuda.precompile [--dtype float16,bfloat16] [--jobs N]
+
+NVRTC compiles each variant the first time it is launched (a few seconds each); CuPy then keeps
+the binary in its on-disk cache, so later processes start fast. This fills that cache for every
+variant `configs.select` can return on this GPU (NVRTC releases the GIL, so threads overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ferrocupy.cuda.precompile")
+    ap.add_argument("--dtype", default="float32,float16,bfloat16")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+
+    import cupy
+
+    from .. import dtypes
+    from . import configs
+    from .loader import KernelLoader
+
+    wanted = [dtypes.parse(d) for d in args.dtype.split(",")]
+    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    jobs = {(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
+             tuple(sorted(configs.rope_defines(d).items()))) for d in wanted}
+    for (op, dtype, dp), candidates in configs.TABLE.items():
+        if dtype in wanted:
+            v = configs.select(op, dtype, dp, limit)
+            jobs.add((v.source, v.kernel, tuple(sorted(v.defines.items()))))
+    loader = KernelLoader()
+    device = cupy.cuda.Device().id
+    t0 = time.time()
+
+    def build(job):
+        with cupy.cuda.Device(device):
+            loader.function(job[0], job[1], dict(job[2]))
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(build, sorted(jobs)))
+    print(f"compiled {len(jobs)} kernels in {time.time() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
