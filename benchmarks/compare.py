@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
 """ferrocupy against PyTorch SDPA and the device's ceilings, in one run on one GPU.
 
-    python benchmarks/compare.py --quick                      # < 2 min
-    python benchmarks/compare.py --json results.json --plot results.png   # full set, < 8 min
-    python benchmarks/compare.py --dtype float32,bfloat16,float16 --cases s4096
+    python benchmarks/compare.py --quick                      # all three dtypes, small set
+    python benchmarks/compare.py --json results.json --plot results.png   # full set
+    python benchmarks/compare.py --dtype bfloat16,float16     # half precision only, full set
+    python benchmarks/compare.py --dtype bf16,fp16 --cases s1024-,s4096-,s16384-
+    python benchmarks/compare.py --dtype float32 --cases s4096
     python benchmarks/compare.py --list                       # the cases, no GPU needed
+
+`--dtype` takes float32, bfloat16, float16 (or fp32, bf16, fp16); the default is all three. The
+attention sweep is the same for every dtype: D64 and D128, S from 512 to 16384 at 16384 tokens per
+batch (batch = 16384 / S) and hidden 2048 (heads = 2048 / D), causal and not, forward and
+backward (the backward given the forward's out and float32 log-sum-exp, as a training step runs
+it); plus GQA, decode and RoPE. The peers are torch SDPA's flash, cudnn, efficient and math
+backends (flash and cudnn take only float16/bfloat16) and eager RoPE.
 
 Prints a header (date, GPU, driver, CUDA, CuPy, torch, cuDNN), measures the ceilings (device copy
 bandwidth, a large matmul per dtype), then every case: each implementation's first output is
 checked against a float64 reference and only a right answer is timed (median of CUDA-event timed
-repetitions after warm-up). The table comes last. Without a GPU it says so and exits 0.
+repetitions after warm-up). Then one table per dtype, with ferrocupy's ratio to the fastest peer
+and to each peer ("vs flash", "vs cudnn", ...), and the geometric mean of those ratios per dtype
+and direction. Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -30,9 +41,10 @@ import harness  # noqa: E402
 import report  # noqa: E402
 
 # Assumed rates for --list's rough runtime estimate (TFLOP/s fwd, bwd; GB/s), not measurements.
-_RATES = {"float32": {"ferrocupy": (25, 15), "torch-efficient": (40, 30), "torch-math": (15, 10)},
-          "half": {"torch-flash": (300, 250), "torch-efficient": (200, 150),
-                   "torch-cudnn": (450, 400), "torch-math": (60, 40)}}
+_RATES = {"float32": {"ferrocupy": (40, 24), "torch-efficient": (45, 35), "torch-math": (15, 10)},
+          "half": {"ferrocupy": (200, 120), "torch-flash": (300, 250),
+                   "torch-efficient": (200, 150), "torch-cudnn": (450, 400),
+                   "torch-math": (60, 40)}}
 _GBPS = {"ferrocupy": 3000, "torch-eager": 700}
 
 
@@ -40,8 +52,9 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="the small set: issue-3 floor cases, D128 S in {1k,4k}, decode, RoPE")
-    ap.add_argument("--dtype", default=None, help="comma list of float32,bfloat16,float16 "
-                    "(default: the dtypes ferrocupy's CUDA engine takes)")
+    ap.add_argument("--dtype", default=",".join(harness.DTYPES),
+                    help="comma list of float32,bfloat16,float16 (also fp32,bf16,fp16; "
+                    "default: all three)")
     ap.add_argument("--cases", default="", help="comma list of substrings of case ids to keep")
     ap.add_argument("--json", metavar="PATH", help="write cases, results and ceilings as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write throughput vs sequence length (PNG)")
@@ -63,15 +76,13 @@ def estimate_seconds(cases, settings: harness.Settings) -> float:
         for impl in peers.implementations(c):
             if c.kind == "attn":
                 rates = _RATES["float32" if c.dtype == "float32" else "half"].get(impl)
-                if rates is None or (impl == "ferrocupy" and c.dtype != "float32"):
+                if rates is None:
                     continue
                 if impl == "torch-math" and c.batch * c.heads * c.seq_q * c.seq_k * 4 > \
                         torch_peers.MATH_SCORE_LIMIT:
                     continue
                 t = c.flops / 1e12 / rates[c.direction == "bwd"] * 1e3
             else:
-                if impl == "ferrocupy" and c.dtype != "float32":
-                    continue
                 t = c.bytes / 1e9 / _GBPS.get(impl, 2000) * 1e3
             reps = harness.plan_reps(t, settings)
             warm = max(settings.warmup_ms, settings.min_warmup * t)
@@ -137,8 +148,9 @@ def _progress(i, n, case, results, secs):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.dtype:
-            harness.parse_dtypes(args.dtype)
+        dtypes = harness.parse_dtypes(args.dtype)
+        if not dtypes:
+            raise ValueError("--dtype names no dtype")
     except ValueError as e:
         print(f"compare.py: {e}", file=sys.stderr)
         return 2
@@ -151,12 +163,13 @@ def main(argv=None) -> int:
         return 0
     settings = harness.QUICK if args.quick else harness.FULL
     if args.list:
-        cases = harness.filter_cases(harness.build_cases(
-            harness.parse_dtypes(args.dtype or "float32"), args.quick), args.cases)
+        cases = harness.filter_cases(harness.build_cases(dtypes, args.quick), args.cases)
         for c in cases:
             print(f"{c.id}{'  [issue-3 floor]' if c.floor else ''}")
         minutes = estimate_seconds(cases, settings) / 60
-        print(f"{len(cases)} cases; rough estimate {minutes:.1f} min (assumed rates, not measured)")
+        print(f"{len(cases)} cases, dtypes {', '.join(dtypes)}, "
+              f"{'quick' if args.quick else 'full'} set; rough estimate {minutes:.1f} min "
+              f"(assumed rates, not measured)")
         return 0
     notes = []
     if os.environ.get("CUPY_TF32", "0") != "0":      # CuPy reads it at import: plain FP32 only
@@ -187,7 +200,6 @@ def main(argv=None) -> int:
         print("PyTorch with CUDA is not importable: peers are skipped", flush=True)
     if args.device_info:
         return 0
-    dtypes = harness.parse_dtypes(args.dtype) if args.dtype else peers.ferro_dtypes()
     cases = harness.filter_cases(harness.build_cases(dtypes, args.quick), args.cases)
     print(f"{len(cases)} cases, dtypes {', '.join(dtypes)}, "
           f"{'quick' if args.quick else 'full'} set", flush=True)
@@ -227,7 +239,10 @@ def main(argv=None) -> int:
         print(f"ferrocupy gave a wrong answer or failed on {len(wrong)} case(s): "
               f"{', '.join(wrong)} (see the notes; exit status 1)")
     print(f"\n{len(cases)} cases in {time.time() - start:.0f} s\n")
-    print(report.format_table(rows))
+    print(report.format_tables(rows))
+    summary = report.ratio_summary(rows)
+    if summary:
+        print("\n" + "\n".join(summary))
     return 1 if wrong else 0
 
 

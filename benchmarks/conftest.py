@@ -2,9 +2,10 @@
 
 One benchmark group per case, holding ferrocupy and every available peer (torch SDPA backends,
 eager torch RoPE). Runs the quick set by default; `--bench-full` runs the full set and
-`--bench-dtype float32,bfloat16,float16` picks dtypes (default: those ferrocupy's CUDA engine
-takes). Each implementation's first output is checked against a float64 reference: a wrong answer
-fails the test and is not timed; a peer that rejects the case is skipped with its reason.
+`--bench-dtype bfloat16,float16` picks dtypes (default: all three, float32, bfloat16 and
+float16). ferrocupy's backward is given the forward's log-sum-exp, as in a training step. Each
+implementation's first output is checked against a float64 reference: a wrong answer fails the
+test and is not timed; a peer that rejects the case is skipped with its reason.
 pytest-benchmark times with `harness.GPU_CLOCK`, a timer that reads CUDA events, so its numbers
 are device time; warm-up runs first so compilation stays out. TFLOP/s or GB/s go to extra_info
 and a side-by-side table is printed at the end. Without a GPU each module has one test,
@@ -37,8 +38,7 @@ def pytest_addoption(parser):
     group.addoption("--bench-full", action="store_true", default=False,
                     help="run the full case set (default: the quick set)")
     group.addoption("--bench-dtype", default=None,
-                    help="comma list of float32,bfloat16,float16 (default: the dtypes "
-                         "ferrocupy's CUDA engine takes)")
+                    help="comma list of float32,bfloat16,float16 (default: all three)")
 
 
 def pytest_generate_tests(metafunc):
@@ -52,8 +52,7 @@ def pytest_generate_tests(metafunc):
     import peers
 
     opt = metafunc.config.getoption
-    dtypes = (harness.parse_dtypes(opt("--bench-dtype")) if opt("--bench-dtype")
-              else peers.ferro_dtypes())
+    dtypes = harness.parse_dtypes(opt("--bench-dtype") or ",".join(harness.DTYPES))
     kinds = metafunc.module.KINDS
     params = []
     for case in harness.build_cases(dtypes, quick=not opt("--bench-full")):
@@ -129,4 +128,6 @@ def pytest_terminal_summary(terminalreporter):
         return
     rows = [report.summarize(harness.case_by_id(cid), res, None) for cid, res in _RESULTS.items()]
     terminalreporter.write_sep("=", "ferrocupy vs peers (median device time)")
-    terminalreporter.write_line(report.format_table(rows))
+    terminalreporter.write_line(report.format_tables(rows))
+    for line in report.ratio_summary(rows):
+        terminalreporter.write_line(line)

@@ -70,17 +70,32 @@ def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
+def bfloat16():
+    """ml_dtypes' bfloat16, the NumPy dtype CuPy (>= 14) and ferrocupy use for bfloat16, or
+    None where ml_dtypes is missing."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def cast(a32, dtype: str):
     """`a32` (CuPy float32) in `dtype`: CuPy for float32/float16; bfloat16 as a torch tensor
-    (the peers need one anyway), or as CuPy's ml_dtypes bfloat16 where PyTorch is missing."""
+    (the peers need one anyway), or as an ml_dtypes bfloat16 CuPy array where PyTorch is
+    missing (CuPy >= 14; NumPy too, which the CPU tests put in CuPy's place)."""
     if dtype != "bfloat16":
         return a32.astype(dtype)
     if harness.torch_cuda() is not None:
         return _torch().from_dlpack(a32).to(_torch().bfloat16)
-    dt = harness._cupy_dtype(dtype)
-    if dt is None:
-        raise Unsupported("bfloat16 needs PyTorch or CuPy with ml_dtypes")
-    return a32.astype(dt)
+    dt = bfloat16()
+    try:
+        if dt is None:
+            raise TypeError("ml_dtypes is not installed")
+        return a32.astype(dt)
+    except Exception as e:
+        raise Unsupported(f"bfloat16 needs PyTorch or CuPy >= 14 with ml_dtypes "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def to_torch(x):
@@ -323,11 +338,15 @@ def prepare_ferrocupy(case, sets) -> Prepared:
                             eng.flash_attention_v2_with(q, k, v, o, opts))
                 outs.append({"out": (out.buffer(), "bshd")})
                 continue
-            eng.flash_attention_v2_with(q, k, v, out, opts)   # backward needs the forward's out
+            # As a training step: the forward writes out and its float32 log-sum-exp, and the
+            # backward is given both (so it does not recompute the LSE). Only the backward is
+            # timed, as with torch, whose autograd graph keeps its forward's LSE.
+            lse = t(_cp().empty((case.batch, case.heads, case.seq_q), dtype=np.float32))
+            eng.flash_attention_v2_with(q, k, v, out, opts, lse=lse)
             do = t(to_cupy(st["do"]))
             g = [t(_empty_like(x.buffer())) for x in (q, k, v)]
-            runs.append(lambda q=q, k=k, v=v, o=out, do=do, g=g:
-                        eng.flash_attention_v2_backward_with(q, k, v, o, do, *g, opts))
+            runs.append(lambda q=q, k=k, v=v, o=out, do=do, g=g, lse=lse:
+                        eng.flash_attention_v2_backward_with(q, k, v, o, do, *g, opts, lse=lse))
             outs.append({n: (x.buffer(), "bshd") for n, x in zip(("dq", "dk", "dv"), g)})
 
     def check():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 
-from harness import FLOOR_ATTN_RATIO, FLOOR_ROPE_PCT, Case
+from harness import DTYPES, FLOOR_ATTN_RATIO, FLOOR_ROPE_PCT, Case
 
 COLUMNS = [  # header, row key, format
     ("case", "case", "{}"), ("ferro ms", "ferro_ms", "{:.3f}"), ("ferro", "ferro_thr", "{:.1f}"),
@@ -16,11 +16,18 @@ COLUMNS = [  # header, row key, format
     ("ferro %ceil", "ferro_pct", "{:.0f}%"), ("peer %ceil", "peer_pct", "{:.0f}%"),
     ("note", "note", "{}"),
 ]
+# The peers that get a "vs NAME" column (ferrocupy's throughput over theirs), in this order.
+PEER_ORDER = ("torch-flash", "torch-cudnn", "torch-efficient", "torch-math", "torch-eager")
+
+
+def short(peer: str) -> str:
+    return peer[len("torch-"):] if peer.startswith("torch-") else peer
 
 
 def summarize(case: Case, results: dict, ceilings: dict | None) -> dict:
     """One table row: ferrocupy against the fastest peer that gave a right answer. `ratio` is
-    ferrocupy's throughput over that peer's (>= 1: ferrocupy faster); `%ceil` is throughput over
+    ferrocupy's throughput over that peer's (>= 1: ferrocupy faster); `ratios` holds the same
+    against every peer that ran (None where ferrocupy has no number); `%ceil` is throughput over
     the device ceiling (the dtype's matmul rate for TFLOP/s, copy bandwidth for GB/s)."""
     ceilings = ceilings or {}
     ceiling = (ceilings.get("matmul_tflops", {}).get(case.dtype) if case.unit == "TFLOP/s"
@@ -28,22 +35,24 @@ def summarize(case: Case, results: dict, ceilings: dict | None) -> dict:
     ferro = results.get("ferrocupy", {})
     ok_peers = {n: r for n, r in results.items() if n != "ferrocupy" and r.get("status") == "ok"}
     best = max(ok_peers, key=lambda n: ok_peers[n]["throughput"], default=None)
-    row = {"case": case.id, "unit": case.unit, "floor": case.floor, "ferro_ms": None,
-           "ferro_thr": None, "ferro_pct": None, "peer": best, "peer_ms": None,
-           "peer_thr": None, "peer_pct": None, "ratio": None, "note": ""}
+    row = {"case": case.id, "dtype": case.dtype, "kind": case.kind, "suite": case.suite,
+           "direction": case.direction, "unit": case.unit, "floor": case.floor,
+           "ferro_ms": None, "ferro_thr": None, "ferro_pct": None, "peer": best, "peer_ms": None,
+           "peer_thr": None, "peer_pct": None, "ratio": None, "ratios": {}, "note": ""}
     if ferro.get("status") == "ok":
         row.update(ferro_ms=ferro["ms"], ferro_thr=ferro["throughput"])
         if ceiling:
             row["ferro_pct"] = 100.0 * ferro["throughput"] / ceiling
     else:
         row["note"] = f"ferrocupy {ferro.get('status', 'not run')}: {ferro.get('reason', '')}"
+    for name, p in ok_peers.items():
+        row["ratios"][name] = (row["ferro_thr"] / p["throughput"]
+                               if row["ferro_thr"] and p["throughput"] else None)
     if best is not None:
         p = ok_peers[best]
-        row.update(peer_ms=p["ms"], peer_thr=p["throughput"])
+        row.update(peer_ms=p["ms"], peer_thr=p["throughput"], ratio=row["ratios"][best])
         if ceiling:
             row["peer_pct"] = 100.0 * p["throughput"] / ceiling
-        if row["ferro_thr"]:
-            row["ratio"] = row["ferro_thr"] / p["throughput"]
     wrong = [n for n, r in results.items() if r.get("status") == "wrong"]
     if wrong and "ferrocupy" not in wrong:
         row["note"] = "; ".join(filter(None, [row["note"], "wrong answer: " + ", ".join(wrong)]))
@@ -92,26 +101,81 @@ def _cell(fmt: str, value) -> str:
     return fmt.format(value)
 
 
+def _peer_columns(rows: list[dict]) -> list[str]:
+    """The peers that ran (right answer) on at least one of `rows`, in PEER_ORDER."""
+    seen = {n for r in rows for n in r.get("ratios", {})}
+    return [n for n in PEER_ORDER if n in seen] + sorted(seen - set(PEER_ORDER))
+
+
 def format_table(rows: list[dict]) -> str:
-    """A fixed-width text table of `summarize` rows, floor cases marked with '*'."""
-    cells = [[h for h, _, _ in COLUMNS]]
+    """A fixed-width text table of `summarize` rows, floor cases marked with '*': ferrocupy,
+    the fastest right peer, then one "vs NAME" column per peer that ran on any row."""
+    peers = _peer_columns(rows)
+    at = [key for _, key, _ in COLUMNS].index("ratio") + 1
+    columns = (COLUMNS[:at] + [(f"vs {short(n)}", ("ratios", n), "{:.2f}x") for n in peers]
+               + COLUMNS[at:])
+    left = {"case", "unit", "peer", "note"}
+    cells = [[h for h, _, _ in columns]]
     for r in rows:
-        line = [_cell(fmt, r.get(key)) for _, key, fmt in COLUMNS]
+        line = [_cell(fmt, r.get("ratios", {}).get(key[1]) if isinstance(key, tuple)
+                      else r.get(key)) for _, key, fmt in columns]
         if r.get("floor"):
             line[0] += " *"
         cells.append(line)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     out = []
     for n, line in enumerate(cells):
-        text = "  ".join((c.ljust(w) if i in (0, 3, 4, len(COLUMNS) - 1) else c.rjust(w))
-                         for i, (c, w) in enumerate(zip(line, widths)))
+        text = "  ".join((c.ljust(w) if key in left else c.rjust(w))
+                         for (_, key, _), c, w in zip(columns, line, widths))
         out.append(text.rstrip())
         if n == 0:
             out.append("-" * len(out[0]))
     out.append("ferro/peer: TFLOP/s (attention) or GB/s (decode: K+V bytes; RoPE: read + "
-               "written); ratio = ferrocupy/peer throughput (>= 1: ferrocupy faster); "
+               "written); ratio = ferrocupy/fastest peer throughput, vs NAME = ferrocupy/NAME "
+               "(>= 1: ferrocupy faster; - where either has no number); "
                "* = issue-3 floor case")
     return "\n".join(out)
+
+
+def format_tables(rows: list[dict]) -> str:
+    """`format_table` per dtype (each with its own peer columns), half precision first-class:
+    float32, bfloat16, float16, each under its own heading."""
+    order = {d: i for i, d in enumerate(DTYPES)}
+    dtypes = sorted({r.get("dtype") for r in rows}, key=lambda d: order.get(d, len(order)))
+    if len(dtypes) <= 1:
+        return format_table(rows)
+    return "\n\n".join(f"== {d} ==\n" + format_table([r for r in rows if r.get("dtype") == d])
+                        for d in dtypes)
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def ratio_summary(rows: list[dict]) -> list[str]:
+    """Per dtype and direction of the attention sweep (grid cases): ferrocupy's throughput over
+    each peer's, as a geometric mean with min-max and the number of cases both ran."""
+    order = {d: i for i, d in enumerate(DTYPES)}
+    grid = [r for r in rows if r.get("kind") == "attn" and r.get("suite") == "grid"]
+    groups = sorted({(r["dtype"], r["direction"]) for r in grid},
+                    key=lambda g: (order.get(g[0], len(order)), g[1] != "fwd"))
+    lines = []
+    for dtype, direction in groups:
+        rs = [r for r in grid if (r["dtype"], r["direction"]) == (dtype, direction)]
+        parts = []
+        for peer in _peer_columns(rs):
+            xs = [r["ratios"][peer] for r in rs if r["ratios"].get(peer)]
+            if xs:
+                parts.append(f"vs {short(peer)} {_geomean(xs):.2f}x ({min(xs):.2f}-"
+                             f"{max(xs):.2f}, {len(xs)})")
+        ferro = sum(1 for r in rs if r.get("ferro_thr"))
+        what = ", ".join(parts) if parts else "no ratio (no case where ferrocupy and a peer ran)"
+        name = "backward (given lse)" if direction == "bwd" else "forward"
+        lines.append(f"  {dtype} {name}: {what}  [ferrocupy ran {ferro}/{len(rs)} cases]")
+    if lines:
+        lines.insert(0, "ferrocupy / peer throughput on the attention sweep, geometric mean "
+                        "(min-max, cases both ran):")
+    return lines
 
 
 def floor_lines(rows: list[dict]) -> list[str]:

@@ -184,6 +184,47 @@ def test_format_table():
     assert lines[3].split()[1] == "-"
 
 
+def test_table_per_peer_ratios_and_summary():
+    rows = []
+    for causal in (False, True):
+        for direction in ("fwd", "bwd"):
+            case = harness.case_by_id(f"attn-{direction}-bfloat16-d128-s4096-"
+                                      f"{'causal' if causal else 'noncausal'}")
+            res = {"ferrocupy": _ok(10.0, case), "torch-flash": _ok(8.0, case),
+                   "torch-cudnn": _ok(5.0, case), "torch-efficient": _ok(20.0, case),
+                   "torch-math": {"status": "skipped", "reason": "too big"}}
+            rows.append(report.summarize(case, res, None))
+    fp16 = harness.case_by_id("attn-fwd-float16-d64-s1024-causal")
+    rows.append(report.summarize(fp16, {"ferrocupy": {"status": "wrong", "reason": "off"},
+                                        "torch-flash": _ok(1.0, fp16)}, None))
+    f32 = harness.case_by_id("attn-fwd-float32-d128-s4096-causal")
+    rows.append(report.summarize(f32, {"ferrocupy": _ok(10.0, f32),
+                                       "torch-efficient": _ok(8.0, f32)}, None))
+    assert rows[0]["ratios"] == pytest.approx({"torch-flash": 0.8, "torch-cudnn": 0.5,
+                                               "torch-efficient": 2.0})
+    assert rows[0]["peer"] == "torch-cudnn" and rows[0]["ratio"] == pytest.approx(0.5)
+    assert rows[4]["ratios"] == {"torch-flash": None}
+    text = report.format_table(rows[:5])
+    head = text.splitlines()[0]
+    assert head.index("ratio") < head.index("vs flash") < head.index("vs cudnn") \
+        < head.index("vs efficient") < head.index("ferro %ceil") and "vs math" not in head
+    assert text.splitlines()[2].split()[7:11] == ["0.50x", "0.80x", "0.50x", "2.00x"]
+    tables = report.format_tables(rows)
+    assert tables.index("== float32 ==") < tables.index("== bfloat16 ==") \
+        < tables.index("== float16 ==")
+    f32_table = tables[tables.index("== float32 =="):tables.index("== bfloat16 ==")]
+    assert "vs efficient" in f32_table and "vs flash" not in f32_table
+    summary = report.ratio_summary(rows)
+    assert summary[1] == ("  float32 forward: vs efficient 0.80x (0.80-0.80, 1)  "
+                          "[ferrocupy ran 1/1 cases]")
+    assert summary[2].startswith("  bfloat16 forward: vs flash 0.80x (0.80-0.80, 2), "
+                                 "vs cudnn 0.50x (0.50-0.50, 2), vs efficient 2.00x")
+    assert summary[3].startswith("  bfloat16 backward (given lse): vs flash 0.80x")
+    assert summary[4] == ("  float16 forward: no ratio (no case where ferrocupy and a peer ran)"
+                          "  [ferrocupy ran 0/1 cases]")
+    json.loads(json.dumps(rows))
+
+
 def test_header_names_every_version():
     info = {"date": "2026-01-01 00:00 UTC", "gpu": "NVIDIA H200", "compute_capability": "9.0",
             "sms": 132, "memory_gib": 139.8, "l2_mb": 62.9, "driver": "580.00",
@@ -227,7 +268,22 @@ def test_compare_exits_cleanly_without_gpu():
     assert out.returncode == 0 and "no GPU to benchmark on" in out.stdout
     listing = subprocess.run([sys.executable, str(BENCH / "compare.py"), "--list", "--quick"],
                              capture_output=True, text=True, timeout=120)
-    assert listing.returncode == 0 and "11 cases" in listing.stdout
+    assert listing.returncode == 0 and "31 cases, dtypes float32, bfloat16, float16" in \
+        listing.stdout
+
+
+def test_compare_list_dtypes(capsys):
+    assert compare.main(["--list", "--quick", "--dtype", "bfloat16,float16"]) == 0
+    out = capsys.readouterr().out
+    assert "20 cases, dtypes bfloat16, float16, quick set" in out
+    assert "attn-bwd-bfloat16-d128-s4096-causal" in out and "float32" not in out
+    assert compare.main(["--list", "--dtype", "bf16,fp16", "--cases", "s1024-,s4096-,s16384-"]) == 0
+    ids = [line for line in capsys.readouterr().out.splitlines() if line.startswith("attn-")]
+    # the half-precision attention cases: D64/D128, S 1k/4k/16k, causal or not, fwd and bwd
+    assert len(ids) == 2 * 2 * 3 * 2 * 2
+    assert {i.split("-")[4] for i in ids} == {"s1024", "s4096", "s16384"}
+    assert compare.main(["--list", "--dtype", "float64"]) == 2
+    assert compare.main(["--list", "--dtype", ","]) == 2
 
 
 # --- the check-then-time pipeline on the CPU ------------------------------------------------------
@@ -282,9 +338,63 @@ def test_pipeline_refuses_a_wrong_answer(cpu_pipeline):
         peers.prepare_checked(run, "ferrocupy")
 
 
-def test_dtype_ferrocupy_does_not_take_is_skipped(cpu_pipeline):
+def test_dtype_ferrocupy_does_not_take_is_skipped(cpu_pipeline, monkeypatch):
+    monkeypatch.setattr(peers._ENGINE["engine"].backend, "dtypes", (np.dtype(np.float32),))
+    assert peers.ferro_dtypes() == ["float32"]
     case = Case("attn", "float16", 1, 32, 32, 2, 2, 16, False)
     with pytest.raises(peers.Unsupported, match="not supported yet"):
         peers.CaseRun(case, l2_bytes=1 << 40).prepare("ferrocupy")
     results = compare.run_case(case, harness.Settings(1, 1, 2, 2), 1 << 40, HostEvents())
-    assert json.loads(json.dumps(results))["ferrocupy"]["status"] == "skipped"
+    res = json.loads(json.dumps(results))["ferrocupy"]
+    assert res["status"] == "skipped" and "not supported yet" in res["reason"]
+
+
+@pytest.mark.parametrize("case", [
+    Case("attn", dt, 2, 40, 40, 4, 2, 16, causal, direction=direction, suite="gqa")
+    for dt in ("bfloat16", "float16") for direction in ("fwd", "bwd")
+    for causal in (False, True)], ids=lambda c: c.id)
+def test_pipeline_half_precision(cpu_pipeline, monkeypatch, case):
+    """bfloat16 and float16 through the whole pipeline on the reference backend: inputs in the
+    dtype, the check against float64 within the dtype's tolerance, and for the backward the
+    forward's lse handed to the backward (the same buffer, filled, float32 [B, H, Sq])."""
+    backend = peers._ENGINE["engine"].backend
+    seen = {"fwd": [], "bwd": []}
+    fwd, bwd = backend.forward, backend.backward
+    monkeypatch.setattr(backend, "forward", lambda b, p: (seen["fwd"].append(b), fwd(b, p)))
+    monkeypatch.setattr(backend, "backward", lambda b, p: (seen["bwd"].append(b), bwd(b, p)))
+    run = peers.CaseRun(case, l2_bytes=case.bytes)
+    assert run.n_sets == 3
+    assert all(str(x.dtype) == case.dtype for st in run.sets for x in st.values())
+    prep, err = peers.prepare_checked(run, "ferrocupy")
+    # the half-precision rounding of the outputs, well inside the tolerance, but not float32's
+    assert 1e-5 < err < case.tolerance / 2, err
+    if case.direction == "fwd":
+        assert not seen["bwd"] and all(b["lse"] is None for b in seen["fwd"])
+    else:
+        assert len(seen["fwd"]) == run.n_sets and len(seen["bwd"]) == 1     # prepare, check
+        for f, b in zip(seen["fwd"], seen["bwd"]):
+            lse = f["lse"]
+            assert lse is not None and b["lse"] is lse and b["out"] is f["out"]
+            assert lse.dtype == np.float32 and lse.shape == (case.batch, case.heads, case.seq_q)
+            assert np.isfinite(lse).all()
+    prep.run_next()                              # sets 0 then 1, round robin
+    prep.run_next()
+    if case.direction == "bwd":                  # each input set with its own forward's lse
+        assert [id(b["lse"]) for b in seen["bwd"][1:]] == [id(f["lse"]) for f in seen["fwd"][:2]]
+    results = compare.run_case(case, harness.Settings(1, 1, 2, 2), 1 << 40, HostEvents())
+    assert results["ferrocupy"]["status"] == "ok", results["ferrocupy"]
+    assert results["ferrocupy"]["rel_err"] == pytest.approx(err)
+
+
+def test_pipeline_half_precision_refuses_a_wrong_answer(cpu_pipeline):
+    """Off by a few times a right kernel's error (bf16: ~4e-3 out, ~1e-2 gradients; float16
+    eight times less) fails the check: bf16 3% forward, 6% backward; float16 1% and 2%."""
+    for dtype, direction, off in (("bfloat16", "bwd", 1.06), ("bfloat16", "fwd", 1.03),
+                                  ("float16", "bwd", 1.02), ("float16", "fwd", 1.01)):
+        run = peers.CaseRun(Case("attn", dtype, 1, 32, 32, 2, 2, 16, True, direction=direction),
+                            l2_bytes=1 << 40)
+        for per_head in run.reference.values():
+            for key in per_head:
+                per_head[key] = per_head[key] * off
+        with pytest.raises(peers.WrongAnswer, match="rel err"):
+            peers.prepare_checked(run, "ferrocupy")
