@@ -1,0 +1,133 @@
+"""Time every candidate tile geometry of the half-precision kernels on this GPU, one kernel at a
+time, to choose `cuda/configs.py`'s table from measurements (issue 8).
+
+    python3 dev/tile_sweep.py [--dtype bfloat16] [--dims 64,128] [--seq 4096]
+
+Shapes are the benchmark's: 16k tokens per batch (B = 16384 / S), hidden 2048 (H = 2048 / D).
+Each geometry is compiled (in parallel, first), checked against the table's default variant on
+the same inputs, then timed with CUDA events (median of 20 after 3 warm-up launches). Prints
+TFLOP/s per (op, dtype, D, causal, geometry) and torch SDPA flash's for the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+import cupy as cp
+import numpy as np
+
+from ferrocupy import AttentionDims, AttentionOptions
+from ferrocupy.cuda import configs
+from ferrocupy.cuda.backend import CudaBackend
+from ferrocupy.dtypes import parse
+
+GEOMETRIES = {  # (warps, mt, step)
+    configs.FORWARD: [(4, 1, 64), (4, 2, 64), (4, 1, 128), (8, 1, 64), (8, 1, 128), (4, 2, 32),
+                      (8, 2, 64)],
+    configs.BACKWARD_DQ: [(4, 1, 32), (4, 1, 64), (8, 1, 64), (4, 2, 32), (8, 1, 32), (4, 1, 128)],
+    configs.BACKWARD_DKDV: [(4, 1, 16), (4, 1, 32), (4, 1, 64), (8, 1, 32), (8, 1, 64), (4, 2, 32),
+                            (2, 2, 64)],
+}
+FLOPS = {configs.FORWARD: 4, configs.BACKWARD_DQ: 6, configs.BACKWARD_DKDV: 8}  # x B H Sq Sk D
+
+
+def time_ms(fn, reps=20, warm=3) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--seq", type=int, default=4096)
+    args = ap.parse_args()
+    dtype = parse(args.dtype)
+    backend = CudaBackend()
+    limit = backend._smem_limit
+    S = args.seq
+    rows = []
+    for D in (int(x) for x in args.dims.split(",")):
+        B, H = 16384 // S, 2048 // D
+        variants = {op: [configs.Variant(op, dtype, D, *g) for g in gs]
+                    for op, gs in GEOMETRIES.items()}
+        todo = [v for vs in variants.values() for v in vs if v.shared_bytes <= limit]
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda v: backend.loader.function(v.source, v.kernel, v.defines),
+                          todo))
+        rng = cp.random.default_rng(0)
+        mk = lambda *s: rng.standard_normal(s, dtype=cp.float32).astype(dtype)  # noqa: E731
+        q, k, v, do = mk(B, S, H, D), mk(B, S, H, D), mk(B, S, H, D), mk(B, S, H, D)
+        out, gq, gk, gv = (cp.empty_like(x) for x in (q, q, k, v))
+        lse = cp.empty((B, H, S), cp.float32)
+        stats = cp.empty((B * H * S, 2), cp.float32)
+        bufs = dict(q=q, k=k, v=v, out=out, grad_out=do, grad_q=gq, grad_k=gk, grad_v=gv,
+                    mask=None, lse=lse, stats=stats)
+        for causal in (False, True):
+            opts = AttentionOptions(causal=causal)
+            dims = AttentionDims.new(q, k)
+            pf, pb = dims.params(opts), dims.params_bwd(opts)
+            backend.forward(bufs, pf)  # lse and out for the backward kernels
+            backend.backward(bufs, pb)  # stats, from the table's variants
+            want = {n: bufs[n].astype(cp.float32) for n in ("out", "grad_q", "grad_k", "grad_v")}
+            for op, vs in variants.items():
+                p = pf if op == configs.FORWARD else pb
+                flops = FLOPS[op] * B * H * S * S * D / (2 if causal else 1)
+                for var in vs:
+                    if var.shared_bytes > limit:
+                        continue
+                    key = (op, dtype, D)
+                    backend.table = dict(configs.TABLE, **{}) | {key: (var,)}
+                    launch = backend._plan(op, bufs, p)
+                    run = lambda launch=launch, p=p: backend._launch(*launch, p)  # noqa: E731
+                    run()
+                    name = {configs.FORWARD: "out", configs.BACKWARD_DQ: "grad_q",
+                            configs.BACKWARD_DKDV: "grad_k"}[op]
+                    got = bufs[name].astype(cp.float32)
+                    err = float(cp.linalg.norm(got - want[name]) / cp.linalg.norm(want[name]))
+                    ms = time_ms(run)
+                    rows.append((op, str(dtype), D, causal, f"w{var.warps} m{var.mt} n{var.step}",
+                                 ms, flops / ms / 1e9, err))
+                    backend.table = configs.TABLE
+            try:
+                import torch
+                import torch.nn.functional as F
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                tdt = getattr(torch, str(dtype))
+                tq, tk, tv = (torch.randn(B, H, S, D, device="cuda", dtype=tdt,
+                                          requires_grad=True) for _ in range(3))
+                for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                                 ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    with sdpa_kernel(be):
+                        o = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                        g = torch.randn_like(o)
+                        fwd = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731,E501
+                        bwd = lambda: torch.autograd.grad(o, (tq, tk, tv), g, retain_graph=True)  # noqa: E731,E501
+                        for direction, fn, fl in (("fwd", fwd, 4), ("bwd", bwd, 10)):
+                            ms = time_ms(fn)
+                            rows.append((f"torch-{name}-{direction}", str(dtype), D, causal, "",
+                                         ms, fl * B * H * S * S * D / (2 if causal else 1) / ms / 1e9,
+                                         0.0))
+            except Exception as e:  # noqa: BLE001 - torch missing or backend unavailable
+                print(f"torch peer skipped: {type(e).__name__}: {e}")
+    print(f"{'op':<22}{'dtype':<10}{'D':>4} {'causal':<7}{'geometry':<14}{'ms':>9}{'TFLOP/s':>9}"
+          f"{'rel err':>10}")
+    for r in rows:
+        print(f"{r[0]:<22}{r[1]:<10}{r[2]:>4} {str(r[3]):<7}{r[4]:<14}{r[5]:>9.3f}{r[6]:>9.1f}"
+              f"{r[7]:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()
