@@ -109,8 +109,8 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
     need less shared memory, for GPUs with a smaller per-block limit."""
     if dtype == FLOAT32:
         return [{FORWARD: (4, 1, 64), BACKWARD_DQ: (4, 1, 32), BACKWARD_DKDV: (4, 1, 32)}[op]]
-    if op == FORWARD:
-        return [(4, 2, 64), (4, 1, 64)]
+    if op == FORWARD:  # 32 query rows per warp: each K/V fragment feeds two m-tiles
+        return [(4, 2, 64), (4, 1, 64)] if dp <= 64 else [(4, 2, 32), (4, 1, 64)]
     if op == BACKWARD_DQ:
         return [(4, 1, 64), (4, 1, 32)]
     return [(4, 1, 64) if dp <= 64 else (4, 1, 32), (4, 1, 32) if dp <= 64 else (4, 1, 16)]

@@ -27,7 +27,7 @@ template <class T, int VEC, int ROWS, int DP, int PITCH, int THREADS>
 __device__ __forceinline__ void load_tile_vec(T* smem, const T* base, u64 row_stride,
                                               long long row0, long long n_rows, int D) {
     constexpr int PER_ROW = DP / VEC;
-#pragma unroll 4
+#pragma unroll 1  // unrolled, its addresses would be hoisted out of the key loop: ~80 registers
     for (int idx = threadIdx.x; idx < ROWS * PER_ROW; idx += THREADS) {
         const int r = idx / PER_ROW, c = (idx % PER_ROW) * VEC;
         const long long row = row0 + r;

@@ -58,37 +58,39 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
-    const u32 a = (u32)__cvta_generic_to_shared(p);
+// ldmatrix takes a 32-bit shared-memory address; each thread's address is a per-tile base (its
+// lane's row and column folded in once) plus a compile-time offset, which the instruction encodes
+// as an immediate: no address registers per fragment.
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u16* p) {
-    const u32 a = (u32)__cvta_generic_to_shared(p);
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// The A fragment of rows [0, 16) x cols [k0, k0 + 16) of a row-major tile x (pitch PITCH).
+// Lane bases (bytes) of the three fragment kinds, for a row-major tile with pitch PITCH:
+//   A 16x16 at (row 0, col 0): lanes 0-15 rows 0-15 at col 0, lanes 16-31 the same at col 8.
+//   B from x[n][k] (K for S = Q K^T), n-tiles n, n+8 x k 16: matrix m = lane/8 at
+//     n + 8*(m>>1) + lane%8, k + 8*(m&1) -> b[0], b[1] (n-tile n), b[2], b[3] (n-tile n+8).
+//   B from x[k][n] (V for O = P V) through the transpose: k + 8*(m&1) + lane%8, n + 8*(m>>1).
 template <int PITCH>
-__device__ __forceinline__ void frag_a(const u16* x, int k0, u32 (&a)[4]) {
+__device__ __forceinline__ u32 lane_a(const u16* x) {
     const int l = threadIdx.x & 31;
-    ldmatrix_x4(a, x + (l & 15) * PITCH + k0 + 8 * (l >> 4));
+    return smem_u32(x + (l & 15) * PITCH + 8 * (l >> 4));
 }
-
-// B fragments of two n-tiles (n0 .. n0+15) x k [k0, k0+16) from a tile stored n-major, x[n][k]
-// (K for S = Q K^T): b[0], b[1] for n-tile n0, b[2], b[3] for n0 + 8.
 template <int PITCH>
-__device__ __forceinline__ void frag_b_nk(const u16* x, int n0, int k0, u32 (&b)[4]) {
+__device__ __forceinline__ u32 lane_b_nk(const u16* x) {
     const int l = threadIdx.x & 31, m = l >> 3;
-    ldmatrix_x4(b, x + (n0 + 8 * (m >> 1) + (l & 7)) * PITCH + k0 + 8 * (m & 1));
+    return smem_u32(x + (8 * (m >> 1) + (l & 7)) * PITCH + 8 * (m & 1));
 }
-
-// The same from a tile stored k-major, x[k][n] (V for O = P V), through ldmatrix's transpose.
 template <int PITCH>
-__device__ __forceinline__ void frag_b_kn(const u16* x, int n0, int k0, u32 (&b)[4]) {
+__device__ __forceinline__ u32 lane_b_kn(const u16* x) {
     const int l = threadIdx.x & 31, m = l >> 3;
-    ldmatrix_x4_trans(b, x + (k0 + 8 * (m & 1) + (l & 7)) * PITCH + n0 + 8 * (m >> 1));
+    return smem_u32(x + (8 * (m & 1) + (l & 7)) * PITCH + 8 * (m >> 1));
 }
 
 // acc[mt] (16 x 8*NT, MT m-tiles) = A B^T with A the MT*16 rows at sA and B the 8*NT rows at sB,
@@ -96,6 +98,7 @@ __device__ __forceinline__ void frag_b_kn(const u16* x, int n0, int k0, u32 (&b)
 template <int MT, int NT, int DP, int PITCH>
 __device__ __forceinline__ void gemm_abt(const u16* sA, const u16* sB, float (&acc)[MT][NT][4]) {
     static_assert(NT % 2 == 0, "n-tiles come in pairs");
+    const u32 a0 = lane_a<PITCH>(sA), b0 = lane_b_nk<PITCH>(sB);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -105,11 +108,11 @@ __device__ __forceinline__ void gemm_abt(const u16* sA, const u16* sB, float (&a
     for (int k0 = 0; k0 < DP; k0 += 16) {
         u32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) frag_a<PITCH>(sA + mt * 16 * PITCH, k0, a[mt]);
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], a0 + 2 * (mt * 16 * PITCH + k0));
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             u32 b[4];
-            frag_b_nk<PITCH>(sB, np * 16, k0, b);
+            ldmatrix_x4(b, b0 + 2 * (np * 16 * PITCH + k0));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 mma16816(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -119,33 +122,32 @@ __device__ __forceinline__ void gemm_abt(const u16* sA, const u16* sB, float (&a
     }
 }
 
-// An accumulator tile (16 x 8*NT, float32) rounded into A fragments, one per 16 columns.
-template <int NT>
-__device__ __forceinline__ void acc_to_a(const float (&c)[NT][4], u32 (&a)[NT / 2][4]) {
+// acc[mt] (16 x DP) += A[mt] B with A an accumulator tile (16 x 8*NT, float32, e.g. P), rounded
+// into A fragments 16 columns at a time as they are used (so no second copy of the tile is held
+// in registers), and B the 8*NT x DP tile at sB, stored [k][DP] in shared memory (V, K, Q, dO).
+template <int MT, int NT, int DP, int PITCH>
+__device__ __forceinline__ void gemm_acc_ab(const float (&c)[MT][NT][4], const u16* sB,
+                                            float (&acc)[MT][DP / 8][4]) {
+    const u32 b0 = lane_b_kn<PITCH>(sB);
 #pragma unroll
     for (int kk = 0; kk < NT / 2; ++kk) {
-        a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
-        a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
-        a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-        a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-    }
-}
-
-// acc[mt] (16 x DP) += A[mt] B with A given as fragments (16 x 8*NT, e.g. P) and B the
-// 8*NT x DP tile at sB, stored [k][DP] in shared memory (V, K, Q or dO).
-template <int MT, int NT, int DP, int PITCH>
-__device__ __forceinline__ void gemm_acc_ab(const u32 (&a)[MT][NT / 2][4], const u16* sB,
-                                            float (&acc)[MT][DP / 8][4]) {
+        u32 a[MT][4];
 #pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk)
+        for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = pack2(c[mt][2 * kk][0], c[mt][2 * kk][1]);
+            a[mt][1] = pack2(c[mt][2 * kk][2], c[mt][2 * kk][3]);
+            a[mt][2] = pack2(c[mt][2 * kk + 1][0], c[mt][2 * kk + 1][1]);
+            a[mt][3] = pack2(c[mt][2 * kk + 1][2], c[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int dp = 0; dp < DP / 16; ++dp) {
             u32 b[4];
-            frag_b_kn<PITCH>(sB, dp * 16, kk * 16, b);
+            ldmatrix_x4_trans(b, b0 + 2 * (kk * 16 * PITCH + dp * 16));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                mma16816(acc[mt][2 * dp], a[mt][kk], b[0], b[1]);
-                mma16816(acc[mt][2 * dp + 1], a[mt][kk], b[2], b[3]);
+                mma16816(acc[mt][2 * dp], a[mt], b[0], b[1]);
+                mma16816(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
             }
         }
+    }
 }

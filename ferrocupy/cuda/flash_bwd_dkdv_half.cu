@@ -106,7 +106,6 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
         __syncthreads();  // dO_t and its stats landed
         gemm_abt<MT, NT, DP, PITCH>(sVw, sdO, dpT);
         const bool whole = !s.has_mask && wholly_visible(s, i0, i0 + BQ - 1, k0, k0 + BK - 1);
-        u32 pa[MT][NT / 2][4], da[MT][NT / 2][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -140,14 +139,12 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
                     dpT[mt][nt][r] = P * (dP - sSt[2 * ci]);        // dS
                 }
             }
-            acc_to_a<NT>(sT[mt], pa[mt]);
-            acc_to_a<NT>(dpT[mt], da[mt]);
         }
-        gemm_acc_ab<MT, NT, DP, PITCH>(da, sQ, dk);
+        gemm_acc_ab<MT, NT, DP, PITCH>(dpT, sQ, dk);  // dpT holds dS^T
         __syncthreads();  // every warp is done with Q_t
         if (more) load_q(t + 1);
         cp_async_commit();
-        gemm_acc_ab<MT, NT, DP, PITCH>(pa, sdO, dv);
+        gemm_acc_ab<MT, NT, DP, PITCH>(sT, sdO, dv);  // sT holds P'^T
         __syncthreads();  // every warp is done with dO_t and its stats
         if (more) load_do(t + 1);
         cp_async_commit();

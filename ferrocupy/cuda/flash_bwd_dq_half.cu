@@ -148,7 +148,6 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         __syncthreads();  // K_j landed
         gemm_abt<MT, NT, DP, PITCH>(sQw, sK, sc);
         const bool whole = keys_wholly_visible<BN>(s, T, j0);
-        u32 da[MT][NT / 2][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             score_tile<NT>(s, mask, T.b, T.h, T.row(mt, 0), T.row(mt, 1), j0, whole, L, sc[mt]);
@@ -172,9 +171,8 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                     sc[mt][nt][r] = P * (dP - delta[mt][r >> 1]);
                 }
             }
-            acc_to_a<NT>(sc[mt], da[mt]);
         }
-        gemm_acc_ab<MT, NT, DP, PITCH>(da, sK, dq);
+        gemm_acc_ab<MT, NT, DP, PITCH>(sc, sK, dq);  // sc holds dS
         __syncthreads();  // every warp is done with K_j
         if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D, vec);
         cp_async_commit();

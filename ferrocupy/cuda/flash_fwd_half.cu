@@ -72,7 +72,6 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
         cp_async_commit();
 
         const bool whole = keys_wholly_visible<BN>(s, T, j0);
-        u32 pa[MT][NT / 2][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             score_tile<NT>(s, mask, T.b, T.h, T.row(mt, 0), T.row(mt, 1), j0, whole, L, sc[mt]);
@@ -97,12 +96,11 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
                         if (!(keep & 2u)) sc[mt][nt][2 * rr + 1] = 0.f;
                     }
             }
-            acc_to_a<NT>(sc[mt], pa[mt]);
         }
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed (K_{j+1} may still be in flight)
-        gemm_acc_ab<MT, NT, DP, PITCH>(pa, sV, o);
+        gemm_acc_ab<MT, NT, DP, PITCH>(sc, sV, o);
     }
 
     const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
