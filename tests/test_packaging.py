@@ -53,7 +53,8 @@ def test_wheel_metadata_extras(wheel):
         meta = next(z.read(n).decode() for n in z.namelist() if n.endswith(".dist-info/METADATA"))
     assert "Requires-Python: >=3.10" in meta
     assert "Requires-Dist: numpy>=1.24" in meta
-    for extra, dist in [("cuda12", "cupy-cuda12x>=13"), ("cuda13", "cupy-cuda13x>=14"),
+    assert "Requires-Dist: ml_dtypes>=0.3" in meta  # bfloat16
+    for extra, dist in [("cuda12", "cupy-cuda12x>=14"), ("cuda13", "cupy-cuda13x>=14"),
                         ("test", "pytest>=7"), ("test", "pytest-benchmark>=4"),
                         ("plot", "matplotlib")]:
         assert f"Provides-Extra: {extra}" in meta
