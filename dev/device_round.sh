@@ -14,3 +14,7 @@ for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool python3 dev/sanitize_run.py > "$OUT/sanitize_$tool.log" 2>&1
     echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Error|error' "$OUT/sanitize_$tool.log" | tail -2)"
 done
+if [ -n "${SWEEP:-}" ]; then
+    timeout 150 python3 dev/tile_sweep.py --dtype bfloat16 > "$OUT/sweep.txt" 2>&1
+    tail -90 "$OUT/sweep.txt"
+fi
