@@ -98,6 +98,9 @@ class UnifiedTensor:
             return cls(a.copy())
         cp = _cupy()
         with cp.cuda.Device(_device_id(device)):
+            if str(a.dtype) == "bfloat16":
+                # bfloat16 crosses as its 16-bit pattern: the copy needs no float conversion
+                return cls(cp.asarray(a.view(np.uint16)).view(a.dtype))
             return cls(cp.asarray(a))
 
     @classmethod
@@ -172,6 +175,8 @@ class UnifiedTensor:
         """A host copy of the data."""
         if isinstance(self._array, np.ndarray):
             return self._array.copy()
+        if str(self._array.dtype) == "bfloat16":
+            return self._array.view(np.uint16).get().view(self._array.dtype)
         return self._array.get()
 
     # --- interop out ----------------------------------------------------------------------------

@@ -20,9 +20,17 @@ from ferrocupy import reference as ref
 requires_gpu = pytest.mark.gpu
 
 
+_NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}  # a quiet NaN's 16-bit pattern
+
+
 def poison(a: np.ndarray) -> np.ndarray:
-    """Fill `a` with NaN in place and return it."""
-    a[...] = np.nan
+    """Fill `a` (NumPy or CuPy) with NaN in place and return it. Half dtypes are filled through
+    their 16-bit pattern, which needs no float conversion of the array library."""
+    bits = _NAN_BITS.get(str(a.dtype))
+    if bits is not None:
+        a.view(np.uint16).fill(bits)
+    else:
+        a[...] = np.nan
     return a
 
 
