@@ -113,7 +113,10 @@ class Device:
         a = np.ascontiguousarray(a)
         base = UnifiedTensor.empty((a.size + 1,), a.dtype, device=self.where).buffer()
         view = base[1:].reshape(a.shape)
-        view[...] = self.xp.asarray(a)
+        if a.dtype.itemsize == 2:  # half dtypes: copy the 16-bit patterns
+            view.view(np.uint16)[...] = self.xp.asarray(a.view(np.uint16))
+        else:
+            view[...] = self.xp.asarray(a)
         self.sync()
         return UnifiedTensor(view)
 
