@@ -4,7 +4,7 @@ Picks the best backend (or the one `--backend` names), runs RoPE, attention forw
 GQA, a broadcast additive mask, a KV-cache decode step with a sliding window, dropout) and the
 matching backward passes on random float32 inputs, and checks every result: on the GPU against the
 NumPy reference backend; on the reference backend against the independent dense NumPy formulas
-below (SPEC.md written out densely, with its own Philox). Prints one row per check and exits
+below (docs/semantics.md written out densely, with its own Philox). Prints one row per check and exits
 non-zero if any check fails.
 """
 
@@ -307,6 +307,18 @@ def _print_table(rows: list[Row], backend: str, oracle: str) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1])
 
 
+def _seed(text: str) -> int:
+    """`--seed`: a non-negative integer (what `numpy.random.default_rng` takes), else a usage
+    error from argparse (exit code 2), not a traceback."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m ferrocupy",
@@ -316,7 +328,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("cuda", "reference"),
                     help="backend to test (default: CUDA when a GPU is usable, else reference)")
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
-    ap.add_argument("--seed", type=int, help="seed of the random inputs (default: fresh)")
+    ap.add_argument("--seed", type=_seed, metavar="N",
+                    help="seed of the random inputs, an integer >= 0 (default: fresh)")
     args = ap.parse_args(argv)
 
     start = time.perf_counter()
@@ -343,7 +356,7 @@ def main(argv=None) -> int:
     else:
         print("backend: reference (NumPy on the host, float64 inside)")
         if not _philox_known_answers():
-            print("FAIL: the demo's own Philox4x32-10 misses SPEC.md's known answers")
+            print("FAIL: the demo's own Philox4x32-10 misses the known answers of docs/semantics.md")
             return 1
         oracle, oracle_name = DenseOracle(), "dense NumPy"
         print("checked against: independent dense NumPy formulas (own Philox, known answers ok)")

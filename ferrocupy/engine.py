@@ -71,6 +71,23 @@ def _make_backend(backend: str):
 
         return ReferenceBackend()
     if backend == "cuda":
+        # No CuPy, no driver or no GPU: say which, and what to install, not CuPy's raw error.
+        missing, cause = None, None
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() == 0:
+                missing = "CuPy sees no CUDA GPU"
+        except ImportError as e:
+            missing, cause = f"CuPy is not installed ({type(e).__name__}: {e})", e
+        except Exception as e:  # CUDARuntimeError: no NVIDIA driver, or one too old
+            missing, cause = f"no usable NVIDIA driver or GPU ({type(e).__name__}: {e})", e
+        if missing:
+            raise RuntimeError(
+                f"backend='cuda' needs CuPy, an NVIDIA driver and a CUDA GPU: {missing}. "
+                f"Install CuPy with pip install 'ferrocupy[cuda13]' (for drivers that support "
+                f"CUDA 13) or 'ferrocupy[cuda12]' (CUDA 12), on a machine with an NVIDIA GPU and "
+                f"its driver; or use backend='reference' (NumPy, no GPU)") from cause
         from .cuda.backend import CudaBackend
 
         return CudaBackend()

@@ -106,14 +106,24 @@ class Variant:
 
 def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
     """(warps, mt, step) candidates for one (op, dtype, padded head_dim), best first; later ones
-    need less shared memory, for GPUs with a smaller per-block limit."""
+    need less shared memory, for GPUs with a smaller per-block limit.
+
+    The half-precision choices are dev/tile_sweep.py's fastest (sum of causal and non-causal
+    TFLOP/s, bfloat16, S 4096, 16k tokens, H200, 2026-12-03), measured at head_dim 64 and 128 and
+    used for the padded head_dims up to 64 and above 64 respectively:
+      forward  d64  4x32 rows, 64 keys: 202 + 167 (4x16 rows: 180 + 167)
+               d128 4x32 rows, 32 keys: 234 + 202 (64 keys: 236 + 196, but it spills)
+      dQ       d64  4x16 rows, 64 keys: 193 + 182;  d128 4x32 rows, 32 keys: 243 + 218
+      dK/dV    d64  4x32 keys, 32 rows: 113 + 107;  d128 8x16 keys, 64 rows: 157 + 150
+    """
     if dtype == FLOAT32:
         return [{FORWARD: (4, 1, 64), BACKWARD_DQ: (4, 1, 32), BACKWARD_DKDV: (4, 1, 32)}[op]]
+    small = dp <= 64
     if op == FORWARD:  # 32 query rows per warp: each K/V fragment feeds two m-tiles
-        return [(4, 2, 64), (4, 1, 64)] if dp <= 64 else [(4, 2, 32), (4, 1, 64)]
+        return [(4, 2, 64), (4, 1, 64)] if small else [(4, 2, 32), (4, 1, 64)]
     if op == BACKWARD_DQ:
-        return [(4, 1, 64), (4, 1, 32)]
-    return [(4, 1, 64) if dp <= 64 else (4, 1, 32), (4, 1, 32) if dp <= 64 else (4, 1, 16)]
+        return [(4, 1, 64), (4, 1, 32)] if small else [(4, 2, 32), (4, 1, 32)]
+    return [(4, 2, 32), (4, 1, 32)] if small else [(8, 1, 64), (4, 1, 32), (4, 1, 16)]
 
 
 def _table() -> dict:
