@@ -1,0 +1,20 @@
+"""One forward and one backward (given lse) at the benchmark's D128 S4096 bf16 shape, for ncu:
+
+    ncu --clock-control none --section SpeedOfLight ... python3 dev/profile_once.py
+"""
+
+import cupy as cp
+
+from ferrocupy import AttentionOptions, ComputeEngine, UnifiedTensor
+
+B, S, H, D = 4, 4096, 16, 128
+eng = ComputeEngine("cuda", quiet=True)
+rng = cp.random.default_rng(0)
+q, k, v, do = (UnifiedTensor(rng.standard_normal((B, S, H, D), dtype=cp.float32)
+                             .astype("bfloat16")) for _ in range(4))
+out, gq, gk, gv = (UnifiedTensor(cp.empty((B, S, H, D), dtype="bfloat16")) for _ in range(4))
+lse = UnifiedTensor(cp.empty((B, H, S), dtype=cp.float32))
+opts = AttentionOptions()
+eng.flash_attention_v2_with(q, k, v, out, opts, lse=lse)
+eng.flash_attention_v2_backward_with(q, k, v, out, do, gq, gk, gv, opts, lse=lse)
+cp.cuda.Device().synchronize()
