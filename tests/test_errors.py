@@ -5,12 +5,13 @@ as a sentinel and must still hold it, bit for bit)."""
 from __future__ import annotations
 
 import re
+import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from ferrocupy import AttentionOptions, ComputeEngine
+from ferrocupy import AttentionOptions, ComputeEngine, UnifiedTensor, cuda_available
 from ferrocupy.dtypes import BFLOAT16
 
 SENTINEL = -12345.5
@@ -437,6 +438,24 @@ def test_rope_non_contiguous(eng):
     assert untouched(x)
 
 
+@pytest.mark.parametrize("wrap", [False, True])
+@pytest.mark.parametrize("call", ["rope", "rope_theta"])
+def test_rope_read_only(eng, rng, call, wrap):
+    """rope writes in place: a read-only array is refused by name, before NumPy's own
+    "assignment destination is read-only", and left as it was."""
+    x = rng.standard_normal((2, 3, 2, 8)).astype(np.float32)
+    before = x.copy()
+    x.flags.writeable = False
+    arg = UnifiedTensor(x) if wrap else x
+    with pytest.raises(ValueError, match=r"^tensor \(shape \(2, 3, 2, 8\)\) is read-only; "
+                                         r"rope writes it in place$"):
+        if call == "rope":
+            eng.rope(arg, 8, 0)
+        else:
+            eng.rope_theta(arg, 8, 3, 500000.0)
+    assert x.tobytes() == before.tobytes() and not x.flags.writeable
+
+
 # --- single-head forms ----------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(SQ,), (1, SQ, D), (1, SQ, 1, D)])
 def test_single_head_wrong_rank(eng, rng, shape):
@@ -529,3 +548,64 @@ def test_sequence_of_2_31_rejected(field):
     k = SimpleNamespace(shape=(1, big if field == "seq_k" else 4, 1, 8))
     with pytest.raises(ValueError, match=rf"{field} = {big} must be below 2\*\*31"):
         AttentionDims.new(q, k)
+
+
+# --- a backend that cannot start ------------------------------------------------------------------
+def _says_what_to_install(message: str) -> None:
+    for part in ("backend='cuda' needs CuPy, an NVIDIA driver and a CUDA GPU",
+                 "pip install 'ferrocupy[cuda13]'", "'ferrocupy[cuda12]'",
+                 "NVIDIA GPU and its driver", "backend='reference'"):
+        assert part in message, (part, message)
+
+
+@pytest.mark.skipif(cuda_available(), reason="a CUDA GPU is usable here")
+def test_cuda_backend_without_a_gpu():
+    """CuPy installed, no driver or no GPU (this machine, CI's): a plain RuntimeError saying
+    what is missing and what to install, not CuPy's raw CUDARuntimeError."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (the no-CuPy case is below)")
+    with pytest.raises(RuntimeError) as err:
+        ComputeEngine(backend="cuda")
+    assert type(err.value) is RuntimeError, type(err.value)  # CUDARuntimeError subclasses it
+    assert not isinstance(err.value, cupy.cuda.runtime.CUDARuntimeError)
+    message = str(err.value)
+    _says_what_to_install(message)
+    assert "no usable NVIDIA driver or GPU (CUDARuntimeError: " in message \
+        or "CuPy sees no CUDA GPU" in message
+
+
+def test_cuda_backend_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now fails as if not installed
+    with pytest.raises(RuntimeError) as err:
+        ComputeEngine(backend="cuda")
+    assert type(err.value) is RuntimeError
+    assert isinstance(err.value.__cause__, ModuleNotFoundError)
+    _says_what_to_install(str(err.value))
+    assert "CuPy is not installed (ModuleNotFoundError: " in str(err.value)
+
+
+@pytest.mark.parametrize("runtime", ["no device", "no driver"])
+def test_cuda_backend_with_cupy_but_no_usable_gpu(monkeypatch, runtime):
+    """The same message wherever it runs (a GPU machine too): a stand-in CuPy whose runtime
+    counts no device, or fails as it does without a driver."""
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def count():
+        if runtime == "no driver":
+            raise CUDARuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+        return 0
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=count)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    with pytest.raises(RuntimeError) as err:
+        ComputeEngine(backend="cuda")
+    assert type(err.value) is RuntimeError
+    _says_what_to_install(str(err.value))
+    assert ("CuPy sees no CUDA GPU" if runtime == "no device" else
+            "(CUDARuntimeError: cudaErrorNoDevice: no CUDA-capable device is detected)"
+            ) in str(err.value)
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match=r"backend must be 'cuda' or 'reference', got 'gpu'"):
+        ComputeEngine(backend="gpu")

@@ -115,7 +115,37 @@ def test_demo_reports_a_kernel_that_raises(capsys, monkeypatch):
 @pytest.mark.skipif(cuda_available(), reason="a CUDA GPU is usable here")
 def test_demo_cuda_without_gpu_exits_2(capsys):
     assert demo.main(["--backend", "cuda", "--quick"]) == 2
-    assert "cannot start the cuda backend" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot start the cuda backend: RuntimeError: backend='cuda' needs CuPy" in err
+    assert "pip install 'ferrocupy[cuda13]'" in err
+
+
+# --- bad option values: argparse's usage error (exit code 2), never a traceback ------------------
+@pytest.mark.parametrize("value", ["-1", "-12345678901234567890", "abc", "1.5", ""])
+def test_demo_bad_seed_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(["--backend", "reference", "--quick", "--seed", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument --seed: must be an integer >= 0, got {value!r}" in err
+    assert "Traceback" not in err
+
+
+def test_demo_negative_seed_from_the_shell():
+    proc = subprocess.run([sys.executable, "-m", "ferrocupy", "--quick", "--seed", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "usage: python -m ferrocupy" in proc.stderr
+    assert "argument --seed: must be an integer >= 0, got '-1'" in proc.stderr
+    assert proc.stdout == ""  # stopped before picking a backend or running anything
+
+
+@pytest.mark.parametrize("value", ["0", "2", str(2**70)])
+def test_demo_seed_edges_accepted(capsys, value):
+    rc, out = run_demo(capsys, "--seed", value)
+    assert rc == 0, out
+    assert f"input seed {value}: replay with --seed {value}" in out
 
 
 # --- the demo's own oracle ----------------------------------------------------------------------

@@ -26,7 +26,7 @@ def _sources(patterns) -> set[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(PKG, src / "ferrocupy",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -52,8 +52,10 @@ def test_wheel_metadata_extras(wheel):
     with zipfile.ZipFile(wheel) as z:
         meta = next(z.read(n).decode() for n in z.namelist() if n.endswith(".dist-info/METADATA"))
     assert "Requires-Python: >=3.10" in meta
-    assert "Requires-Dist: numpy>=1.24" in meta
-    assert "Requires-Dist: ml_dtypes>=0.3" in meta  # bfloat16
+    # numpy 2.2.5: the first whose np.from_dlpack gives writeable arrays (tests/test_tensor.py's
+    # test_dlpack_in_without_copy); ml_dtypes 0.4: the first that imports under NumPy 2.
+    assert "Requires-Dist: numpy>=2.2.5" in meta
+    assert "Requires-Dist: ml_dtypes>=0.4" in meta  # bfloat16
     for extra, dist in [("cuda12", "cupy-cuda12x>=14"), ("cuda13", "cupy-cuda13x>=14"),
                         ("test", "pytest>=7"), ("test", "pytest-benchmark>=4"),
                         ("plot", "matplotlib")]:
@@ -62,6 +64,21 @@ def test_wheel_metadata_extras(wheel):
     import ferrocupy
 
     assert f"Version: {ferrocupy.__version__}" in meta
+
+
+def test_wheel_carries_the_mit_license(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = next(z.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+        licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        assert len(licenses) == 1, names
+        shipped = z.read(licenses[0]).decode()
+    assert "License-Expression: MIT" in meta.splitlines()
+    assert "License-File: LICENSE" in meta.splitlines()
+    assert shipped == (ROOT / "LICENSE").read_text()
+    assert shipped.startswith("MIT License\n")
+    assert "Copyright (c) 2026 ferrocupy contributors" in shipped
+    assert "Permission is hereby granted, free of charge" in shipped
 
 
 def test_installed_package_loads_kernels_from_itself(wheel, tmp_path):
