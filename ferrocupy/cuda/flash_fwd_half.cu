@@ -75,19 +75,13 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             score_tile<NT>(s, mask, T.b, T.h, T.row(mt, 0), T.row(mt, 1), j0, whole, L, sc[mt]);
-            float alpha[2];
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
-                alpha[rr] = online_softmax<NT>(sc[mt], rr, m_run[mt][rr], l_run[mt][rr]);
-            // Rescale O only when some row's max moved (alpha != 1): after the first tiles it
-            // rarely does, and the multiply by exactly 1 is skipped, not approximated.
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+            for (int rr = 0; rr < 2; ++rr) {
+                const float alpha = online_softmax<NT>(sc[mt], rr, m_run[mt][rr], l_run[mt][rr]);
 #pragma unroll
                 for (int nd = 0; nd < DT; ++nd) {
-                    o[mt][nd][0] *= alpha[0];
-                    o[mt][nd][1] *= alpha[0];
-                    o[mt][nd][2] *= alpha[1];
-                    o[mt][nd][3] *= alpha[1];
+                    o[mt][nd][2 * rr] *= alpha;
+                    o[mt][nd][2 * rr + 1] *= alpha;
                 }
             }
             // Dropout: P' = P * keep (the 1/(1-p) is applied once at the end); l keeps P's sum.
