@@ -44,6 +44,34 @@ __device__ __forceinline__ float online_softmax(float (&sc)[NT][4], int rr, floa
     return alpha;
 }
 
+// The same over raw scores q.k (before the scale, so the common tile skips a multiply per
+// element): max and m_run are in raw units, exponents are (s - max) * sl2 with sl2 =
+// scale * log2(e). The row's LSE is then m_run * scale + log(l).
+template <int NT>
+__device__ __forceinline__ float online_softmax_raw(float (&sc)[NT][4], int rr, float& m_run,
+                                                    float& l_run, float sl2) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * rr], sc[nt][2 * rr + 1]));
+    mx = quad_max(mx);
+    const float m_new = fmaxf(m_run, mx);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+    const float alpha = exp2f((m_run - m_use) * sl2);
+    m_run = m_new;
+    const float m_sl2 = m_use * sl2;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float e = exp2f(fmaf(sc[nt][2 * rr + c], sl2, -m_sl2));
+            sum += e;
+            sc[nt][2 * rr + c] = e;
+        }
+    l_run = l_run * alpha + sum;
+    return alpha;
+}
+
 // A finished row's log-sum-exp (natural log) from its running max and quad-summed sum;
 // -inf for a row that saw no key.
 __device__ __forceinline__ float row_lse(float m_run, float l) {

@@ -44,6 +44,7 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
 
     const bool dropout = s.dropout_prob > 0.f;
     const u32 thr = dropout_threshold(s.dropout_prob);
+    const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
 
     float o[MT][DT][4];
 #pragma unroll
@@ -74,14 +75,29 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
         const bool whole = keys_wholly_visible<BN>(s, T, j0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            score_tile<NT>(s, mask, T.b, T.h, T.row(mt, 0), T.row(mt, 1), j0, whole, L, sc[mt]);
+            // Scores stay raw (q.k) on the common tile; a tile that needs the per-element rules
+            // is scaled, masked, and brought back to raw units.
+            if (!whole || s.has_mask) {
+                score_tile<NT>(s, mask, T.b, T.h, T.row(mt, 0), T.row(mt, 1), j0, whole, L, sc[mt]);
+                const float inv_scale = 1.f / s.scale;
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const float alpha = online_softmax<NT>(sc[mt], rr, m_run[mt][rr], l_run[mt][rr]);
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) sc[mt][nt][r] *= inv_scale;
+            }
+            float alpha[2];
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr)
+                alpha[rr] = online_softmax_raw<NT>(sc[mt], rr, m_run[mt][rr], l_run[mt][rr], sl2);
+            // Rescale O only when some row's max moved (alpha != 1): after the first tiles it
+            // rarely does, and the multiply by exactly 1 is skipped, not approximated.
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
                 for (int nd = 0; nd < DT; ++nd) {
-                    o[mt][nd][2 * rr] *= alpha;
-                    o[mt][nd][2 * rr + 1] *= alpha;
+                    o[mt][nd][0] *= alpha[0];
+                    o[mt][nd][1] *= alpha[0];
+                    o[mt][nd][2] *= alpha[1];
+                    o[mt][nd][3] *= alpha[1];
                 }
             }
             // Dropout: P' = P * keep (the 1/(1-p) is applied once at the end); l keeps P's sum.
@@ -112,7 +128,7 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
             const float inv = l == 0.f ? 0.f : keep_scale / l;  // no visible key: 0; NaN stays NaN
             const long long i = T.row(mt, rr);
             if (i >= s.seq_q) continue;
-            if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[mt][rr], l);
+            if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[mt][rr] * s.scale, l);
             u16* orow = out + T.q_off + (u64)i * T.q_stride;
 #pragma unroll
             for (int nd = 0; nd < DT; ++nd) {
