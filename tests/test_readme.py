@@ -115,6 +115,19 @@ def test_torch_snippet_runs():
     assert back.data_ptr() == t.data_ptr()
 
 
+def test_pytorch_section_example_runs():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    section = README.split("## PyTorch\n", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    assert len([line for line in code.splitlines() if line.strip()]) <= 6
+    scope: dict = {}
+    exec(compile(code, "README PyTorch example", "exec"), scope)  # noqa: S102 - our README
+    q, out, x = scope["q"], scope["out"], scope["x"]
+    assert out.shape == q.shape == x.shape == (2, 128, 8, 64)
+    for t in (scope["q"], scope["k"], scope["v"]):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+
+
 def test_performance_section_figures_come_from_results():
     """Every figure in the README's Performance section appears in benchmarks/RESULTS.md, the
     page that holds the benchmark command's output (no number is written by hand)."""

@@ -1,0 +1,223 @@
+"""PyTorch ops: `attention` (autograd, `torch.compile`-able) and in-place `rope_`.
+
+Importable as `ferrocupy.torch` when PyTorch is installed (`pip install 'ferrocupy[torch]'`);
+nothing else in ferrocupy needs torch.
+
+Tensors use ferrocupy's layout: `q` is `[B, Sq, H, D]`, `k` and `v` are `[B, Sk, Hkv, D]`
+(`H % Hkv == 0`), not torch SDPA's `[B, H, S, D]`. CPU tensors run on the NumPy reference backend
+(so this works in a notebook without a GPU), CUDA tensors on the CUDA kernels, launched on torch's
+current stream. The forward and the backward are each a `torch.library.custom_op`
+(`ferrocupy::attention_fwd`, `ferrocupy::attention_bwd`, with fake kernels for `torch.compile`);
+the forward saves its log-sum-exp and the backward takes it, so the forward is never recomputed.
+
+Inputs need not be contiguous: the ops take a contiguous copy of any that is not (the kernels need
+C-contiguous data today; accepting strided views without a copy is planned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .engine import AttentionOptions, ComputeEngine
+from .tensor import UnifiedTensor
+
+__all__ = ["attention", "rope_"]
+
+_REFERENCE = ComputeEngine("reference", quiet=True)  # every CPU tensor
+_CUDA: dict[int, ComputeEngine] = {}  # one per GPU, created at first use
+_CUDA_LOCK = threading.Lock()
+
+
+def _engine(device: torch.device) -> ComputeEngine:
+    if device.type == "cpu":
+        return _REFERENCE
+    if device.type != "cuda":
+        raise ValueError(f"ferrocupy runs on CPU or CUDA tensors, not {device.type}")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    engine = _CUDA.get(index)
+    if engine is None:
+        with _CUDA_LOCK:
+            engine = _CUDA.get(index)
+            if engine is None:
+                import cupy
+
+                with cupy.cuda.Device(index):
+                    engine = _CUDA[index] = ComputeEngine("cuda", quiet=True)
+    return engine
+
+
+@contextlib.contextmanager
+def _on_torch_stream(device: torch.device):
+    """CUDA: launch on torch's current stream of `device` (and make it CuPy's current device).
+    CPU: nothing to do."""
+    if device.type != "cuda":
+        yield
+        return
+    import cupy
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    stream = torch.cuda.current_stream(index).cuda_stream
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
+        yield
+
+
+def _wrap(t: Optional[Tensor]) -> Optional[UnifiedTensor]:
+    # detach(): DLPack refuses a tensor that requires grad, as the op's inputs may (no copy).
+    return None if t is None else UnifiedTensor(t.detach())
+
+
+def _seed_int(seed: Tensor) -> int:
+    """The op's int64 seed tensor as the engine's seed in [0, 2**64)."""
+    return int(seed) % 2**64
+
+
+def _options(causal, causal_offset, window, dropout_p, seed: Tensor, scale) -> AttentionOptions:
+    return AttentionOptions(causal=causal, causal_offset=causal_offset, window=window,
+                            dropout_prob=dropout_p, seed=_seed_int(seed), scale=scale)
+
+
+# --- attention: forward -----------------------------------------------------------------------
+@torch.library.custom_op("ferrocupy::attention_fwd", mutates_args=())
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                   causal_offset: int, window: int, dropout_p: float, seed: Tensor,
+                   scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq])."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    mask = None if attn_mask is None else attn_mask.contiguous()
+    opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
+    B, Sq, H, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    engine = _engine(q.device)
+    with _on_torch_stream(q.device):
+        engine.flash_attention_v2_with(_wrap(q), _wrap(k), _wrap(v), _wrap(out), opts,
+                                       _wrap(mask), lse=_wrap(lse))
+    return out, lse
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale):
+    B, Sq, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+# --- attention: backward ----------------------------------------------------------------------
+@torch.library.custom_op("ferrocupy::attention_bwd", mutates_args=())
+def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   attn_mask: Optional[Tensor], causal: bool, causal_offset: int, window: int,
+                   dropout_p: float, seed: Tensor,
+                   scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v), given the forward's `out` and `lse` (never recomputed)."""
+    q, k, v, out, lse = (x.contiguous() for x in (q, k, v, out, lse))
+    grad_out = grad_out.contiguous().to(q.dtype)
+    mask = None if attn_mask is None else attn_mask.contiguous()
+    opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
+    gq, gk, gv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    engine = _engine(q.device)
+    with _on_torch_stream(q.device):
+        engine.flash_attention_v2_backward_with(
+            _wrap(q), _wrap(k), _wrap(v), _wrap(out), _wrap(grad_out), _wrap(gq), _wrap(gk),
+            _wrap(gv), opts, _wrap(mask), lse=_wrap(lse))
+    return gq, gk, gv
+
+
+@_attention_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, attn_mask, causal, causal_offset, window, dropout_p, seed,
+      scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed)
+    ctx.options = (causal, causal_offset, window, dropout_p, scale)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    # lse is not differentiable (`attention` does not return it); `grad_lse` is ignored.
+    q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
+    causal, causal_offset, window, dropout_p, scale = ctx.options
+    gq, gk, gv = _attention_bwd(grad_out, q, k, v, out, lse, attn_mask, causal, causal_offset,
+                                window, dropout_p, seed, scale)
+    return gq, gk, gv, None, None, None, None, None, None, None  # no gradient for the mask
+
+
+torch.library.register_autograd("ferrocupy::attention_fwd", _backward,
+                                setup_context=_setup_context)
+
+
+def _seed_tensor(seed: Optional[int], dropout_p: float) -> Tensor:
+    if seed is None:
+        if dropout_p == 0:
+            return torch.zeros((), dtype=torch.int64)  # no dropout: leave torch's RNG alone
+        # A fresh seed from torch's default CPU generator (torch.manual_seed makes it
+        # reproducible); a tensor, so that torch.compile traces it with no graph break.
+        return torch.randint(-2**63, 2**63 - 1, (), dtype=torch.int64)
+    if isinstance(seed, Tensor):
+        return seed.to(device="cpu", dtype=torch.int64).reshape(())
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+    return torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_offset: int = 0,
+              window: int = 0, dropout_p: float = 0.0, seed: Optional[int] = None,
+              attn_mask: Optional[Tensor] = None, scale: Optional[float] = None) -> Tensor:
+    """Fused attention with autograd; returns `out`, `[B, Sq, H, D]` in q's dtype.
+
+    - `q`: `[B, Sq, H, D]`; `k`, `v`: `[B, Sk, Hkv, D]` (ferrocupy's layout, not SDPA's
+      `[B, H, S, D]`: pass `x.transpose(1, 2)` to convert). float32, float16 or bfloat16, all
+      one dtype, all on one device (CPU: the NumPy reference backend; CUDA: the kernels, on
+      torch's current stream). Non-contiguous inputs are copied to contiguous ones first.
+    - `causal`, `causal_offset`, `window`: query `i` sits at position `i + causal_offset` and sees
+      key `j` iff (`not causal` or `j <= i + causal_offset`) and (`window == 0` or
+      `|i + causal_offset - j| < window`).
+    - `attn_mask`: additive, rank 4, each dimension 1 or the full `[B, H, Sq, Sk]` size, float32
+      or q's dtype; a bool mask (True: take part, as in SDPA) is turned into 0 / -inf. It gets no
+      gradient.
+    - `dropout_p`, `seed`: dropout on the attention weights, Philox-generated from `seed` (the
+      same mask in the forward and the backward). `seed=None` draws a fresh seed from torch's
+      default generator on each call (reproducible under `torch.manual_seed`); the backward
+      reuses that call's seed.
+    - `scale`: the softmax scale, default `1/sqrt(D)`.
+
+    Planned, not yet available: `kv_lens` (per-batch valid key lengths).
+    """
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=torch.float32,
+                                device=attn_mask.device).masked_fill(~attn_mask, -math.inf)
+    seed_t = _seed_tensor(seed, dropout_p)
+    out, _ = _attention_fwd(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
+                            seed_t, None if scale is None else float(scale))
+    return out
+
+
+# --- RoPE -------------------------------------------------------------------------------------
+@torch.library.custom_op("ferrocupy::rope_", mutates_args=("x",))
+def _rope_(x: Tensor, head_dim: int, pos: int, theta: float) -> None:
+    target = x if x.is_contiguous() else x.contiguous()
+    engine = _engine(x.device)
+    with _on_torch_stream(x.device):
+        engine.rope_theta(_wrap(target), head_dim, pos, theta)
+    if target is not x:
+        x.copy_(target)
+
+
+@_rope_.register_fake
+def _(x, head_dim, pos, theta):
+    return None
+
+
+def rope_(x: Tensor, head_dim: int, pos: int = 0, theta: float = 10000.0) -> Tensor:
+    """Rotate-half RoPE in place on `x` (`[B, S, H, D]` or `[S, ...]`; token `s` at position
+    `pos + s`, base `theta`); returns `x`. Not differentiable: apply it to tensors that do not
+    need a gradient (a non-contiguous `x` is rotated through a contiguous copy, written back)."""
+    _rope_(x, head_dim, pos, float(theta))
+    return x

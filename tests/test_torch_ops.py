@@ -1,0 +1,382 @@
+"""ferrocupy.torch on CPU (the reference backend): opcheck of the custom ops, gradients against
+torch's own `scaled_dot_product_attention` (computed in float64), dropout seeds, in-place RoPE and
+`torch.compile(fullgraph=True)`. Skipped, saying so, when PyTorch is not installed. The CUDA path
+(torch's current stream, CUDA graphs) is tested on a GPU elsewhere."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+
+import ferrocupy.torch as ft  # noqa: E402
+from ferrocupy import AttentionOptions, ComputeEngine  # noqa: E402
+
+FWD = torch.ops.ferrocupy.attention_fwd.default
+BWD = torch.ops.ferrocupy.attention_bwd.default
+ROPE = torch.ops.ferrocupy.rope_.default
+TOL = 1e-4  # relative, float32 against float64
+
+
+@pytest.fixture
+def gen(rng):
+    return torch.Generator().manual_seed(int(rng.integers(2**62)))
+
+
+def _randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def _qkv(gen, B=2, Sq=7, Sk=9, H=4, Hkv=2, D=16, dtype=torch.float32):
+    return (_randn(gen, B, Sq, H, D, dtype=dtype, scale=1.5),
+            _randn(gen, B, Sk, Hkv, D, dtype=dtype, scale=1.5),
+            _randn(gen, B, Sk, Hkv, D, dtype=dtype))
+
+
+def _rel(got, want) -> float:
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all(), "non-finite values in ferrocupy's result"
+    return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+
+
+def _visible(Sq, Sk, causal, offset, window) -> torch.Tensor:
+    a = torch.arange(Sq)[:, None] + offset
+    j = torch.arange(Sk)[None, :]
+    vis = torch.ones(Sq, Sk, dtype=torch.bool)
+    if causal:
+        vis &= j <= a
+    if window:
+        vis &= (a - j).abs() < window
+    return vis
+
+
+def _sdpa(q, k, v, *, causal=False, causal_offset=0, window=0, attn_mask=None, scale=None):
+    """torch SDPA in float64 on ferrocupy-layout tensors, the visibility as an additive mask."""
+    import torch.nn.functional as F
+
+    qt, kt, vt = (x.double().transpose(1, 2) for x in (q, k, v))
+    Sq, Sk = q.shape[1], k.shape[1]
+    m = torch.zeros(Sq, Sk, dtype=torch.float64).masked_fill(
+        ~_visible(Sq, Sk, causal, causal_offset, window), -math.inf)
+    if attn_mask is not None:
+        m = m + attn_mask.double()
+    s = 1 / math.sqrt(q.shape[-1]) if scale is None else float(np.float32(scale))
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m, scale=s, enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+def _grads(fn, inputs, grad_out):
+    inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*inputs)
+    out.backward(grad_out)
+    return out.detach(), [x.grad for x in inputs]
+
+
+def _fwd_args(q, k, v, mask=None, causal=False, offset=0, window=0, p=0.0, seed=0, scale=None):
+    return (q, k, v, mask, causal, offset, window, p, torch.tensor(seed, dtype=torch.int64), scale)
+
+
+# --- opcheck --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "causal-mask-dropout", "window-offset-scale"])
+def test_opcheck_forward_and_backward(gen, dtype, case):
+    q, k, v = _qkv(gen, dtype=dtype)
+    kw = {"plain": {},
+          "causal-mask-dropout": dict(mask=_randn(gen, 2, 1, 7, 9), causal=True, offset=2,
+                                      p=0.25, seed=1234),
+          "window-offset-scale": dict(window=3, offset=1, causal=True, scale=0.3)}[case]
+    args = _fwd_args(q, k, v, **kw)
+    grad_args = _fwd_args(*(x.detach().clone().requires_grad_(True) for x in (q, k, v)), **kw)
+    torch.library.opcheck(FWD, args)
+    torch.library.opcheck(FWD, grad_args)  # with the autograd registration
+    out, lse = FWD(*args)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 7)
+    go = _randn(gen, *out.shape, dtype=dtype)
+    bwd_args = (go, q, k, v, out, lse, *args[3:])
+    torch.library.opcheck(BWD, bwd_args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_rope(gen, dtype):
+    x = _randn(gen, 2, 5, 3, 8, dtype=dtype)
+    torch.library.opcheck(ROPE, (x, 8, 3, 10000.0))
+    torch.library.opcheck(ROPE, (_randn(gen, 2, 5, 3, 8, dtype=dtype), 8, 0, 500000.0))
+
+
+# --- gradients against torch SDPA --------------------------------------------------------------
+CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal-offset-window": dict(causal=True, causal_offset=2, window=4),
+    "mask": dict(mask=(2, 1, 7, 9)),
+    "mask-full-causal-scale": dict(mask=(2, 4, 7, 9), causal=True, causal_offset=2, scale=0.2),
+    "scale": dict(scale=0.7),
+}
+
+
+@pytest.mark.parametrize("hkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_match_torch_sdpa(gen, case, hkv):
+    kw = dict(CASES[case])
+    mask = kw.pop("mask", None)
+    q, k, v = _qkv(gen, Hkv=hkv)
+    if mask is not None:
+        mask = _randn(gen, *mask)
+    go = _randn(gen, *q.shape)
+    out, grads = _grads(lambda q, k, v: ft.attention(q, k, v, attn_mask=mask, **kw), (q, k, v),
+                        go)
+    want, want_grads = _grads(lambda q, k, v: _sdpa(q, k, v, attn_mask=mask, **kw),
+                              (q.double(), k.double(), v.double()), go.double())
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    assert _rel(out, want) < TOL
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert g.dtype == torch.float32 and g.shape == w.shape
+        assert _rel(g, w) < TOL, f"grad_{name}"
+
+
+def test_backward_takes_the_forwards_lse_and_never_recomputes_it(gen, monkeypatch):
+    calls = []
+    engine = ft._REFERENCE
+    for name in ("flash_attention_v2_with", "flash_attention_v2_backward_with"):
+        real = getattr(engine, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            calls.append((_name, kw.get("lse")))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(engine, name, spy)
+    q, k, v = _qkv(gen)
+    _grads(lambda q, k, v: ft.attention(q, k, v, causal=True, dropout_p=0.2, seed=3), (q, k, v),
+           _randn(gen, *q.shape))
+    assert [n for n, _ in calls] == ["flash_attention_v2_with", "flash_attention_v2_backward_with"]
+    fwd_lse, bwd_lse = (lse.buffer() for _, lse in calls)
+    assert bwd_lse.shape == (2, 4, 7) and np.shares_memory(fwd_lse, bwd_lse)
+
+
+def test_bool_mask_is_sdpa_convention(gen):
+    q, k, v = _qkv(gen)
+    keep = torch.rand(2, 1, 7, 9, generator=gen) > 0.3
+    keep[..., 0] = True  # every row sees a key
+    additive = torch.zeros(keep.shape).masked_fill(~keep, -math.inf)
+    assert torch.equal(ft.attention(q, k, v, attn_mask=keep),
+                       ft.attention(q, k, v, attn_mask=additive))
+
+
+def test_non_contiguous_inputs_are_copied(gen):
+    """Torch-layout [B, H, S, D] tensors passed as transposed views, and a non-contiguous grad."""
+    q, k, v = _qkv(gen)
+    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+    out = ft.attention(qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2), causal=True)
+    go = _randn(gen, 2, 4, 7, 16)
+    out.backward(go.transpose(1, 2))
+    want, grads = _grads(lambda q, k, v: ft.attention(q, k, v, causal=True), (q, k, v),
+                         go.transpose(1, 2).contiguous())
+    assert torch.equal(out, want)
+    for x, g in zip((qt, kt, vt), grads):
+        assert torch.equal(x.grad.transpose(1, 2), g)
+
+
+def test_bfloat16_close_to_float32(gen):
+    q, k, v = _qkv(gen)
+    go = _randn(gen, *q.shape)
+    out32, g32 = _grads(lambda q, k, v: ft.attention(q, k, v, causal=True), (q, k, v), go)
+    out16, g16 = _grads(lambda q, k, v: ft.attention(q, k, v, causal=True),
+                        [x.bfloat16() for x in (q, k, v)], go.bfloat16())
+    assert out16.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in g16)
+    assert _rel(out16, out32) < 2e-2
+    for a, b in zip(g16, g32):
+        assert _rel(a, b) < 3e-2
+
+
+# --- dropout and seeds --------------------------------------------------------------------------
+def test_dropout_same_seed_same_output_different_seed_differs(gen):
+    q, k, v = _qkv(gen)
+    a = ft.attention(q, k, v, dropout_p=0.3, seed=42)
+    b = ft.attention(q, k, v, dropout_p=0.3, seed=42)
+    c = ft.attention(q, k, v, dropout_p=0.3, seed=43)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert not torch.equal(a, ft.attention(q, k, v))
+    big = ft.attention(q, k, v, dropout_p=0.3, seed=2**64 - 1)  # the engine's whole seed range
+    assert torch.isfinite(big).all()
+
+
+def _engine_direct(q, k, v, go, opts, mask=None):
+    """The reference engine called directly on NumPy copies: (out, grad_q, grad_k, grad_v)."""
+    e = ComputeEngine("reference", quiet=True)
+    qn, kn, vn, gon = (x.detach().numpy().copy() for x in (q, k, v, go))
+    mn = None if mask is None else mask.numpy().copy()
+    out = np.empty_like(qn)
+    e.flash_attention_v2_with(qn, kn, vn, out, opts, mn)
+    gq, gk, gv = np.empty_like(qn), np.empty_like(kn), np.empty_like(vn)
+    e.flash_attention_v2_backward_with(qn, kn, vn, out, gon, gq, gk, gv, opts, mn)
+    return [torch.from_numpy(x) for x in (out, gq, gk, gv)]
+
+
+def test_dropout_backward_equals_the_engine_called_directly(gen):
+    q, k, v = _qkv(gen)
+    mask = _randn(gen, 2, 1, 7, 9)
+    go = _randn(gen, *q.shape)
+    kw = dict(causal=True, causal_offset=2, dropout_p=0.25, seed=987654321)
+    out, grads = _grads(lambda q, k, v: ft.attention(q, k, v, attn_mask=mask, **kw), (q, k, v),
+                        go)
+    opts = AttentionOptions(causal=True, causal_offset=2, dropout_prob=0.25, seed=987654321)
+    want = _engine_direct(q, k, v, go, opts, mask)
+    assert torch.equal(out, want[0])
+    for g, w in zip(grads, want[1:]):
+        assert _rel(g, w) < 1e-6
+
+
+def _dropout_weights(q, k, p, seed, **kw):
+    """The forward's dropped, rescaled weights P' [B, H, Sq, Sk], read off with v = one-hot keys
+    (out = P' v = P' when v is the identity over keys; needs D == Sk)."""
+    B, Sk, Hkv, D = k.shape
+    assert D == Sk
+    eye = torch.eye(Sk).reshape(1, Sk, 1, Sk).expand(B, Sk, Hkv, Sk).contiguous()
+    return ft.attention(q, k, eye, dropout_p=p, seed=seed, **kw).transpose(1, 2).double()
+
+
+def test_dropout_backward_equals_dense_recomputation_with_the_same_mask(gen):
+    """Dense float64 attention with the dropout mask of the same seed (read off the forward)
+    gives the same output and gradients as the op's backward."""
+    q, k, v = _qkv(gen, Sq=6, Sk=12, D=12)
+    go = _randn(gen, *q.shape)
+    p, seed = 0.3, 2024
+    dropped = _dropout_weights(q, k, p, seed, causal=True, causal_offset=6)
+    weights = _dropout_weights(q, k, 0.0, 0, causal=True, causal_offset=6)
+    keep = (dropped != 0) & (weights != 0)
+    assert 0 < keep.sum() < (weights != 0).sum(), "no element was dropped, or every one was"
+    scale_keep = keep.double() * float(np.float32(1) / np.float32(1 - p))  # 1/(1-p) in float32
+
+    def dense(q, k, v):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        rep = qt.shape[1] // kt.shape[1]
+        kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+        s = (qt @ kt.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(~_visible(6, 12, True, 6, 0), -math.inf)
+        return ((torch.softmax(s, -1) * scale_keep) @ vt).transpose(1, 2)
+
+    out, grads = _grads(lambda q, k, v: ft.attention(q, k, v, causal=True, causal_offset=6,
+                                                     dropout_p=p, seed=seed), (q, k, v), go)
+    want, want_grads = _grads(dense, (q.double(), k.double(), v.double()), go.double())
+    assert _rel(out, want) < TOL
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert _rel(g, w) < TOL, f"grad_{name}"
+
+
+def test_seed_none_draws_fresh_seeds_and_backward_reuses_its_own(gen, monkeypatch):
+    q, k, v = _qkv(gen)
+    go = _randn(gen, *q.shape)
+    seeds = []
+    real_fwd = ft._attention_fwd
+
+    def spy(*args):
+        seeds.append(int(args[8]) % 2**64)
+        return real_fwd(*args)
+
+    monkeypatch.setattr(ft, "_attention_fwd", spy)
+    outs, grads = [], []
+    for _ in range(3):
+        o, g = _grads(lambda q, k, v: ft.attention(q, k, v, dropout_p=0.3), (q, k, v), go)
+        outs.append(o)
+        grads.append(g)
+    assert len(set(seeds)) == 3, seeds
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    for seed, o, g in zip(seeds, outs, grads):  # each call's backward used that call's seed
+        want = _engine_direct(q, k, v, go, AttentionOptions(dropout_prob=0.3, seed=seed))
+        assert torch.equal(o, want[0])
+        for a, b in zip(g, want[1:]):
+            assert _rel(a, b) < 1e-6
+    # reproducible under torch.manual_seed
+    torch.manual_seed(5)
+    a = ft.attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(5)
+    assert torch.equal(a, ft.attention(q, k, v, dropout_p=0.3))
+
+
+def test_bad_seed_is_an_error(gen):
+    q, k, v = _qkv(gen)
+    for seed in (-1, 2**64, 1.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            ft.attention(q, k, v, dropout_p=0.1, seed=seed)
+
+
+# --- RoPE ---------------------------------------------------------------------------------------
+def test_rope_in_place_equals_the_engine(gen):
+    x = _randn(gen, 2, 5, 3, 8)
+    want = x.numpy().copy()
+    ComputeEngine("reference", quiet=True).rope_theta(want, 8, 3, 500000.0)
+    ptr = x.data_ptr()
+    assert ft.rope_(x, 8, pos=3, theta=500000.0) is x
+    assert x.data_ptr() == ptr and torch.equal(x, torch.from_numpy(want))
+
+
+def test_rope_on_a_non_contiguous_view_writes_back(gen):
+    base = _randn(gen, 2, 3, 5, 8)  # [B, H, S, D]
+    want = base.transpose(1, 2).contiguous()
+    ft.rope_(want, 8, 1)
+    view = base.transpose(1, 2)
+    ft.rope_(view, 8, 1)
+    assert torch.equal(view, want) and torch.equal(base, want.transpose(1, 2))
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+def _block(q, k, v, mask):
+    q = q * 1.0  # rope_ works in place: rotate fresh tensors, not the caller's leaves
+    k = k * 1.0
+    ft.rope_(q, q.shape[-1], pos=3)
+    ft.rope_(k, k.shape[-1])
+    o = ft.attention(q, k, v, causal=True, causal_offset=2, attn_mask=mask, dropout_p=0.1,
+                     seed=77)
+    return (o * o).sum()
+
+
+def _cxx_compiler() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.parametrize("backend", [
+    "aot_eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(
+        not _cxx_compiler(), reason="inductor on CPU needs a C++ compiler (none on PATH)")),
+])
+def test_torch_compile_fullgraph_equals_eager(gen, backend):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    q, k, v = _qkv(gen)
+    mask = _randn(gen, 2, 1, 7, 9)
+    want, want_grads = _grads(lambda q, k, v: _block(q, k, v, mask), (q, k, v), torch.tensor(1.0))
+    # explain(): the traced function has exactly one graph, no break
+    explained = torch._dynamo.explain(_block)(q, k, v, mask)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained
+    compiled = torch.compile(_block, fullgraph=True, backend=backend)
+    got, got_grads = _grads(lambda q, k, v: compiled(q, k, v, mask), (q, k, v), torch.tensor(1.0))
+    assert _rel(got, want) < 1e-5
+    for g, w in zip(got_grads, want_grads):
+        assert _rel(g, w) < 1e-5
+
+
+def test_torch_compile_with_seed_none(gen):
+    """seed=None under torch.compile: the seed is drawn inside the graph (no break), fresh on each
+    call, and the same as eager after the same torch.manual_seed."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    q, k, v = _qkv(gen)
+
+    def fn(q, k, v):
+        return ft.attention(q, k, v, dropout_p=0.3)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    a, b = compiled(q, k, v), compiled(q, k, v)
+    assert not torch.equal(a, b)
+    torch.manual_seed(11)
+    eager = fn(q, k, v)
+    torch.manual_seed(11)
+    assert torch.equal(compiled(q, k, v), eager)
