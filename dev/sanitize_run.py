@@ -22,7 +22,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     B, Sq, Sk, H, Hkv = 1, 70, 90, 4, 2
     for dtype in ATTENTION_DTYPES:
-        for d in (64, 6, 7) if dtype != np.float32 else (64, 7):
+        for d in (64, 128, 56, 6, 7) if dtype != np.float32 else (64, 7):
             def put(shape, scale=1.0):
                 a = (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
                 return UnifiedTensor.from_numpy(a, device="cuda")

@@ -169,6 +169,29 @@ def device_under_test() -> Device:
     return _ENGINES["dev"]
 
 
+def portable_device() -> Device:
+    """The CUDA engine restricted to the mma.sync kernels (every GPU from sm_80), so a GPU whose
+    own choice is a wgmma kernel still tests the portable ones; the reference in self-check mode."""
+    if "dev_mma" not in _ENGINES:
+        if self_check():
+            _ENGINES["dev_mma"] = device_under_test()
+        else:
+            from ferrocupy.cuda import configs
+            from ferrocupy.cuda.backend import CudaBackend
+
+            engine = ComputeEngine("cuda")
+            engine.backend = CudaBackend(table=configs.without(configs.WGMMA))
+            _ENGINES["dev_mma"] = Device(engine, "cuda")
+    return _ENGINES["dev_mma"]
+
+
+@pytest.fixture(scope="session", params=["auto", "mma"])
+def kernels(request) -> Device:
+    """The engine under test twice: with the kernels it picks for this GPU, and with the
+    portable mma.sync ones only."""
+    return device_under_test() if request.param == "auto" else portable_device()
+
+
 @pytest.fixture(scope="session")
 def dev() -> Device:
     """The engine under test: CUDA, or the reference in self-check mode."""

@@ -142,8 +142,11 @@ def _table_jobs() -> tuple[list, list]:
         if (v.source, defines) in seen:
             continue
         seen.add((v.source, defines))
-        first = configs.TABLE[(v.op, v.dtype, v.head_dim)][0] == v
-        archs = ARCHS if v.head_dim in (widest, narrowest) else ("90",)
+        first = v.isa == configs.WGMMA or configs.TABLE[(v.op, v.dtype, v.head_dim)][0] == v
+        if v.arch:  # built for one architecture only
+            archs = (v.arch,)
+        else:
+            archs = ARCHS if v.head_dim in (widest, narrowest) else ("90",)
         for arch in archs:
             job = (CUDA_DIR / v.source, arch, defines,
                    f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}-sm_{arch}")
@@ -315,11 +318,44 @@ def test_every_selectable_variant_is_compiled():
     head_dim 1..128, at a small (99 KB, sm_86) and a large (227 KB, sm_90) shared-memory limit."""
     from ferrocupy.cuda import configs
 
-    compiled = {(p.name, d) for p, a, d in _NVRTC_JOBS if a == "90"}
+    compiled = {(p.name, a, d) for p, a, d in _NVRTC_JOBS}
     for op in (configs.FORWARD, configs.BACKWARD_DQ, configs.BACKWARD_DKDV):
         for dtype in configs.ROPE_DTYPE_DEFINE:
             for hd in range(1, 129):
-                for limit in (99 * 1024, 227 * 1024):
-                    v = configs.select(op, dtype, hd, limit)
-                    defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
-                    assert (v.source, defines) in compiled, v.describe()
+                for limit, cap in ((99 * 1024, 86), (227 * 1024, 90)):
+                    for copy_bytes in (16, 4, 2):
+                        v = configs.select(op, dtype, hd, limit, capability=cap,
+                                           copy_bytes=copy_bytes)
+                        defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
+                        assert (v.source, v.arch or "90", defines) in compiled, v.describe()
+
+
+def test_wgmma_header_is_the_generators_output():
+    """ferro_wgmma_ops.cuh is generated (dev/gen_wgmma.py); the committed text must match."""
+    import importlib.util
+
+    gen = CUDA_DIR.parents[1] / "dev" / "gen_wgmma.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma", gen)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (CUDA_DIR / "ferro_wgmma_ops.cuh").read_text() == mod.header(), (
+        "ferro_wgmma_ops.cuh differs from dev/gen_wgmma.py's output: run python dev/gen_wgmma.py")
+
+
+def test_wgmma_variants_are_chosen_only_where_they_run():
+    """sm_90a kernels only on compute capability 9.0 with 16-byte rows; elsewhere mma.sync."""
+    from ferrocupy.cuda import configs
+    from ferrocupy.dtypes import BFLOAT16, FLOAT32
+
+    big = 227 * 1024
+    assert configs.select(configs.FORWARD, BFLOAT16, 128, big, capability=90,
+                          copy_bytes=16).isa == configs.WGMMA
+    assert configs.select(configs.FORWARD, BFLOAT16, 64, big, capability=90,
+                          copy_bytes=16).head_dim == 64
+    for cap, copy_bytes in ((90, 4), (80, 16), (100, 16)):
+        assert configs.select(configs.FORWARD, BFLOAT16, 128, big, capability=cap,
+                              copy_bytes=copy_bytes).isa == configs.MMA
+    assert configs.select(configs.FORWARD, FLOAT32, 128, big, capability=90,
+                          copy_bytes=16).isa == configs.MMA
+    table = configs.without(configs.WGMMA)
+    assert all(v.isa == configs.MMA for vs in table.values() for v in vs)

@@ -18,11 +18,11 @@ import pytest
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from gpu_helpers import (AttnCase, DEAD_ROW_CASES, DROPOUT_SEED, dead_rows, dev, gpu_pytestmark,
-                         grad_floors,
+                         grad_floors, kernels,
                          make_case, option_case, option_rows, ref, self_check)
 from half_rule import check_rule, rounded, torch_plain, x64
 
-__all__ = ["dev", "ref"]
+__all__ = ["dev", "kernels", "ref"]
 
 pytestmark = gpu_pytestmark()
 
@@ -75,33 +75,34 @@ def check_half(dev, case, backward: bool = True) -> dict:
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("row", option_rows())
-def test_half_option_combinations(dev, rng, row, dtype):
+def test_half_option_combinations(kernels, rng, row, dtype):
     case = option_case(rng, row)
     # Alternate the mask between float32 and the data dtype (both are allowed).
     mask_dtype = dtype if row["d"] in (16, 64) else FLOAT32
-    check_half(dev, rounded(case, dtype, mask_dtype))
+    check_half(kernels, rounded(case, dtype, mask_dtype))
 
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("seq,d,causal", [(1024, 128, True), (1000, 64, False), (513, 96, True)],
                          ids=["s1024-d128-causal", "s1000-d64", "s513-d96-causal"])
-def test_half_long_sequences(dev, rng, dtype, seq, d, causal):
+def test_half_long_sequences(kernels, rng, dtype, seq, d, causal):
     case = make_case(rng, b=1, sq=seq, sk=seq, h=2, hkv=1, d=d, causal=causal, qk_scale=1.0)
-    check_half(dev, rounded(case, dtype))
+    check_half(kernels, rounded(case, dtype))
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("d", [1, 6, 7, 33, 40, 80, 112, 128], ids=lambda d: f"d{d}")
-def test_half_head_dims(dev, rng, dtype, d):
-    """Odd head_dims take the element-wise copies, even ones not divisible by 8 the 4-byte ones."""
+@pytest.mark.parametrize("d", [1, 6, 7, 33, 40, 56, 64, 80, 104, 112, 128], ids=lambda d: f"d{d}")
+def test_half_head_dims(kernels, rng, dtype, d):
+    """Odd head_dims take the element-wise copies, even ones not divisible by 8 the 4-byte ones;
+    56 and 104 run a wgmma kernel (where the GPU has one) zero-filled past the head_dim."""
     case = make_case(rng, b=2, sq=70, sk=90, h=4, hkv=2, d=d, causal=True, causal_offset=20)
-    check_half(dev, rounded(case, dtype))
+    check_half(kernels, rounded(case, dtype))
 
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("shape", DEAD_ROW_CASES)
-def test_half_dead_rows(dev, rng, dtype, shape):
-    check_half(dev, rounded(make_case(rng, b=2, h=4, hkv=2, d=32, **shape), dtype))
+def test_half_dead_rows(kernels, rng, dtype, shape):
+    check_half(kernels, rounded(make_case(rng, b=2, h=4, hkv=2, d=32, **shape), dtype))
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -33,6 +33,7 @@ class CudaBackend:
         attrs = cupy.cuda.Device(self._id).attributes
         self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
         self.sm_count = attrs["MultiProcessorCount"]
+        self.capability = 10 * attrs["ComputeCapabilityMajor"] + attrs["ComputeCapabilityMinor"]
 
     def device_name(self) -> str:
         props = self.xp.cuda.runtime.getDeviceProperties(self._id)
@@ -81,17 +82,18 @@ class CudaBackend:
                 self._launch(*dkdv, params)
 
     # --- planning ---------------------------------------------------------------------------------
-    def variant(self, op: str, dtype, head_dim: int) -> configs.Variant:
-        return configs.select(op, dtype, head_dim, self._smem_limit, self.table)
+    def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16) -> configs.Variant:
+        return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
+                              self.capability, copy_bytes)
 
     def _plan(self, op: str, buffers: dict, params):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch."""
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
-        v = self.variant(op, dtype, d)
-        data = [buffers[a] for a in v.args if a not in ("mask", "lse", "stats")]
+        data = [buffers[a] for a in configs.ARGS[op] if a not in ("mask", "lse", "stats")]
         vec = _copy_width(dtype, d, data)
-        fn = self.loader.function(v.source, v.kernel, v.defines)
+        v = self.variant(op, dtype, d, vec * dtype.itemsize)
+        fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
         smem = v.shared_bytes
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem

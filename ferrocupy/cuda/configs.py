@@ -6,7 +6,12 @@ entry, so a tile size lives here and nowhere else.
 Geometry: a block has `warps` warps; each warp owns `16 * mt` rows (query rows, or keys for
 dK/dV), so a block covers `block_rows = 16 * mt * warps` of them and steps through the other
 sequence `step` at a time (BN keys, or BQ query rows for dK/dV). Head dims are padded to a
-multiple of 16 (`head_dim`, the mma k size), one variant per padded size.
+multiple of 16 (the mma k size); the table is keyed by that padded size.
+
+Two instruction sets: `mma` (mma.sync, any GPU from sm_80) and `wgmma` (sm_90a's warpgroup
+products, compiled with -arch=sm_90a, run only on compute capability 9.0 and only with 16-byte
+rows). A wgmma variant serves the padded head_dims just below its own (`head_dim` is the
+kernel's, zero-filled past the real one).
 """
 
 from __future__ import annotations
@@ -25,14 +30,17 @@ _ARGS = {
     BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse"),
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
 }
-# (source, kernel) per (op, is_half)
+ARGS = _ARGS
+MMA, WGMMA = "mma", "wgmma"
+# (source, kernel) per (op, is_half, isa)
 _SOURCES = {
-    (FORWARD, False): ("flash_fwd.cu", "flash_attn_v2"),
-    (BACKWARD_DQ, False): ("flash_bwd_dq.cu", "flash_attn_v2_bw_dq"),
-    (BACKWARD_DKDV, False): ("flash_bwd_dkdv.cu", "flash_attn_v2_bw_dkdv"),
-    (FORWARD, True): ("flash_fwd_half.cu", "flash_fwd_half"),
-    (BACKWARD_DQ, True): ("flash_bwd_dq_half.cu", "flash_bwd_dq_half"),
-    (BACKWARD_DKDV, True): ("flash_bwd_dkdv_half.cu", "flash_bwd_dkdv_half"),
+    (FORWARD, False, MMA): ("flash_fwd.cu", "flash_attn_v2"),
+    (BACKWARD_DQ, False, MMA): ("flash_bwd_dq.cu", "flash_attn_v2_bw_dq"),
+    (BACKWARD_DKDV, False, MMA): ("flash_bwd_dkdv.cu", "flash_attn_v2_bw_dkdv"),
+    (FORWARD, True, MMA): ("flash_fwd_half.cu", "flash_fwd_half"),
+    (BACKWARD_DQ, True, MMA): ("flash_bwd_dq_half.cu", "flash_bwd_dq_half"),
+    (BACKWARD_DKDV, True, MMA): ("flash_bwd_dkdv_half.cu", "flash_bwd_dkdv_half"),
+    (FORWARD, True, WGMMA): ("flash_fwd_wgmma.cu", "flash_fwd_wgmma"),
 }
 
 
@@ -44,6 +52,7 @@ class Variant:
     warps: int
     mt: int  # 16-row m-tiles per warp
     step: int  # BN (keys per step) or, for dK/dV, BQ (query rows per step)
+    isa: str = MMA
 
     @property
     def half(self) -> bool:
@@ -51,11 +60,27 @@ class Variant:
 
     @property
     def source(self) -> str:
-        return _SOURCES[(self.op, self.half)][0]
+        return _SOURCES[(self.op, self.half, self.isa)][0]
 
     @property
     def kernel(self) -> str:
-        return _SOURCES[(self.op, self.half)][1]
+        return _SOURCES[(self.op, self.half, self.isa)][1]
+
+    @property
+    def arch(self) -> str | None:
+        """The one architecture the variant is built for (None: CuPy's default, the device's)."""
+        return "90a" if self.isa == WGMMA else None
+
+    @property
+    def options(self) -> tuple:
+        return (f"-arch=sm_{self.arch}",) if self.arch else ()
+
+    def runs_on(self, capability: int, copy_bytes: int) -> bool:
+        """Whether the variant can run on a GPU of compute `capability` (e.g. 90) with copies of
+        `copy_bytes` per row chunk (the backend's `_copy_width` in bytes)."""
+        if self.isa == WGMMA:
+            return capability == 90 and copy_bytes == 16
+        return True
 
     @property
     def args(self) -> tuple:
@@ -80,6 +105,8 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
+        if self.isa == WGMMA:  # Q, 2 x (K, V) swizzled, unpadded; 1 KB to align the base
+            return elem * (self.block_rows + 4 * self.step) * self.head_dim + 1024
         pitch = self.head_dim + (4 if elem == 4 else 8)
         m, n = self.block_rows, self.step
         rows = {FORWARD: m + 2 * n, BACKWARD_DQ: 2 * m + 2 * n, BACKWARD_DKDV: 2 * m + 2 * n}
@@ -102,6 +129,15 @@ class Variant:
     def describe(self) -> str:
         return (f"{self.op}/{self.dtype}/d{self.head_dim}: {self.warps} warps x {16 * self.mt} "
                 f"rows, step {self.step}, {self.shared_bytes} B shared")
+
+
+def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[tuple]:
+    """The sm_90a candidates (warps, mt, step, isa, kernel head_dim), tried first where they run:
+    the forward at head_dim 49-64 and 97-128 (at most a quarter of the product zero-filled)."""
+    if op != FORWARD or dtype == FLOAT32 or dp not in (64, 112, 128):
+        return []
+    kd = 64 if dp <= 64 else 128
+    return [(8, 1, 128, WGMMA, kd)]
 
 
 def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
@@ -131,8 +167,9 @@ def _table() -> dict:
     for op in (FORWARD, BACKWARD_DQ, BACKWARD_DKDV):
         for dtype in (FLOAT32, FLOAT16, BFLOAT16):
             for dp in HEAD_DIMS:
-                table[(op, dtype, dp)] = tuple(Variant(op, dtype, dp, w, mt, n)
-                                               for w, mt, n in _geometry(op, dtype, dp))
+                table[(op, dtype, dp)] = tuple(
+                    [Variant(op, dtype, kd, w, mt, n, isa) for w, mt, n, isa, kd in _wgmma(op, dtype, dp)]
+                    + [Variant(op, dtype, dp, w, mt, n) for w, mt, n in _geometry(op, dtype, dp)])
     return table
 
 
@@ -144,16 +181,24 @@ def padded_head_dim(d: int) -> int:
     return max(16, -(-d // 16) * 16)
 
 
-def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None) -> Variant:
-    """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block."""
+def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
+           capability: int = 0, copy_bytes: int = 0) -> Variant:
+    """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block and
+    runs on a GPU of compute `capability` with `copy_bytes`-wide row copies."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
-        if v.shared_bytes <= smem_limit:
+        if v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes):
             return v
     raise ValueError(f"{op} in {dtype} at head_dim {head_dim} needs at least "
-                     f"{min(v.shared_bytes for v in candidates)} bytes of shared memory per "
+                     f"{min(v.shared_bytes for v in candidates if v.isa == MMA)} bytes of shared memory per "
                      f"block; this GPU allows {smem_limit}")
+
+
+def without(isa: str, table: dict | None = None) -> dict:
+    """The table less one instruction set's variants (tests and sweeps of the other one)."""
+    return {key: tuple(v for v in vs if v.isa != isa)
+            for key, vs in (TABLE if table is None else table).items()}
 
 
 def all_variants() -> list[Variant]:

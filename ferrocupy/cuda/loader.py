@@ -33,15 +33,17 @@ class KernelLoader:
         self.options = tuple(options)
         self._kernels: dict = {}
 
-    def function(self, source: str, name: str, defines: dict | None = None):
-        """The compiled `cupy.RawKernel` `name` of `source` with `-Dkey=value` for each define."""
+    def function(self, source: str, name: str, defines: dict | None = None, options: tuple = ()):
+        """The compiled `cupy.RawKernel` `name` of `source` with `-Dkey=value` for each define,
+        plus `options` (e.g. `-arch=sm_90a` for a variant built for one architecture)."""
         import cupy
 
         device = cupy.cuda.Device().id
-        key = (device, source, name, tuple(sorted((defines or {}).items())))
+        key = (device, source, name, tuple(sorted((defines or {}).items())), tuple(options))
         kernel = self._kernels.get(key)
         if kernel is None:
-            opts = self.options + tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
+            opts = self.options + tuple(options) + tuple(
+                f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
             code = expand_includes(self.source_dir / source)
             kernel = cupy.RawModule(code=code, options=opts).get_function(name)
             self._kernels[key] = kernel

@@ -29,20 +29,24 @@ def main(argv=None) -> int:
     from .loader import KernelLoader
 
     wanted = [dtypes.parse(d) for d in args.dtype.split(",")]
-    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    attrs = cupy.cuda.Device().attributes
+    limit = attrs["MaxSharedMemoryPerBlockOptin"]
+    capability = 10 * attrs["ComputeCapabilityMajor"] + attrs["ComputeCapabilityMinor"]
     jobs = {(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
-             tuple(sorted(configs.rope_defines(d).items()))) for d in wanted}
+             tuple(sorted(configs.rope_defines(d).items())), ()) for d in wanted}
     for (op, dtype, dp), candidates in configs.TABLE.items():
         if dtype in wanted:
-            v = configs.select(op, dtype, dp, limit)
-            jobs.add((v.source, v.kernel, tuple(sorted(v.defines.items()))))
+            for copy_bytes in (16, 4):  # aligned rows, and the fallback for views that are not
+                v = configs.select(op, dtype, dp, limit, capability=capability,
+                                   copy_bytes=copy_bytes)
+                jobs.add((v.source, v.kernel, tuple(sorted(v.defines.items())), v.options))
     loader = KernelLoader()
     device = cupy.cuda.Device().id
     t0 = time.time()
 
     def build(job):
         with cupy.cuda.Device(device):
-            loader.function(job[0], job[1], dict(job[2]))
+            loader.function(job[0], job[1], dict(job[2]), job[3])
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(build, sorted(jobs)))
