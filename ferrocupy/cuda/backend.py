@@ -33,7 +33,7 @@ class CudaBackend:
         attrs = cupy.cuda.Device(self._id).attributes
         self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
         self.sm_count = attrs["MultiProcessorCount"]
-        self.capability = 10 * attrs["ComputeCapabilityMajor"] + attrs["ComputeCapabilityMinor"]
+        self.capability = int(cupy.cuda.Device(self._id).compute_capability)  # e.g. 90
 
     def device_name(self) -> str:
         props = self.xp.cuda.runtime.getDeviceProperties(self._id)

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     wanted = [dtypes.parse(d) for d in args.dtype.split(",")]
     attrs = cupy.cuda.Device().attributes
     limit = attrs["MaxSharedMemoryPerBlockOptin"]
-    capability = 10 * attrs["ComputeCapabilityMajor"] + attrs["ComputeCapabilityMinor"]
+    capability = int(cupy.cuda.Device().compute_capability)
     jobs = {(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
              tuple(sorted(configs.rope_defines(d).items())), ()) for d in wanted}
     for (op, dtype, dp), candidates in configs.TABLE.items():
