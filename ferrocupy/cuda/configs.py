@@ -105,8 +105,8 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
-        if self.isa == WGMMA:  # Q, 2 x (K, V) swizzled, unpadded; 1 KB to align the base
-            return elem * (self.block_rows + 4 * self.step) * self.head_dim + 1024
+        if self.isa == WGMMA:  # Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
+            return elem * (self.block_rows + 6 * self.step) * self.head_dim + 1024
         pitch = self.head_dim + (4 if elem == 4 else 8)
         m, n = self.block_rows, self.step
         rows = {FORWARD: m + 2 * n, BACKWARD_DQ: 2 * m + 2 * n, BACKWARD_DKDV: 2 * m + 2 * n}
