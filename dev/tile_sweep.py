@@ -23,9 +23,10 @@ from ferrocupy.cuda import configs
 from ferrocupy.cuda.backend import CudaBackend
 from ferrocupy.dtypes import parse
 
-GEOMETRIES = {  # (warps, mt, step)
+GEOMETRIES = {  # (warps, mt, step[, isa])
     configs.FORWARD: [(4, 1, 64), (4, 2, 64), (4, 1, 128), (8, 1, 64), (8, 1, 128), (4, 2, 32),
-                      (8, 2, 64)],
+                      (8, 2, 64), (8, 1, 64, configs.WGMMA), (8, 1, 128, configs.WGMMA),
+                      (12, 1, 64, configs.WGMMA), (4, 1, 128, configs.WGMMA)],
     configs.BACKWARD_DQ: [(4, 1, 32), (4, 1, 64), (8, 1, 64), (4, 2, 32), (8, 1, 32), (4, 1, 128)],
     configs.BACKWARD_DKDV: [(4, 1, 16), (4, 1, 32), (4, 1, 64), (8, 1, 32), (8, 1, 64), (4, 2, 32),
                             (2, 2, 64)],
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--ops", default="forward,backward_dq,backward_dkdv")
     args = ap.parse_args()
     dtype = parse(args.dtype)
     backend = CudaBackend()
@@ -60,12 +62,13 @@ def main() -> None:
     rows = []
     for D in (int(x) for x in args.dims.split(",")):
         B, H = 16384 // S, 2048 // D
-        variants = {op: [configs.Variant(op, dtype, D, *g) for g in gs]
-                    for op, gs in GEOMETRIES.items()}
+        variants = {op: [v for v in (configs.Variant(op, dtype, D, *g) for g in gs)
+                         if v.runs_on(backend.capability, 16)]
+                    for op, gs in GEOMETRIES.items() if op in args.ops.split(",")}
         todo = [v for vs in variants.values() for v in vs if v.shared_bytes <= limit]
         with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda v: backend.loader.function(v.source, v.kernel, v.defines),
-                          todo))
+            list(pool.map(lambda v: backend.loader.function(v.source, v.kernel, v.defines,
+                                                            v.options), todo))
         rng = cp.random.default_rng(0)
         mk = lambda *s: rng.standard_normal(s, dtype=cp.float32).astype(dtype)  # noqa: E731
         q, k, v, do = mk(B, S, H, D), mk(B, S, H, D), mk(B, S, H, D), mk(B, S, H, D)
@@ -99,7 +102,7 @@ def main() -> None:
                     got = bufs[name].astype(cp.float32)
                     err = float(cp.linalg.norm(got - want[name]) / cp.linalg.norm(want[name]))
                     ms = time_ms(run)
-                    rows.append((op, str(dtype), D, causal, f"w{var.warps} m{var.mt} n{var.step}",
+                    rows.append((op, str(dtype), D, causal, f"w{var.warps} m{var.mt} n{var.step} {var.isa}",
                                  ms, flops / ms / 1e9, err))
                     backend.table = configs.TABLE
             try:

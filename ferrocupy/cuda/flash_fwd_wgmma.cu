@@ -21,7 +21,7 @@ constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
 constexpr int DT = DP / 8;  // n-tiles of O
 constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
 constexpr int STAGES = 3;  // K/V buffers: tile t in use by S, t - 1 by P V, t + 1 loading
-static_assert(FERRO_MT == 1 && WARPS == 8, "two warpgroups, 16 rows per warp");
+static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
 static_assert((DP == 64 || DP == 128) && (BN == 64 || BN == 128), "wgmma tile geometry");
 // Q, the K and V buffers, and 1 KB to align the base for the 128-byte swizzle.
 static_assert(2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, "configs.py's shared memory");
