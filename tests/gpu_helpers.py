@@ -180,7 +180,7 @@ def portable_device() -> Device:
             from ferrocupy.cuda.backend import CudaBackend
 
             engine = ComputeEngine("cuda")
-            engine.backend = CudaBackend(table=configs.without(configs.WGMMA))
+            engine.backend = CudaBackend(table=configs.only(configs.MMA))
             _ENGINES["dev_mma"] = Device(engine, "cuda")
     return _ENGINES["dev_mma"]
 

@@ -31,7 +31,9 @@ _ARGS = {
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
 }
 ARGS = _ARGS
-MMA, WGMMA = "mma", "wgmma"
+MMA, WGMMA, WGMMA_WS = "mma", "wgmma", "wgmma_ws"
+SM90A = (WGMMA, WGMMA_WS)  # built for sm_90a alone
+WGMMA_STAGES = 3  # K/V buffers of the wgmma forwards
 # (source, kernel) per (op, is_half, isa)
 _SOURCES = {
     (FORWARD, False, MMA): ("flash_fwd.cu", "flash_attn_v2"),
@@ -41,6 +43,7 @@ _SOURCES = {
     (BACKWARD_DQ, True, MMA): ("flash_bwd_dq_half.cu", "flash_bwd_dq_half"),
     (BACKWARD_DKDV, True, MMA): ("flash_bwd_dkdv_half.cu", "flash_bwd_dkdv_half"),
     (FORWARD, True, WGMMA): ("flash_fwd_wgmma.cu", "flash_fwd_wgmma"),
+    (FORWARD, True, WGMMA_WS): ("flash_fwd_wgmma_ws.cu", "flash_fwd_wgmma_ws"),
 }
 
 
@@ -69,7 +72,7 @@ class Variant:
     @property
     def arch(self) -> str | None:
         """The one architecture the variant is built for (None: CuPy's default, the device's)."""
-        return "90a" if self.isa == WGMMA else None
+        return "90a" if self.isa in SM90A else None
 
     @property
     def options(self) -> tuple:
@@ -78,7 +81,7 @@ class Variant:
     def runs_on(self, capability: int, copy_bytes: int) -> bool:
         """Whether the variant can run on a GPU of compute `capability` (e.g. 90) with copies of
         `copy_bytes` per row chunk (the backend's `_copy_width` in bytes)."""
-        if self.isa == WGMMA:
+        if self.isa in SM90A:
             return capability == 90 and copy_bytes == 16
         return True
 
@@ -89,7 +92,8 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        """`warps` compute; a warp-specialized kernel adds a loading warpgroup."""
+        return 32 * self.warps + (128 if self.isa == WGMMA_WS else 0)
 
     @property
     def block_rows(self) -> int:
@@ -105,8 +109,8 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
-        if self.isa == WGMMA:  # Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
-            return elem * (self.block_rows + 6 * self.step) * self.head_dim + 1024
+        if self.isa in SM90A:  # Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
+            return elem * (self.block_rows + 2 * WGMMA_STAGES * self.step) * self.head_dim + 1024
         pitch = self.head_dim + (4 if elem == 4 else 8)
         m, n = self.block_rows, self.step
         rows = {FORWARD: m + 2 * n, BACKWARD_DQ: 2 * m + 2 * n, BACKWARD_DKDV: 2 * m + 2 * n}
@@ -119,6 +123,8 @@ class Variant:
              "FERRO_BN": self.step, "FERRO_SMEM_BYTES": self.shared_bytes}
         if self.half:
             d["FERRO_BF16"] = int(self.dtype == BFLOAT16)
+        if self.isa == WGMMA_WS:
+            d["FERRO_STAGES"] = WGMMA_STAGES
         return d
 
     def blocks(self, params) -> int:
@@ -195,9 +201,9 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
                      f"block; this GPU allows {smem_limit}")
 
 
-def without(isa: str, table: dict | None = None) -> dict:
-    """The table less one instruction set's variants (tests and sweeps of the other one)."""
-    return {key: tuple(v for v in vs if v.isa != isa)
+def only(isa: str, table: dict | None = None) -> dict:
+    """The table restricted to one instruction set's variants (to test or time that one)."""
+    return {key: tuple(v for v in vs if v.isa == isa)
             for key, vs in (TABLE if table is None else table).items()}
 
 

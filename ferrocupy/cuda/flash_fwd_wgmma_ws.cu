@@ -1,0 +1,199 @@
+// Fused attention forward in float16 / bfloat16 on sm_90a's warpgroup tensor cores (wgmma),
+// warp-specialized as FlashAttention-3 is: one warpgroup only loads (cp.async into a ring of
+// STAGES K/V buffers, each announced on a `full` barrier), and WARPS / 4 warpgroups only compute,
+// each over 64 query rows of the block's BM, handing buffers back on an `empty` barrier. No
+// block-wide barrier in the key loop, so the computing warpgroups drift apart and one's softmax
+// overlaps the other's products; within a warpgroup, tile t's softmax overlaps O += P V of tile
+// t - 1. S = Q K^T reads both operands from shared memory; P stays in registers. Softmax, masks
+// and dropout are the mma.sync kernel's, element for element (the accumulator layout is the
+// same). For head_dim up to 64 or 128 with 16-byte rows; geometry comes from cuda/configs.py.
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+#include "ferro_philox.cuh"
+#include "ferro_softmax.cuh"
+#include "ferro_copy.cuh"
+#include "ferro_tiles.cuh"
+#include "ferro_mma_f16.cuh"
+#include "ferro_wgmma.cuh"
+#include "ferro_mbarrier.cuh"
+
+namespace {
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BN = FERRO_BN, STAGES = FERRO_STAGES;
+constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
+constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
+constexpr int DT = DP / 8;  // n-tiles of O
+constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
+// Registers per thread: the loaders need few, the computing warpgroups hold S, P and O.
+constexpr int LOADER_REGS = 40, COMPUTE_REGS = WARPS == 8 ? 232 : 160;
+static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
+static_assert((DP == 64 || DP == 128) && (BN == 64 || BN == 128), "wgmma tile geometry");
+static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
+// Q, the K and V ring, and 1 KB to align the base for the 128-byte swizzle.
+static_assert(2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, "configs.py's shared memory");
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_fwd_wgmma_ws(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                   u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
+                   const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+    extern __shared__ __align__(1024) u16 smem_w[];
+    __shared__ u64 full[STAGES], empty[STAGES], q_full;
+    const u32 raw = smem_u32(smem_w);
+    u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
+    u16* sK = sQ + Q_ELEMS;            // [STAGES][BN x DP], swizzled
+    u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
+    const AttnShape s = attn_shape(p, mask_kind);
+    const Lane L = lane_ids();
+    const int D = s.head_dim, wg = threadIdx.x >> 7;  // warpgroup 0 loads
+    (void)vec;  // always 16-byte copies: the backend picks this kernel only then
+
+    QueryTile T = query_tile<BM, 1>(s, L);
+    T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
+    long long j_first;
+    const int n_tiles = key_tiles<BN>(s, T, j_first);
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(&full[i], LOADERS);
+            mbar_init(&empty[i], 32 * WARPS);
+        }
+        mbar_init(&q_full, LOADERS);
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
+        regs_shrink<LOADER_REGS>();
+        const u16* kb = k + T.kv_off;
+        const u16* vb = v + T.kv_off;
+        load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q_off, T.q_stride, T.m0, s.seq_q, D);
+        mbar_arrive_cp_async(&q_full);
+        for (int t = 0; t < n_tiles; ++t) {
+            const int st = t % STAGES;
+            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // tile t - STAGES used
+            const long long j = j_first + (long long)t * BN;
+            load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.kv_stride, j, s.seq_k, D);
+            load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.kv_stride, j, s.seq_k, D);
+            mbar_arrive_cp_async(&full[st]);
+        }
+        cp_async_wait<0>();  // nothing in flight when the block ends
+        return;
+    }
+
+    // ---- the computing warpgroups ----------------------------------------------------------------
+    regs_grow<COMPUTE_REGS>();
+    const bool dropout = s.dropout_prob > 0.f;
+    const u32 thr = dropout_threshold(s.dropout_prob);
+    const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
+    const u32 q_tile = smem_u32(sQ) + (wg - 1) * 64 * 128;  // this warpgroup's 64 rows
+    auto k_tile = [&](int t) { return smem_u32(sK + (t % STAGES) * KV_ELEMS); };
+    auto v_tile = [&](int t) { return smem_u32(sV + (t % STAGES) * KV_ELEMS); };
+    // S = Q K_t^T, issued (the caller commits and waits).
+    auto issue_s = [&](float (&sc)[NT][4], int t) {
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+            wgmma_ss(sc, desc_k_major<BM>(q_tile, kk), desc_k_major<BN>(k_tile(t), kk), kk > 0);
+    };
+
+    float o[DT][4];
+#pragma unroll
+    for (int nd = 0; nd < DT; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+    u32 pa[NT / 2][4];  // P of the previous tile, rounded: the A operand of O += P V
+
+    // Softmax of tile t's scores into P (as A fragments); returns each row's rescale factor.
+    auto softmax_to_p = [&](float (&sc)[NT][4], int t, float (&alpha)[2]) {
+        const long long j0 = j_first + (long long)t * BN;
+        // Scores stay raw (q.k) on the common tile; a tile that needs the per-element rules is
+        // scaled, masked, and brought back to raw units.
+        const bool whole = keys_wholly_visible<BN>(s, T, j0);
+        if (!whole || s.has_mask) {
+            score_tile<NT>(s, mask, T.b, T.h, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
+            const float inv_scale = 1.f / s.scale;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) sc[nt][r] *= inv_scale;
+        }
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) alpha[rr] = online_softmax_raw<NT>(sc, rr, m_run[rr], l_run[rr], sl2);
+        // Dropout: P' = P * keep (the 1/(1-p) is applied once at the end); l keeps P's sum.
+        if (dropout) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const u32 j = (u32)(j0 + nt * 8 + 2 * L.t);
+                    const u32 keep = dropout_keep4(s.seed, thr, T.bh, (u32)T.row(0, rr), j) >> (j & 3);
+                    if (!(keep & 1u)) sc[nt][2 * rr] = 0.f;
+                    if (!(keep & 2u)) sc[nt][2 * rr + 1] = 0.f;
+                }
+        }
+    };
+    auto to_a = [&](const float (&sc)[NT][4]) {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            pa[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+    };
+    auto issue_pv = [&](int t) {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(o, pa[kk], desc_mn_major<BN>(v_tile(t), kk), 1);
+    };
+
+    if (n_tiles > 0) mbar_wait(&q_full, 0);
+    for (int t = 0; t < n_tiles; ++t) {
+        mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
+        fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
+
+        float sc[NT][4];
+        wgmma_fence();
+        issue_s(sc, t);
+        wgmma_commit();
+        if (t > 0) issue_pv(t - 1);
+        wgmma_commit();
+        wgmma_wait<1>();
+        wgmma_pin(sc);
+        float alpha[2];
+        softmax_to_p(sc, t, alpha);
+        wgmma_wait<0>();
+        wgmma_pin(o);
+        if (t > 0) mbar_arrive(&empty[(t - 1) % STAGES]);  // done with tile t - 1
+        // Rescale O only when some row's max moved (alpha != 1).
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+            for (int nd = 0; nd < DT; ++nd) {
+                o[nd][0] *= alpha[0];
+                o[nd][1] *= alpha[0];
+                o[nd][2] *= alpha[1];
+                o[nd][3] *= alpha[1];
+            }
+        }
+        to_a(sc);
+    }
+    if (n_tiles > 0) {
+        wgmma_fence();
+        issue_pv(n_tiles - 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(o);
+    }
+
+    const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const float l = quad_sum(l_run[rr]);
+        const float inv = l == 0.f ? 0.f : keep_scale / l;  // no visible key: 0; NaN stays NaN
+        const long long i = T.row(0, rr);
+        if (i >= s.seq_q) continue;
+        if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[rr] * s.scale, l);
+        u16* orow = out + T.q_off + (u64)i * T.q_stride;
+#pragma unroll
+        for (int nd = 0; nd < DT; ++nd) {
+            const int d = nd * 8 + 2 * L.t;
+            if (d < D) *reinterpret_cast<u32*>(orow + d) = pack2(o[nd][2 * rr] * inv, o[nd][2 * rr + 1] * inv);
+        }
+    }
+}
