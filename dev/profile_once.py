@@ -1,7 +1,10 @@
 """One forward and one backward (given lse) at the benchmark's D128 S4096 bf16 shape, for ncu:
 
     ncu --clock-control none --section SpeedOfLight ... python3 dev/profile_once.py
+
+FERRO_FWD_ISA=wgmma_ws (say) profiles that forward kernel instead of the table's first choice.
 """
+import os
 
 import cupy as cp
 
@@ -9,6 +12,12 @@ from ferrocupy import AttentionOptions, ComputeEngine, UnifiedTensor
 
 B, S, H, D = 4, 4096, 16, 128
 eng = ComputeEngine("cuda", quiet=True)
+if os.environ.get("FERRO_FWD_ISA"):
+    from ferrocupy.cuda import configs
+
+    key = (configs.FORWARD, configs.BFLOAT16, D)
+    eng.backend.table = dict(configs.TABLE) | {key: (configs.Variant(
+        configs.FORWARD, configs.BFLOAT16, D, 8, 1, 128, os.environ["FERRO_FWD_ISA"]),)}
 rng = cp.random.default_rng(0)
 q, k, v, do = (UnifiedTensor(rng.standard_normal((B, S, H, D), dtype=cp.float32)
                              .astype("bfloat16")) for _ in range(4))

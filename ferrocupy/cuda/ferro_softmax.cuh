@@ -17,36 +17,11 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // Online softmax over one row of a score tile (rr = 0: c0, c1; rr = 1: c2, c3): updates the running
-// max and sum, overwrites the scores with exp(s - max), returns the factor for the running output.
-// A row whose scores are all -inf so far keeps max -inf and contributes zeros.
-template <int NT>
-__device__ __forceinline__ float online_softmax(float (&sc)[NT][4], int rr, float& m_run,
-                                                float& l_run) {
-    float mx = neg_inf();
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * rr], sc[nt][2 * rr + 1]));
-    mx = quad_max(mx);
-    const float m_new = fmaxf(m_run, mx);
-    const float m_use = m_new == neg_inf() ? 0.f : m_new;
-    const float alpha = exp2f((m_run - m_use) * FERRO_LOG2E);
-    m_run = m_new;
-    const float m_log2 = m_use * FERRO_LOG2E;
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float e = exp2f(fmaf(sc[nt][2 * rr + c], FERRO_LOG2E, -m_log2));
-            sum += e;
-            sc[nt][2 * rr + c] = e;
-        }
-    l_run = l_run * alpha + sum;
-    return alpha;
-}
-
-// The same over raw scores q.k (before the scale, so the common tile skips a multiply per
-// element): max and m_run are in raw units, exponents are (s - max) * sl2 with sl2 =
-// scale * log2(e). The row's LSE is then m_run * scale + log(l).
+// max and sum, overwrites the scores with exp2((s - max) * sl2), returns the factor for the
+// running output. A row whose scores are all -inf so far keeps max -inf and contributes zeros.
+// With sl2 = scale * log2(e) the scores may stay raw (q.k, before the scale, so the common tile
+// skips a multiply per element; max and m_run are then raw, and the row's LSE is
+// m_run * scale + log(l)); scaled scores take `online_softmax`.
 template <int NT>
 __device__ __forceinline__ float online_softmax_raw(float (&sc)[NT][4], int rr, float& m_run,
                                                     float& l_run, float sl2) {
@@ -70,6 +45,12 @@ __device__ __forceinline__ float online_softmax_raw(float (&sc)[NT][4], int rr, 
         }
     l_run = l_run * alpha + sum;
     return alpha;
+}
+
+template <int NT>
+__device__ __forceinline__ float online_softmax(float (&sc)[NT][4], int rr, float& m_run,
+                                                float& l_run) {
+    return online_softmax_raw<NT>(sc, rr, m_run, l_run, FERRO_LOG2E);
 }
 
 // A finished row's log-sum-exp (natural log) from its running max and quad-summed sum;
