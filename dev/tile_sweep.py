@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import cupy as cp
 import numpy as np
@@ -32,6 +33,21 @@ GEOMETRIES = {  # (warps, mt, step[, isa])
     configs.BACKWARD_DKDV: [(4, 1, 16), (4, 1, 32), (4, 1, 64), (8, 1, 32), (8, 1, 64), (4, 2, 32),
                             (2, 2, 64)],
 }
+
+
+@dataclass(frozen=True)
+class Tweaked(configs.Variant):
+    """A variant with extra compile-time defines (an experiment the table does not hold)."""
+    extra: tuple = ()
+
+    @property
+    def defines(self) -> dict:
+        return super().defines | dict(self.extra)
+
+
+TWEAKS = {configs.FORWARD: [Tweaked(configs.FORWARD, None, 0, 8, 1, 128, configs.WGMMA_WS,
+                                    (("FERRO_PINGPONG", 1),))]}
+
 FLOPS = {configs.FORWARD: 4, configs.BACKWARD_DQ: 6, configs.BACKWARD_DKDV: 8}  # x B H Sq Sk D
 
 
@@ -63,7 +79,8 @@ def main() -> None:
     rows = []
     for D in (int(x) for x in args.dims.split(",")):
         B, H = 16384 // S, 2048 // D
-        variants = {op: [v for v in (configs.Variant(op, dtype, D, *g) for g in gs)
+        variants = {op: [v for v in [configs.Variant(op, dtype, D, *g) for g in gs]
+                         + [replace(t, dtype=dtype, head_dim=D) for t in TWEAKS.get(op, [])]
                          if v.runs_on(backend.capability, 16)]
                     for op, gs in GEOMETRIES.items() if op in args.ops.split(",")}
         todo = [v for vs in variants.values() for v in vs if v.shared_bytes <= limit]
@@ -103,7 +120,8 @@ def main() -> None:
                     got = bufs[name].astype(cp.float32)
                     err = float(cp.linalg.norm(got - want[name]) / cp.linalg.norm(want[name]))
                     ms = time_ms(run)
-                    rows.append((op, str(dtype), D, causal, f"w{var.warps} m{var.mt} n{var.step} {var.isa}",
+                    rows.append((op, str(dtype), D, causal, f"w{var.warps} m{var.mt} n{var.step} {var.isa}"
+                                 + "".join(f" {k}={x}" for k, x in getattr(var, "extra", ())),
                                  ms, flops / ms / 1e9, err))
                     backend.table = configs.TABLE
             try:

@@ -20,6 +20,9 @@
 namespace {
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BN = FERRO_BN, STAGES = FERRO_STAGES;
 constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
+#ifndef FERRO_PINGPONG
+#define FERRO_PINGPONG 0
+#endif
 constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
 constexpr int DT = DP / 8;  // n-tiles of O
 constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
@@ -143,17 +146,25 @@ flash_fwd_wgmma_ws(const u16* __restrict__ q, const u16* __restrict__ k, const u
         for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(o, pa[kk], desc_mn_major<BN>(v_tile(t), kk), 1);
     };
 
+    // Ping-pong (FERRO_PINGPONG, two computing warpgroups): they take turns to issue their
+    // products (named barriers 1 and 2), so one's softmax runs while the other's products do.
+    const int turn = 1 + (wg - 1), other = 1 + (2 - wg);
+    if (FERRO_PINGPONG && WARPS == 8 && wg == 2 && n_tiles > 0)
+        asm volatile("bar.arrive %0, 256;" ::"r"(other) : "memory");  // warpgroup 1 goes first
     if (n_tiles > 0) mbar_wait(&q_full, 0);
     for (int t = 0; t < n_tiles; ++t) {
         mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
         fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
 
         float sc[NT][4];
+        if (FERRO_PINGPONG && WARPS == 8) asm volatile("bar.sync %0, 256;" ::"r"(turn) : "memory");
         wgmma_fence();
         issue_s(sc, t);
         wgmma_commit();
         if (t > 0) issue_pv(t - 1);
         wgmma_commit();
+        if (FERRO_PINGPONG && WARPS == 8 && (wg == 1 || t + 1 < n_tiles))
+            asm volatile("bar.arrive %0, 256;" ::"r"(other) : "memory");
         wgmma_wait<1>();
         wgmma_pin(sc);
         float alpha[2];
