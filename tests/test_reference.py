@@ -312,3 +312,31 @@ def test_forward_memory_is_bounded(rng):
         tracemalloc.stop()
     assert peak < 4096 * 4096 * 8  # less than one whole float64 score matrix
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_never_reads_past_the_reach(dtype):
+    """NaN in cache slots no row can see (causal offset 100, 5 rows: keys 105+) changes nothing
+    in the forward or the backward (SPEC "Beyond the seed"; the GPU side is test_cuda_reach.py)."""
+    from ferrocupy.dtypes import parse
+
+    dt = parse(dtype)
+    rng = np.random.default_rng(7)
+    eng = ComputeEngine("reference", quiet=True)
+    opts = AttentionOptions(causal=True, causal_offset=100)
+    q, go = (rng.standard_normal((1, 5, 2, 16)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 300, 2, 16)).astype(np.float32) for _ in range(2))
+
+    def run():
+        out = np.full(q.shape, np.nan, dt)
+        grads = [np.full(x.shape, np.nan, dt) for x in (q, k, v)]
+        args = [x.astype(dt) for x in (q, k, v)]
+        eng.flash_attention_v2_with(*args, out, opts)
+        eng.flash_attention_v2_backward_with(*args, out, go.astype(dt), *grads, opts)
+        return [x.astype(np.float32) for x in (out, *grads)]
+
+    k[:, 105:], v[:, 105:] = 0, 0
+    want = run()
+    k[:, 105:], v[:, 105:] = np.nan, np.nan
+    for g, w in zip(run(), want):
+        np.testing.assert_array_equal(g, w)

@@ -52,6 +52,7 @@ struct AttnShape {
     u32 sb, sh, sq, sk;
     float scale, dropout_prob;
     u32 mask_kind;
+    long long kv_reach;  // keys [kv_reach, seq_k) are visible to no row: never loaded (zero-filled)
 };
 
 template <class P>
@@ -64,5 +65,12 @@ __device__ __forceinline__ AttnShape attn_shape(const P& p, u32 mask_kind) {
     s.sb = p.mask_stride_b; s.sh = p.mask_stride_h; s.sq = p.mask_stride_q; s.sk = p.mask_stride_k;
     s.scale = p.scale; s.dropout_prob = p.dropout_prob;
     s.mask_kind = mask_kind;
+    // The last row sits at a = seq_q - 1 + offset: under causal no row sees past it, and a window
+    // reaches window - 1 keys beyond it. Those keys may hold anything (a preallocated KV cache).
+    long long reach = s.seq_k;
+    const long long a_last = (long long)s.seq_q - 1 + s.offset;
+    if (s.causal && a_last + 1 < reach) reach = a_last + 1;
+    if (s.window && a_last + s.window < reach) reach = a_last + s.window;
+    s.kv_reach = reach < 0 ? 0 : reach;
     return s;
 }

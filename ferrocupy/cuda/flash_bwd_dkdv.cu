@@ -43,8 +43,8 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
 
     const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
     const u64 kv_off = ((u64)b * s.seq_k * s.kv_heads + hk) * D;
-    load_tile<float, BK, DP, PITCH, THREADS>(sK, k + kv_off, kv_stride, k0, s.seq_k, D, vec);
-    load_tile<float, BK, DP, PITCH, THREADS>(sV, v + kv_off, kv_stride, k0, s.seq_k, D, vec);
+    load_tile<float, BK, DP, PITCH, THREADS>(sK, k + kv_off, kv_stride, k0, s.kv_reach, D, vec);
+    load_tile<float, BK, DP, PITCH, THREADS>(sV, v + kv_off, kv_stride, k0, s.kv_reach, D, vec);
     const float* sKw = sK + warp * 16 * PITCH;
     const float* sVw = sV + warp * 16 * PITCH;
 

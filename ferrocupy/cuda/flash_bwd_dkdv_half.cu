@@ -46,8 +46,8 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
 
     const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
     const u64 kv_off = ((u64)b * s.seq_k * s.kv_heads + hk) * D;
-    load_tile<u16, BK, DP, PITCH, THREADS>(sK, k + kv_off, kv_stride, k0, s.seq_k, D, vec);
-    load_tile<u16, BK, DP, PITCH, THREADS>(sV, v + kv_off, kv_stride, k0, s.seq_k, D, vec);
+    load_tile<u16, BK, DP, PITCH, THREADS>(sK, k + kv_off, kv_stride, k0, s.kv_reach, D, vec);
+    load_tile<u16, BK, DP, PITCH, THREADS>(sV, v + kv_off, kv_stride, k0, s.kv_reach, D, vec);
     const u16* sKw = sK + warp * 16 * MT * PITCH;
     const u16* sVw = sV + warp * 16 * MT * PITCH;
 

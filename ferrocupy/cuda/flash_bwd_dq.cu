@@ -77,7 +77,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         // sV double-buffer it: tile j+1 loads while tile j is multiplied.
         float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
         if (n_tiles > 0)
-            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D, vec);
+            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
         cp_async_commit();
         for (int it = 0; it < n_tiles; ++it) {
             const long long j0 = j_first + (long long)it * BN;
@@ -117,10 +117,10 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
 
     // V_{j+1} loads while S, dS and dQ use K_j; K_{j+1} loads while dP uses V_{j+1}.
     if (n_tiles > 0)
-        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_first, s.seq_k, D, vec);
+        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
     if (n_tiles > 0)
-        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D, vec);
+        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
@@ -130,7 +130,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         float sc[NT][4], dp[NT][4];
         gemm_abt<NT, KS, PITCH>(sdOw, sV, L, dp);
         __syncthreads();  // every warp is done with V_j
-        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0 + BN, s.seq_k, D, vec);
+        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed
@@ -156,7 +156,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         }
         gemm_acc_ab<NT, KS, PITCH>(sc, sK, L, dq);
         __syncthreads();  // every warp is done with K_j
-        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D, vec);
+        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
     }
 

@@ -81,7 +81,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         float m_run[MT][2], l_run[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf(), l_run[mt][0] = l_run[mt][1] = 0.f;
-        if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D, vec);
+        if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
         cp_async_commit();
         for (int it = 0; it < n_tiles; ++it) {
             const long long j0 = j_first + (long long)it * BN;
@@ -130,9 +130,9 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         for (int nd = 0; nd < DT; ++nd) dq[mt][nd][0] = dq[mt][nd][1] = dq[mt][nd][2] = dq[mt][nd][3] = 0.f;
 
     // V_{j+1} loads while S, dS and dQ use K_j; K_{j+1} loads while dP uses V_{j+1}.
-    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_first, s.seq_k, D, vec);
+    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
-    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D, vec);
+    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
@@ -142,7 +142,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         float sc[MT][NT][4], dpr[MT][NT][4];
         gemm_abt<MT, NT, DP, PITCH>(sdOw, sV, dpr);
         __syncthreads();  // every warp is done with V_j
-        if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0 + BN, s.seq_k, D, vec);
+        if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed
@@ -174,7 +174,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         }
         gemm_acc_ab<MT, NT, DP, PITCH>(sc, sK, dq);  // sc holds dS
         __syncthreads();  // every warp is done with K_j
-        if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D, vec);
+        if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
     }
 

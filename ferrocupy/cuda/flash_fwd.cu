@@ -58,21 +58,21 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
 
     if (n_tiles > 0)
-        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D, vec);
+        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
 
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
         cp_async_wait<0>();
         __syncthreads();  // K_j landed; every warp is done with V_{j-1}
-        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0, s.seq_k, D, vec);
+        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0, s.kv_reach, D, vec);
         cp_async_commit();
 
         float sc[NT][4];
         gemm_abt<NT, KS, PITCH>(sQw, sK, L, sc);
         __syncthreads();  // every warp is done with K_j
         if (it + 1 < n_tiles)
-            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D, vec);
+            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
 
         score_tile<NT>(s, mask, T.b, T.h, rows[0], rows[1], j0, keys_wholly_visible<BN>(s, T, j0), L, sc);

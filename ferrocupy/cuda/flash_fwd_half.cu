@@ -55,21 +55,21 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf(), l_run[mt][0] = l_run[mt][1] = 0.f;
 
-    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.seq_k, D, vec);
+    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
 
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
         cp_async_wait<0>();
         __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
-        load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0, s.seq_k, D, vec);
+        load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0, s.kv_reach, D, vec);
         cp_async_commit();
 
         float sc[MT][NT][4];
         gemm_abt<MT, NT, DP, PITCH>(sQw, sK, sc);
         __syncthreads();  // every warp is done with K_j
         if (it + 1 < n_tiles)
-            load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.seq_k, D, vec);
+            load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
 
         const bool whole = keys_wholly_visible<BN>(s, T, j0);

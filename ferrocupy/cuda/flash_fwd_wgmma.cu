@@ -56,8 +56,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     auto v_tile = [&](int t) { return smem_u32(sV + (t % STAGES) * KV_ELEMS); };
     auto load_kv = [&](int t) {
         const long long j = j_first + (long long)t * BN;
-        load_tile_sw128<BN, DP, THREADS>(sK + (t % STAGES) * KV_ELEMS, kb, kv_stride, j, s.seq_k, D);
-        load_tile_sw128<BN, DP, THREADS>(sV + (t % STAGES) * KV_ELEMS, vb, kv_stride, j, s.seq_k, D);
+        load_tile_sw128<BN, DP, THREADS>(sK + (t % STAGES) * KV_ELEMS, kb, kv_stride, j, s.kv_reach, D);
+        load_tile_sw128<BN, DP, THREADS>(sV + (t % STAGES) * KV_ELEMS, vb, kv_stride, j, s.kv_reach, D);
     };
     // S = Q K_t^T, issued (the caller commits and waits).
     auto issue_s = [&](float (&sc)[NT][4], int t) {

@@ -74,8 +74,8 @@ flash_fwd_wgmma_ws(const u16* __restrict__ q, const u16* __restrict__ k, const u
             const int st = t % STAGES;
             if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // tile t - STAGES used
             const long long j = j_first + (long long)t * BN;
-            load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.kv_stride, j, s.seq_k, D);
-            load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.kv_stride, j, s.seq_k, D);
+            load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.kv_stride, j, s.kv_reach, D);
+            load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.kv_stride, j, s.kv_reach, D);
             mbar_arrive_cp_async(&full[st]);
         }
         cp_async_wait<0>();  // nothing in flight when the block ends

@@ -1,0 +1,58 @@
+"""Keys past every row's reach are never read (SPEC "Beyond the seed", issue 9): under causal
+(with a KV-cache offset) or a window, keys no row of the call can see may hold anything, NaN
+included, as a preallocated cache does; every kernel, in every dtype, gives exactly what it gives
+with zeros there, and nothing non-finite.
+
+Skipped unless `ferrocupy.cuda_available()`; `FERRO_GPU_TESTS_ON_REFERENCE=1` runs it on the
+reference (see tests/gpu_helpers.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ferrocupy import AttentionOptions
+from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
+from gpu_helpers import dev, gpu_pytestmark, kernels, ref  # noqa: F401 (fixtures)
+
+pytestmark = gpu_pytestmark()
+
+DTYPES = [pytest.param(FLOAT32, id="f32"), pytest.param(FLOAT16, id="f16"),
+          pytest.param(BFLOAT16, id="bf16")]
+# (options, the first key no row of a 5-row call reaches)
+REACH = [
+    pytest.param(AttentionOptions(causal=True, causal_offset=100), 105, id="causal-offset100"),
+    pytest.param(AttentionOptions(causal=True, causal_offset=100, window=9), 105, id="causal-window"),
+    pytest.param(AttentionOptions(window=3, causal_offset=100), 107, id="window3-offset100"),
+]
+
+
+def _run(d, q, k, v, go, opts, dtype):
+    put = lambda a: d.put(a.astype(dtype))  # noqa: E731
+    tq, tk, tv, tgo = put(q), put(k), put(v), put(go)
+    out = d.poisoned(q.shape, dtype=dtype)
+    lse = d.poisoned(q.shape[:1] + (q.shape[2], q.shape[1]), dtype=np.float32)
+    d.engine.flash_attention_v2_with(tq, tk, tv, out, opts, lse=lse)
+    grads = [d.poisoned(x.shape, dtype=dtype) for x in (q, k, v)]
+    d.engine.flash_attention_v2_backward_with(tq, tk, tv, out, tgo, *grads, opts, lse=lse)
+    names = ("out", "lse", "grad_q", "grad_k", "grad_v")
+    return {n: d.get(t).astype(np.float32) for n, t in zip(names, (out, lse, *grads))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("opts, reach", REACH)
+def test_nan_past_the_reach_changes_nothing(kernels, rng, dtype, d, opts, reach):
+    b, sq, sk, h, hkv = 2, 5, 300, 4, 2
+    q = rng.standard_normal((b, sq, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
+    go = rng.standard_normal((b, sq, h, d)).astype(np.float32)
+    k[:, reach:], v[:, reach:] = 0, 0
+    want = _run(kernels, q, k, v, go, opts, dtype)
+    k[:, reach:], v[:, reach:] = np.nan, np.nan
+    got = _run(kernels, q, k, v, go, opts, dtype)
+    for name in want:
+        assert not np.isnan(got[name]).any(), f"{name}: NaN past the reach got in"
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert (got["grad_k"][:, reach:] == 0).all() and (got["grad_v"][:, reach:] == 0).all()
