@@ -163,17 +163,23 @@ class ComputeEngine:
         self.flash_attention_v2_with(q, k, v, out, opts, mask)
 
     def flash_attention_v2_with(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
-                                mask=None, *, lse=None) -> None:
+                                mask=None, *, lse=None, kv_lens=None) -> None:
         """`flash_attention_v2` with every option (KV-cache offset, sliding window, scale).
 
         `lse` (optional output, float32 `[batch, heads, seq_q]`): each row's log-sum-exp of its
         scaled, masked scores (natural log, before dropout; -inf for a row that sees no key).
-        Give it to the backward to spare it recomputing it."""
-        t = self._tensors(q=q, k=k, v=v, out=out, mask=mask, lse=lse)
+        Give it to the backward to spare it recomputing it.
+
+        `kv_lens` (optional input, int32 `[batch]`, on this engine's device): batch `b` has
+        `kv_lens[b] <= seq_k` keys; the slots past them are never read (a preallocated KV cache
+        may hold anything there), and its rows sit at `i + causal_offset + kv_lens[b] - seq_k`.
+        Its values are read (one small copy to the host) and checked before any launch."""
+        t = self._tensors(q=q, k=k, v=v, out=out, mask=mask, lse=lse, kv_lens=kv_lens)
         dims, params = self._attention(t, opts, "params", outputs=("out",), written=("out", "lse"))
         if dims.batch * dims.heads * dims.seq_q == 0:
             return
-        self.backend.forward(self._buffers(t, "q", "k", "v", "out", "mask", "lse"), params)
+        self.backend.forward(self._buffers(t, "q", "k", "v", "out", "mask", "lse", "kv_lens"),
+                             params)
 
     # --- backward -------------------------------------------------------------------------------
     def flash_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
@@ -192,13 +198,19 @@ class ComputeEngine:
 
     def flash_attention_v2_backward_with(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
                                          opts: AttentionOptions = AttentionOptions(),
-                                         mask=None, *, lse=None) -> None:
+                                         mask=None, *, lse=None, kv_lens=None) -> None:
         """Backward of `flash_attention_v2_with`: `out` is the forward's output for the same
         inputs, `opts` and `mask` (dropout is regenerated from `opts.seed`). Writes, never
         accumulates into, `grad_q`, `grad_k`, `grad_v`; no gradient for the mask.
 
         `lse` (optional input, float32 `[batch, heads, seq_q]`): the forward's, taken as it is;
-        the backward then skips recomputing it (same results to float32 rounding)."""
+        the backward then skips recomputing it (same results to float32 rounding).
+
+        `kv_lens` is not taken: a cache with per-sequence lengths is an inference-time thing."""
+        if kv_lens is not None:
+            raise ValueError("flash_attention_v2_backward_with does not take kv_lens (the "
+                             "forward's per-sequence cache lengths); train on unpadded keys or "
+                             "use an additive mask")
         t = self._tensors(q=q, k=k, v=v, out=out, grad_out=grad_out, grad_q=grad_q,
                           grad_k=grad_k, grad_v=grad_v, mask=mask, lse=lse)
         dims, params = self._attention(t, opts, "params_bwd",
@@ -275,6 +287,8 @@ class ComputeEngine:
         for name in kv_outputs:
             if t[name].shape != k.shape:
                 raise ValueError(f"{name} shape {t[name].shape} must equal k shape {k.shape}")
+        if t.get("kv_lens") is not None:
+            _check_kv_lens(t["kv_lens"], dims)
         if t.get("lse") is not None:
             want = (dims.batch, dims.heads, dims.seq_q)
             if t["lse"].shape != want:
@@ -288,7 +302,22 @@ class ComputeEngine:
         return {n: (None if t[n] is None else t[n].buffer()) for n in names}
 
 
-_OPTIONAL = ("mask", "lse")  # None is allowed; neither takes the data dtype
+_OPTIONAL = ("mask", "lse", "kv_lens")  # None is allowed; none takes the data dtype
+
+
+def _check_kv_lens(t: UnifiedTensor, dims) -> None:
+    """int32 [batch] with every value in [0, seq_k]; reads the values (a copy to the host)."""
+    if t.dtype != np.int32:
+        raise TypeError(f"kv_lens has dtype {t.dtype} (shape {t.shape}); it must be int32")
+    if t.shape != (dims.batch,):
+        raise ValueError(f"kv_lens shape {t.shape} must be [batch] = [{dims.batch}]")
+    buf = t.buffer()
+    values = buf if isinstance(buf, np.ndarray) else buf.get()
+    bad = np.flatnonzero((values < 0) | (values > dims.seq_k))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"kv_lens[{i}] = {int(values[i])} is outside [0, seq_k = {dims.seq_k}] "
+                         f"({bad.size} of {dims.batch} entries are)")
 
 
 def _memory_range(a) -> tuple[int, int]:

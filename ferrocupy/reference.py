@@ -218,21 +218,40 @@ def _f64(a):
 
 
 # --- the three attention kernels ------------------------------------------------------------------
-def flash_attn_v2(q, k, v, out, mask, p, lse=None) -> None:
+class _Batch:
+    """The struct as batch `b` of a call with `kv_lens` sees it: `kv_lens[b]` keys, rows
+    `kv_lens[b] - seq_k` positions earlier (the offset may go negative, which the struct's
+    unsigned word cannot hold)."""
+
+    def __init__(self, p, kv_len: int):
+        self._p = p
+        self._over = {"seq_k": kv_len,
+                      "causal_offset": int(p["causal_offset"]) + kv_len - int(p["seq_k"])}
+
+    def __getitem__(self, name):
+        return self._over[name] if name in self._over else self._p[name]
+
+
+def flash_attn_v2(q, k, v, out, mask, p, lse=None, kv_lens=None) -> None:
     """Forward (SPEC "Attention forward"): writes `out` [B, Sq, H, D] and, when given, `lse`
-    [B, H, Sq] (float32: each row's log-sum-exp, -inf for a row that sees no key)."""
+    [B, H, Sq] (float32: each row's log-sum-exp, -inf for a row that sees no key). With
+    `kv_lens` [B], batch b has kv_lens[b] keys (the rest are never read) and its rows sit
+    kv_lens[b] - Sk positions earlier."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
     q4, o4 = q.reshape(B, Sq, H, D), out.reshape(B, Sq, H, D)
     k4, v4 = k.reshape(B, Sk, Hkv, D), v.reshape(B, Sk, Hkv, D)
     group = H // Hkv
     with np.errstate(all="ignore"):  # inf/NaN are meant to flow through
         for b in range(B):
+            pb = p if kv_lens is None else _Batch(p, int(kv_lens[b]))
+            n_keys = Sk if kv_lens is None else int(kv_lens[b])
             for h in range(H):
-                kh, vh = _f64(k4[b, :, h // group]), _f64(v4[b, :, h // group])
-                for rows, cols, keys in _blocks(p, Sq, Sk):
-                    s, live = _scores(_f64(q4[b, rows, h]), kh[keys], p, mask, b, h, rows, cols)
+                kh = _f64(k4[b, :n_keys, h // group])
+                vh = _f64(v4[b, :n_keys, h // group])
+                for rows, cols, keys in _blocks(pb, Sq, n_keys):
+                    s, live = _scores(_f64(q4[b, rows, h]), kh[keys], pb, mask, b, h, rows, cols)
                     prob, row_lse = _softmax(s)
-                    prob = _apply(prob, _dropout_factor(p, b, h, rows, cols))
+                    prob = _apply(prob, _dropout_factor(pb, b, h, rows, cols))
                     o4[b, rows, h] = _masked_matmul(prob, vh[keys], live)
                     if lse is not None:
                         lse.reshape(B, H, Sq)[b, h, rows] = row_lse

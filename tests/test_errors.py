@@ -609,3 +609,37 @@ def test_cuda_backend_with_cupy_but_no_usable_gpu(monkeypatch, runtime):
 def test_unknown_backend_name():
     with pytest.raises(ValueError, match=r"backend must be 'cuda' or 'reference', got 'gpu'"):
         ComputeEngine(backend="gpu")
+
+
+@pytest.mark.parametrize("kv_lens, exc, match", [
+    (np.array([1, 2], np.int64), TypeError, r"kv_lens has dtype int64 .*int32"),
+    (np.array([1.0, 2.0], np.float32), TypeError, r"kv_lens has dtype float32"),
+    (np.array([1, 2, 3], np.int32), ValueError, r"kv_lens shape \(3,\) must be \[batch\] = \[2\]"),
+    (np.array([[1, 2]], np.int32), ValueError, r"kv_lens shape \(1, 2\)"),
+    (np.array([1, -1], np.int32), ValueError, r"kv_lens\[1\] = -1 is outside \[0, seq_k = 4\]"),
+    (np.array([5, 4], np.int32), ValueError, r"kv_lens\[0\] = 5 is outside \[0, seq_k = 4\]"),
+])
+def test_bad_kv_lens(eng, rng, kv_lens, exc, match):
+    q, k, v, out = fwd_args(rng)
+    lse = sentinel((B, H, SQ))
+    with pytest.raises(exc, match=match):
+        eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(causal=True), lse=lse,
+                                    kv_lens=kv_lens)
+    assert untouched(out, lse)
+
+
+def test_kv_lens_sharing_memory_with_out(eng, rng):
+    q, k, v, out = fwd_args(rng)
+    lens = out.reshape(-1)[:B].view(np.int32)  # int32 words inside `out`
+    lens[:] = 1  # valid values: the aliasing is what must be refused
+    with pytest.raises(ValueError, match="out .* shares memory with kv_lens"):
+        eng.flash_attention_v2_with(q, k, v, out, kv_lens=lens)
+
+
+def test_backward_rejects_kv_lens(eng, rng):
+    q, k, v, out = fwd_args(rng)
+    grads = [sentinel(x.shape) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="backward_with does not take kv_lens"):
+        eng.flash_attention_v2_backward_with(q, k, v, q.copy(), q.copy(), *grads,
+                                             kv_lens=np.array([1, 2], np.int32))
+    assert untouched(*grads)

@@ -340,3 +340,34 @@ def test_reference_never_reads_past_the_reach(dtype):
     k[:, 105:], v[:, 105:] = np.nan, np.nan
     for g, w in zip(run(), want):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("causal, offset, window", [(True, 0, 0), (True, 6, 0), (False, 0, 0),
+                                                    (True, 3, 4), (False, 2, 3)])
+def test_reference_kv_lens_is_each_sequence_on_its_own(causal, offset, window):
+    """kv_lens[b] = L: batch b is the same call on its first L keys with its rows L - Sk
+    earlier; the slots past L (NaN here) are never read."""
+    rng = np.random.default_rng(11)
+    eng = ComputeEngine("reference", quiet=True)
+    B, Sq, Sk, H, Hkv, D = 4, 3, 12, 4, 2, 8
+    q = rng.standard_normal((B, Sq, H, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Sk, Hkv, D)).astype(np.float32) for _ in range(2))
+    mask = rng.standard_normal((B, 1, Sq, Sk)).astype(np.float32)
+    lens = np.array([12, 9, 5, 0], np.int32)
+    for b, n in enumerate(lens):
+        k[b, n:], v[b, n:] = np.nan, np.nan
+    opts = AttentionOptions(causal=causal, causal_offset=offset + Sk, window=window)
+    out = np.full(q.shape, np.nan, np.float32)
+    lse = np.full((B, H, Sq), np.nan, np.float32)
+    eng.flash_attention_v2_with(q, k, v, out, opts, mask, lse=lse, kv_lens=lens)
+    assert not np.isnan(out).any()
+    for b, n in enumerate(lens):
+        one = AttentionOptions(causal=causal, causal_offset=offset + int(n), window=window)
+        want = np.full((1, Sq, H, D), np.nan, np.float32)
+        want_lse = np.full((1, H, Sq), np.nan, np.float32)
+        eng.flash_attention_v2_with(q[b:b + 1], np.ascontiguousarray(k[b:b + 1, :n]),
+                                    np.ascontiguousarray(v[b:b + 1, :n]), want, one,
+                                    np.ascontiguousarray(mask[b:b + 1, :, :, :n]),
+                                    lse=want_lse)
+        np.testing.assert_array_equal(out[b], want[0])
+        np.testing.assert_array_equal(lse[b], want_lse[0])

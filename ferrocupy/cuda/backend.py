@@ -13,7 +13,7 @@ from . import configs
 from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
-NULL = np.uint64(0)  # a null pointer argument: no mask, no lse
+NULL = np.uint64(0)  # a null pointer argument: no mask, lse or kv_lens
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 
 
@@ -90,7 +90,7 @@ class CudaBackend:
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch."""
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
-        data = [buffers[a] for a in configs.ARGS[op] if a not in ("mask", "lse", "stats")]
+        data = [buffers[a] for a in configs.ARGS[op] if a not in ("mask", "lse", "stats", "kv_lens")]
         vec = _copy_width(dtype, d, data)
         v = self.variant(op, dtype, d, vec * dtype.itemsize)
         fn = self.loader.function(v.source, v.kernel, v.defines, v.options)

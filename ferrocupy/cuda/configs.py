@@ -26,7 +26,7 @@ FORWARD, BACKWARD_DQ, BACKWARD_DKDV, ROPE = "forward", "backward_dq", "backward_
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
 _ARGS = {
-    FORWARD: ("q", "k", "v", "out", "mask", "lse"),
+    FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens"),
     BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse"),
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
 }

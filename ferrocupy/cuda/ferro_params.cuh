@@ -52,8 +52,20 @@ struct AttnShape {
     u32 sb, sh, sq, sk;
     float scale, dropout_prob;
     u32 mask_kind;
+    long long kv_len;    // keys that exist: seq_k, or this batch's kv_lens entry
     long long kv_reach;  // keys [kv_reach, seq_k) are visible to no row: never loaded (zero-filled)
 };
+
+// Keys [kv_reach, ...) are visible to no row. The last row sits at a = seq_q - 1 + offset: under
+// causal no row sees past it, and a window reaches window - 1 keys beyond it. Those keys may hold
+// anything (a preallocated KV cache).
+__device__ __forceinline__ long long key_reach(const AttnShape& s) {
+    long long reach = s.kv_len;
+    const long long a_last = (long long)s.seq_q - 1 + s.offset;
+    if (s.causal && a_last + 1 < reach) reach = a_last + 1;
+    if (s.window && a_last + s.window < reach) reach = a_last + s.window;
+    return reach < 0 ? 0 : reach;
+}
 
 template <class P>
 __device__ __forceinline__ AttnShape attn_shape(const P& p, u32 mask_kind) {
@@ -65,12 +77,16 @@ __device__ __forceinline__ AttnShape attn_shape(const P& p, u32 mask_kind) {
     s.sb = p.mask_stride_b; s.sh = p.mask_stride_h; s.sq = p.mask_stride_q; s.sk = p.mask_stride_k;
     s.scale = p.scale; s.dropout_prob = p.dropout_prob;
     s.mask_kind = mask_kind;
-    // The last row sits at a = seq_q - 1 + offset: under causal no row sees past it, and a window
-    // reaches window - 1 keys beyond it. Those keys may hold anything (a preallocated KV cache).
-    long long reach = s.seq_k;
-    const long long a_last = (long long)s.seq_q - 1 + s.offset;
-    if (s.causal && a_last + 1 < reach) reach = a_last + 1;
-    if (s.window && a_last + s.window < reach) reach = a_last + s.window;
-    s.kv_reach = reach < 0 ? 0 : reach;
+    s.kv_len = s.seq_k;
+    s.kv_reach = key_reach(s);
     return s;
+}
+
+// Batch b's view when the call has kv_lens (SPEC "Beyond the seed"): its keys j >= kv_lens[b]
+// do not exist, and its rows sit kv_lens[b] - seq_k earlier. Storage (seq_k) is unchanged.
+__device__ __forceinline__ void for_batch(AttnShape& s, const int* kv_lens, u32 b) {
+    if (!kv_lens) return;
+    s.kv_len = kv_lens[b];
+    s.offset += s.kv_len - (long long)s.seq_k;
+    s.kv_reach = key_reach(s);
 }

@@ -88,7 +88,7 @@ __device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask,
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const long long i = r < 2 ? i0 : i1, j = j0 + nt * 8 + 2 * L.t + (r & 1);
-            const bool ok = i < s.seq_q && j < s.seq_k && (whole || visible(s, i + s.offset, j));
+            const bool ok = i < s.seq_q && j < s.kv_len && (whole || visible(s, i + s.offset, j));
             float x = sc[nt][r] * s.scale;
             if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
             sc[nt][r] = ok ? x : neg_inf();

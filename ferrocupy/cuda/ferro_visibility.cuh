@@ -20,7 +20,7 @@ __device__ __forceinline__ bool visible(const AttnShape& s, long long a, long lo
 __device__ __forceinline__ void visible_key_range(const AttnShape& s, long long a_lo,
                                                   long long a_hi, long long& lo, long long& hi) {
     lo = 0;
-    hi = s.seq_k;
+    hi = s.kv_len;
     if (s.causal && a_hi + 1 < hi) hi = a_hi + 1;
     if (s.window) {
         long long w = s.window;
@@ -49,7 +49,7 @@ __device__ __forceinline__ void visible_row_range(const AttnShape& s, long long 
 __device__ __forceinline__ bool wholly_visible(const AttnShape& s, long long i_lo, long long i_hi,
                                                long long j_lo, long long j_hi) {
     const long long a_lo = i_lo + s.offset, a_hi = i_hi + s.offset;
-    return i_hi < (long long)s.seq_q && j_hi < (long long)s.seq_k && (!s.causal || j_hi <= a_lo) &&
+    return i_hi < (long long)s.seq_q && j_hi < s.kv_len && (!s.causal || j_hi <= a_lo) &&
            (!s.window || (a_hi - j_lo < s.window && j_hi - a_lo < s.window));
 }
 

@@ -85,7 +85,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
             __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
             if (it + 1 < n_tiles)
                 load_tile<float, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, kv_stride,
-                                                             j0 + BN, s.seq_k, D, vec);
+                                                             j0 + BN, s.kv_reach, D, vec);
             cp_async_commit();
             float sc[NT][4];
             gemm_abt<NT, KS, PITCH>(sQw, (it & 1) ? sV : sK, L, sc);

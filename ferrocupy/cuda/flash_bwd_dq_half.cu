@@ -89,7 +89,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
             if (it + 1 < n_tiles)
                 load_tile<u16, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, kv_stride, j0 + BN,
-                                                       s.seq_k, D, vec);
+                                                       s.kv_reach, D, vec);
             cp_async_commit();
             float sc[MT][NT][4];
             gemm_abt<MT, NT, DP, PITCH>(sQw, (it & 1) ? sV : sK, sc);

@@ -24,17 +24,20 @@ static_assert(4 * (BM + 2 * BN) * PITCH == FERRO_SMEM_BYTES, "shared memory = co
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
               const float* __restrict__ v, float* __restrict__ out,
-              const void* __restrict__ mask, float* __restrict__ lse, const u32 vec,
+              const void* __restrict__ mask, float* __restrict__ lse,
+              const int* __restrict__ kv_lens, const u32 vec,
               const u32 mask_kind, const FlashV2Params p) {
     extern __shared__ __align__(16) float smem[];
     float* sQ = smem;  // [BM][PITCH]
     float* sK = sQ + BM * PITCH;  // [BN][PITCH]
     float* sV = sK + BN * PITCH;  // [BN][PITCH]
-    const AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
     const QueryTile T = query_tile<BM, 1>(s, L);
+
+    for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
     const long long rows[2] = {T.row(0, 0), T.row(0, 1)};
     const u32 bh = T.bh;
     const long long m0 = T.m0;

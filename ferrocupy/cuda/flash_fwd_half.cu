@@ -23,16 +23,18 @@ static_assert(2 * (BM + 2 * BN) * PITCH == FERRO_SMEM_BYTES, "shared memory = co
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
-               const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+               const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
     extern __shared__ __align__(16) u16 smem_h[];
     u16* sQ = smem_h;             // [BM][PITCH]
     u16* sK = sQ + BM * PITCH;    // [BN][PITCH]
     u16* sV = sK + BN * PITCH;    // [BN][PITCH]
-    const AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
     const QueryTile T = query_tile<BM, MT>(s, L);
+
+    for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
     const u16* kb = k + T.kv_off;
     const u16* vb = v + T.kv_off;
     const u64 kv_stride = T.kv_stride;

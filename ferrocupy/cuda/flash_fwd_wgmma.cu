@@ -30,18 +30,20 @@ static_assert(2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                 u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
-                const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+                const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
     extern __shared__ __align__(1024) u16 smem_w[];
     const u32 raw = smem_u32(smem_w);
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sK = sQ + Q_ELEMS;            // [STAGES][BN x DP], swizzled
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
-    const AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = threadIdx.x >> 7;
     (void)vec;  // always 16-byte copies: the backend picks this kernel only then
 
     const QueryTile T = query_tile<BM, 1>(s, L);
+
+    for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
     const u16* kb = k + T.kv_off;
     const u16* vb = v + T.kv_off;
     const u64 kv_stride = T.kv_stride;
