@@ -116,6 +116,9 @@ def attention_flops(batch, heads, seq_q, seq_k, head_dim, causal, direction="fwd
     return f * 5 // 2 if direction == "bwd" else f
 
 
+DECODE_SHAPES = ((16, 32768), (1, 131072), (64, 2048))  # (batch, keys); H32 Hkv8 D128, Sq 1
+
+
 def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
     """The cases for `dtypes`; `quick` keeps the floor, D128 S in {1k, 4k}, decode and RoPE."""
     unknown = [d for d in dtypes if d not in DTYPES]
@@ -136,8 +139,9 @@ def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
             for direction in ("fwd", "bwd"):
                 cases.append(Case("attn", dt, TOKENS // 4096, 4096, 4096, 32, 8, 128, True,
                                   direction=direction, suite="gqa"))
-        cases.append(Case("decode", dt, 16, 1, 32768, 32, 8, 128, True, 32768 - 1,
-                          suite="decode"))
+        for batch, keys in DECODE_SHAPES:  # issue 9's cases: 1 GiB of K and V in float32
+            cases.append(Case("decode", dt, batch, 1, keys, 32, 8, 128, True, keys - 1,
+                              suite="decode"))
         cases.append(Case("rope", dt, shape=ROPE_SHAPE, suite="rope"))
         if dt == "float32":
             cases.append(Case("rope", dt, shape=FLOOR_ROPE_SHAPE, suite="rope", floor=True))

@@ -40,6 +40,14 @@ def main() -> None:
             eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, opts, mask)
             eng.flash_attention_v2_with(q, k, v, out)  # no options: the tile fast paths
             eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, lse=None)
+            # The decode kernels: one row per head, GQA 2, a long cache with per-sequence lengths.
+            qd = put((2, 1, H, d))
+            kd, vd = put((2, 700, Hkv, d)), put((2, 700, Hkv, d))
+            lens = UnifiedTensor.from_numpy(np.array([700, 333], np.int32), device="cuda")
+            outd = UnifiedTensor.empty(qd.shape, dtype, device="cuda")
+            lsed = UnifiedTensor.empty((2, H, 1), np.float32, device="cuda")
+            eng.flash_attention_v2_with(qd, kd, vd, outd, AttentionOptions(
+                causal=True, causal_offset=699, dropout_prob=0.1, seed=2), lse=lsed, kv_lens=lens)
             if d % 2 == 0:
                 eng.rope(q, d, 3)
             import cupy

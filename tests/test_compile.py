@@ -319,7 +319,7 @@ def test_every_selectable_variant_is_compiled():
     from ferrocupy.cuda import configs
 
     compiled = {(p.name, a, d) for p, a, d in _NVRTC_JOBS}
-    for op in (configs.FORWARD, configs.BACKWARD_DQ, configs.BACKWARD_DKDV):
+    for op in (configs.FORWARD, configs.BACKWARD_DQ, configs.BACKWARD_DKDV, configs.DECODE):
         for dtype in configs.ROPE_DTYPE_DEFINE:
             for hd in range(1, 129):
                 for limit, cap in ((99 * 1024, 86), (227 * 1024, 90)):

@@ -32,6 +32,7 @@ class CudaBackend:
         # Read once: CuPy's `attributes` queries every device attribute on each access.
         attrs = cupy.cuda.Device(self._id).attributes
         self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
+        self._smem_per_sm = attrs["MaxSharedMemoryPerMultiprocessor"]
         self.sm_count = attrs["MultiProcessorCount"]
         self.capability = int(cupy.cuda.Device(self._id).compute_capability)  # e.g. 90
 
@@ -65,6 +66,10 @@ class CudaBackend:
 
     def forward(self, buffers: dict, params: np.void) -> None:
         with self.xp.cuda.Device(self._id):
+            if configs.decode_wanted(params):
+                for launch in self._plan_decode(buffers, params):
+                    self._launch(*launch, params)
+                return
             launch = self._plan(configs.FORWARD, buffers, params)
             self._launch(*launch, params)
 
@@ -104,6 +109,36 @@ class CudaBackend:
         args = tuple(NULL if buffers.get(a) is None else buffers[a] for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind)
+
+    def _plan_decode(self, buffers: dict, params) -> list:
+        """The decode kernel over (batch, KV head, split) blocks, then the combine: two launches,
+        both planned (compiled, checked) before either runs."""
+        d = int(params["head_dim"])
+        dtype = np.dtype(buffers["q"].dtype)
+        vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]])
+        v = self.variant(configs.DECODE, dtype, d, vec * dtype.itemsize)
+        fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
+        combine = self.loader.function(v.source, v.combine_kernel, v.defines, v.options)
+        if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
+            fn.max_dynamic_shared_size_bytes = v.shared_bytes
+        pairs = int(params["batch"]) * int(params["kv_heads"])
+        per_sm = min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads)
+        splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
+                                                   max(1, per_sm) * self.sm_count)
+        rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
+        if pairs * splits > GRID_X_MAX:
+            raise ValueError(f"decode: {pairs * splits} blocks exceed the grid limit {GRID_X_MAX}")
+        part_o = self.xp.empty((splits, rows, v.head_dim), dtype=np.float32)
+        part_ml = self.xp.empty((splits, rows, 2), dtype=np.float32)
+        mask = buffers.get("mask")
+        mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
+        opt = lambda name: NULL if buffers.get(name) is None else buffers[name]  # noqa: E731
+        args = (buffers["q"], buffers["k"], buffers["v"], part_o, part_ml, opt("mask"),
+                opt("kv_lens"), np.uint32(splits), np.uint32(split_keys), np.uint32(vec),
+                mask_kind)
+        combine_args = (part_o, part_ml, buffers["out"], opt("lse"), np.uint32(splits))
+        return [(fn, pairs * splits, v.threads, v.shared_bytes, args),
+                (combine, -(-rows // 8), 256, 0, combine_args)]
 
     @staticmethod
     def _launch(fn, blocks, threads, smem, args, params) -> None:

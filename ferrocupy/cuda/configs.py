@@ -23,12 +23,15 @@ import numpy as np
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32
 
 FORWARD, BACKWARD_DQ, BACKWARD_DKDV, ROPE = "forward", "backward_dq", "backward_dkdv", "rope"
+DECODE = "decode"  # the forward of few rows against many keys: split-KV, then a combine
+DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernel takes
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
 _ARGS = {
     FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens"),
     BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse"),
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
+    DECODE: ("q", "k", "v", "part_o", "part_ml", "mask", "kv_lens", "splits", "split_keys"),
 }
 ARGS = _ARGS
 MMA, WGMMA, WGMMA_WS = "mma", "wgmma", "wgmma_ws"
@@ -44,6 +47,8 @@ _SOURCES = {
     (BACKWARD_DKDV, True, MMA): ("flash_bwd_dkdv_half.cu", "flash_bwd_dkdv_half"),
     (FORWARD, True, WGMMA): ("flash_fwd_wgmma.cu", "flash_fwd_wgmma"),
     (FORWARD, True, WGMMA_WS): ("flash_fwd_wgmma_ws.cu", "flash_fwd_wgmma_ws"),
+    (DECODE, False, MMA): ("flash_decode.cu", "flash_decode"),
+    (DECODE, True, MMA): ("flash_decode.cu", "flash_decode"),
 }
 
 
@@ -100,6 +105,11 @@ class Variant:
         return 16 * self.mt * self.warps
 
     @property
+    def combine_kernel(self) -> str:
+        """The decode variant's second kernel (same source and defines)."""
+        return "flash_decode_combine"
+
+    @property
     def per_kv_head(self) -> bool:
         """One block row per (batch, KV head) rather than per (batch, head)."""
         return self.op == BACKWARD_DKDV
@@ -109,6 +119,10 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
+        if self.op == DECODE:  # K, V x 2 buffers (16-byte pad per row); Q, P and row state f32
+            rows = DECODE_ROWS
+            return (4 * self.step * (self.head_dim + 16 // elem) * elem
+                    + 4 * (rows * self.head_dim + rows * (self.step + 1) + 3 * rows))
         if self.isa in SM90A:  # Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
             return elem * (self.block_rows + 2 * WGMMA_STAGES * self.step) * self.head_dim + 1024
         pitch = self.head_dim + (4 if elem == 4 else 8)
@@ -125,6 +139,8 @@ class Variant:
             d["FERRO_BF16"] = int(self.dtype == BFLOAT16)
         if self.isa == WGMMA_WS:
             d["FERRO_STAGES"] = WGMMA_STAGES
+        if self.op == DECODE:
+            d["FERRO_ROWS"] = DECODE_ROWS
         return d
 
     def blocks(self, params) -> int:
@@ -158,6 +174,8 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
       dQ       d64  4x16 rows, 64 keys: 193 + 182;  d128 4x32 rows, 32 keys: 243 + 218
       dK/dV    d64  4x32 keys, 32 rows: 113 + 107;  d128 8x16 keys, 64 rows: 157 + 150
     """
+    if op == DECODE:  # 4 warps, 32 keys a tile (a key per lane in the softmax)
+        return [(4, 1, 32)]
     if dtype == FLOAT32:
         return [{FORWARD: (4, 1, 64), BACKWARD_DQ: (4, 1, 32), BACKWARD_DKDV: (4, 1, 32)}[op]]
     small = dp <= 64
@@ -170,7 +188,7 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
 
 def _table() -> dict:
     table = {}
-    for op in (FORWARD, BACKWARD_DQ, BACKWARD_DKDV):
+    for op in (FORWARD, BACKWARD_DQ, BACKWARD_DKDV, DECODE):
         for dtype in (FLOAT32, FLOAT16, BFLOAT16):
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
@@ -199,6 +217,41 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     raise ValueError(f"{op} in {dtype} at head_dim {head_dim} needs at least "
                      f"{min(v.shared_bytes for v in candidates if v.isa == MMA)} bytes of shared memory per "
                      f"block; this GPU allows {smem_limit}")
+
+
+def key_reach(params) -> int:
+    """Keys [reach, seq_k) no row of the call can see (causal, window; not kv_lens, whose values
+    live on the device): the kernels' `key_reach` without a batch's own length."""
+    reach = int(params["seq_k"])
+    a_last = int(params["seq_q"]) - 1 + int(params["causal_offset"])
+    if int(params["causal"]):
+        reach = min(reach, a_last + 1)
+    if int(params["window"]):
+        reach = min(reach, a_last + int(params["window"]))
+    return max(reach, 0)
+
+
+def decode_wanted(params) -> bool:
+    """The decode kernels take a call whose KV groups have few query rows."""
+    group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
+    return group_rows <= DECODE_ROWS and int(params["seq_k"]) > 0
+
+
+def decode_splits(pairs: int, reach: int, step: int, slots: int,
+                  max_splits: int = 256) -> tuple[int, int]:
+    """(splits, keys per split) for `pairs` (batch, KV head) pairs over `reach` keys on a GPU
+    that holds `slots` decode blocks at once: the count whose blocks finish soonest, taking time
+    as waves of blocks times (tiles per block + 1, a block's start-up), with at least 4 tiles a
+    split (fewer splits on a tie: less to combine)."""
+    tiles = max(1, -(-reach // step))
+    best = None
+    for n in range(1, min(max_splits, max(1, tiles // 4)) + 1):
+        per = -(-tiles // n)
+        n_used = -(-tiles // per)
+        cost = -(-(pairs * n_used) // slots) * (per + 1)
+        if best is None or cost < best[0]:
+            best = (cost, n_used, per)
+    return best[1], best[2] * step
 
 
 def only(isa: str, table: dict | None = None) -> dict:

@@ -1,0 +1,249 @@
+// Decoding from a KV cache (flash-decoding): few query rows against many keys, in two kernels.
+// `flash_decode` gives each block one (batch, KV head) and one split of its keys: the block's rows
+// are every query row of every head of that KV group (R = heads / kv_heads * seq_q, at most
+// ROWS), so K and V are read once per group. Tiles of BN keys stream through shared memory by
+// cp.async (double-buffered); scores, softmax and O += P V run on the CUDA cores in float32 (a
+// few rows per key: the kernel is bound by memory, not arithmetic). Each split writes its
+// unnormalised O and its (max, sum) to a float32 workspace; `flash_decode_combine` merges the
+// splits of each row through them and writes out (and lse). Every forward option holds: causal
+// + offset, window, mask, dropout (the same keep mask), kv_lens, dead rows -> 0.
+// Element type: float32, or float16 / bfloat16 with FERRO_BF16 defined. Geometry from configs.py.
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+#include "ferro_philox.cuh"
+#include "ferro_softmax.cuh"
+#include "ferro_copy.cuh"
+
+#ifdef FERRO_BF16
+#include "ferro_mma_f16.cuh"  // widen, round1
+typedef u16 T;
+__device__ __forceinline__ float to_f(T x) { return widen(x); }
+__device__ __forceinline__ T from_f(float x) { return round1(x); }
+// 16 bytes of shared memory as floats (in registers: no local copy to index).
+__device__ __forceinline__ void load16(const T* src, float (&f)[8]) {
+    const uint4 r = *reinterpret_cast<const uint4*>(src);
+    const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        f[2 * c] = widen((u16)(w[c] & 0xffffu));
+        f[2 * c + 1] = widen((u16)(w[c] >> 16));
+    }
+}
+#else
+typedef float T;
+__device__ __forceinline__ float to_f(T x) { return x; }
+__device__ __forceinline__ T from_f(float x) { return x; }
+__device__ __forceinline__ void load16(const T* src, float (&f)[4]) {
+    const float4 r = *reinterpret_cast<const float4*>(src);
+    f[0] = r.x, f[1] = r.y, f[2] = r.z, f[3] = r.w;
+}
+#endif
+
+namespace {
+constexpr int DP = FERRO_HEAD_DIM, THREADS = 32 * FERRO_WARPS, BN = FERRO_BN;
+constexpr int ROWS = FERRO_ROWS;                   // query rows per block, at most
+constexpr int VEC = 16 / sizeof(T);                // elements per 16-byte shared read
+constexpr int PITCH = DP + VEC;  // +16 bytes: a warp's 32 key rows hit distinct bank groups
+constexpr int KV_ELEMS = BN * PITCH;
+constexpr int PAIRS = ROWS * DP / THREADS;         // (row, column) outputs per thread
+static_assert(BN == 32 && THREADS % BN == 0, "a key per lane in the softmax");
+static_assert(DP % 16 == 0 && (ROWS * DP) % THREADS == 0, "decode geometry");
+static_assert(2 * 2 * KV_ELEMS * (int)sizeof(T) + 4 * (ROWS * DP + ROWS * (BN + 1) + 3 * ROWS) ==
+                  FERRO_SMEM_BYTES, "shared memory = configs.py's");
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+             float* __restrict__ part_o, float* __restrict__ part_ml,
+             const void* __restrict__ mask, const int* __restrict__ kv_lens, const u32 splits,
+             const u32 split_keys, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+    extern __shared__ __align__(16) unsigned char smem_d[];
+    T* sK = reinterpret_cast<T*>(smem_d);      // [2][BN][PITCH]
+    T* sV = sK + 2 * KV_ELEMS;                 // [2][BN][PITCH]
+    float* sQ = reinterpret_cast<float*>(sV + 2 * KV_ELEMS);  // [ROWS][DP], scaled
+    float* sP = sQ + ROWS * DP;                // [ROWS][BN + 1]: scores, then P
+    float* sM = sP + ROWS * (BN + 1);          // running max, sum, rescale per row
+    float* sL = sM + ROWS;
+    float* sA = sL + ROWS;
+
+    AttnShape s = attn_shape(p, mask_kind);
+    const u32 split = blockIdx.x % splits, bhk = blockIdx.x / splits;
+    const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads;
+    for_batch(s, kv_lens, b);
+    const u32 G = s.heads / s.kv_heads;
+    const int R = (int)(G * s.seq_q);  // row r: head hk * G + r / seq_q, query r % seq_q
+    const int D = s.head_dim, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u64 kv_stride = (u64)s.kv_heads * D;
+    const T* kb = k + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+    const T* vb = v + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+
+    // This split's keys, clipped to what some row can see.
+    long long lo, hi;
+    visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, lo, hi);
+    if (hi > s.kv_reach) hi = s.kv_reach;
+    const long long j_lo = max(lo, (long long)split * split_keys);
+    const long long j_hi = min(hi, (long long)(split + 1) * split_keys);
+    const int n_tiles = j_hi > j_lo ? (int)((j_hi - j_lo + BN - 1) / BN) : 0;
+
+    for (int idx = tid; idx < ROWS * DP; idx += THREADS) {  // Q, scaled, zero past D and R
+        const int r = idx / DP, d = idx % DP;
+        float x = 0.f;
+        if (r < R && d < D) {
+            const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
+            x = to_f(q[((u64)b * s.seq_q + i) * s.heads * D + (u64)h * D + d]) * s.scale;
+        }
+        sQ[idx] = x;
+    }
+    if (tid < ROWS) sM[tid] = neg_inf(), sL[tid] = 0.f;
+    const bool dropout = s.dropout_prob > 0.f;
+    const u32 thr = dropout_threshold(s.dropout_prob);
+
+    float o[PAIRS];
+#pragma unroll
+    for (int n = 0; n < PAIRS; ++n) o[n] = 0.f;
+
+    if (n_tiles > 0) {
+        load_tile<T, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_lo, j_hi, D, vec);
+        load_tile<T, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_lo, j_hi, D, vec);
+    }
+    cp_async_commit();
+    for (int t = 0; t < n_tiles; ++t) {
+        const long long j0 = j_lo + (long long)t * BN;
+        const T* tK = sK + (t & 1) * KV_ELEMS;
+        const T* tV = sV + (t & 1) * KV_ELEMS;
+        if (t + 1 < n_tiles) {  // the other buffer was released by the last barrier of t - 1
+            load_tile<T, BN, DP, PITCH, THREADS>(sK + ((t + 1) & 1) * KV_ELEMS, kb, kv_stride,
+                                                 j0 + BN, j_hi, D, vec);
+            load_tile<T, BN, DP, PITCH, THREADS>(sV + ((t + 1) & 1) * KV_ELEMS, vb, kv_stride,
+                                                 j0 + BN, j_hi, D, vec);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();  // tile t landed (Q and the row state too, on the first)
+
+        // Scores: lane = key, warp w takes rows w, w + WARPS, ... (a warp shares its row, so its
+        // Q reads are broadcasts; its 32 keys' 16-byte reads fall in distinct bank groups).
+        {
+            const int kk = lane;
+            const long long j = j0 + kk;
+            for (int r = warp; r < R; r += THREADS / 32) {
+                const float* qr = sQ + r * DP;
+                const T* kr = tK + kk * PITCH;
+                float acc = 0.f;
+#pragma unroll
+                for (int d = 0; d < DP; d += VEC) {
+                    float e[VEC];
+                    load16(kr + d, e);
+#pragma unroll
+                    for (int c = 0; c < VEC; c += 4) {
+                        const float4 qv = *reinterpret_cast<const float4*>(qr + d + c);
+                        acc = fmaf(qv.x, e[c], acc);
+                        acc = fmaf(qv.y, e[c + 1], acc);
+                        acc = fmaf(qv.z, e[c + 2], acc);
+                        acc = fmaf(qv.w, e[c + 3], acc);
+                    }
+                }
+                const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
+                // Keys past the split's end belong to the next split (and were not loaded).
+                const bool ok = j < j_hi && visible(s, (long long)i + s.offset, j);
+                if (ok && s.has_mask) acc += mask_at(s, mask, b, h, i, j);
+                sP[r * (BN + 1) + kk] = ok ? acc : neg_inf();
+            }
+        }
+        __syncwarp();
+        // Online softmax, a warp per row (its scores are its own: no barrier needed before).
+        for (int r = warp; r < R; r += THREADS / 32) {
+            const float x = sP[r * (BN + 1) + lane];
+            const float m_old = sM[r];
+            float mx = x;
+#pragma unroll
+            for (int w = 16; w; w >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, w));
+            const float m_new = fmaxf(m_old, mx);
+            const float m_use = m_new == neg_inf() ? 0.f : m_new;
+            const float e = exp2f((x - m_use) * FERRO_LOG2E);
+            float sum = e;
+#pragma unroll
+            for (int w = 16; w; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+            float pe = e;
+            if (dropout) {
+                const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q, j = (u32)(j0 + lane);
+                const u32 keep = dropout_keep4(s.seed, thr, b * s.heads + h, i, j) >> (j & 3);
+                if (!(keep & 1u)) pe = 0.f;
+            }
+            sP[r * (BN + 1) + lane] = pe;
+            __syncwarp();
+            if (lane == 0) {
+                const float alpha = exp2f((m_old - m_use) * FERRO_LOG2E);
+                sA[r] = alpha;
+                sL[r] = sL[r] * alpha + sum;
+                sM[r] = m_new;
+            }
+        }
+        __syncthreads();  // P and the rescale factors of every row are in place
+
+        // O += P V: thread owns (row, column) pairs tid + THREADS * n; consecutive threads take
+        // consecutive columns of V (conflict-free) and mostly the same row of P (broadcast).
+#pragma unroll
+        for (int n = 0; n < PAIRS; ++n) {
+            const int idx = tid + THREADS * n, r = idx / DP, d = idx % DP;
+            if (r >= R) break;
+            const float* pr = sP + r * (BN + 1);
+            float acc = o[n] * sA[r];
+#pragma unroll 8
+            for (int kk = 0; kk < BN; ++kk) acc = fmaf(pr[kk], to_f(tV[kk * PITCH + d]), acc);
+            o[n] = acc;
+        }
+        __syncthreads();  // every thread is done with tile t's buffers and with P
+    }
+    cp_async_wait<0>();
+
+    // This split's part of each row: unnormalised O, and (max, sum) in scaled units.
+    const u64 rows_total = (u64)s.batch * s.heads * s.seq_q;
+#pragma unroll
+    for (int n = 0; n < PAIRS; ++n) {
+        const int idx = tid + THREADS * n, r = idx / DP, d = idx % DP;
+        if (r >= R) break;
+        const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
+        const u64 row = ((u64)b * s.heads + h) * s.seq_q + i;
+        part_o[((u64)split * rows_total + row) * DP + d] = o[n];
+        if (d == 0) {
+            part_ml[((u64)split * rows_total + row) * 2] = sM[r];
+            part_ml[((u64)split * rows_total + row) * 2 + 1] = sL[r];
+        }
+    }
+}
+
+// One warp per output row (b, h, i): merges the splits through their (max, sum), writes out
+// (rounded once) and lse.
+extern "C" __global__ void __launch_bounds__(256)
+flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                     T* __restrict__ out, float* __restrict__ lse, const u32 splits,
+                     const FlashV2Params p) {
+    const u64 rows_total = (u64)p.batch * p.heads * p.seq_q;
+    const u64 row = (u64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, D = p.head_dim;
+    if (row >= rows_total) return;
+    float M = neg_inf();
+    for (u32 sp = 0; sp < splits; ++sp) M = fmaxf(M, part_ml[((u64)sp * rows_total + row) * 2]);
+    const float m_use = M == neg_inf() ? 0.f : M;
+    float L = 0.f;
+    for (u32 sp = 0; sp < splits; ++sp) {
+        const float* ml = part_ml + ((u64)sp * rows_total + row) * 2;
+        if (ml[1] != 0.f) L += ml[1] * exp2f((ml[0] - m_use) * FERRO_LOG2E);
+    }
+    const float keep_scale = p.dropout_prob > 0.f ? 1.f / (1.f - p.dropout_prob) : 1.f;
+    const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
+    const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
+    T* orow = out + ((u64)b * p.seq_q + i) * p.heads * D + (u64)h * D;
+    for (int d = lane; d < D; d += 32) {
+        float acc = 0.f;
+        for (u32 sp = 0; sp < splits; ++sp) {
+            const float* ml = part_ml + ((u64)sp * rows_total + row) * 2;
+            if (ml[1] != 0.f)
+                acc += part_o[((u64)sp * rows_total + row) * DP + d] *
+                       exp2f((ml[0] - m_use) * FERRO_LOG2E);
+        }
+        orow[d] = from_f(acc * inv);
+    }
+    if (lse && lane == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+}

@@ -1,0 +1,65 @@
+"""The decode path (issue 9): few query rows per KV group (heads / kv_heads * seq_q <= 16)
+against a long cache go through the split-KV decode kernel and its combine. Compared with the
+reference at decode shapes: seq_q 1-8, GQA 1-8, up to 128k keys, uneven kv_lens with NaN past
+them, split counts that do not divide the keys, every forward option; out and lse.
+
+Skipped unless `ferrocupy.cuda_available()`; `FERRO_GPU_TESTS_ON_REFERENCE=1` runs it on the
+reference (see tests/gpu_helpers.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ferrocupy import AttentionOptions
+from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
+from gpu_helpers import dev, gpu_pytestmark, ref  # noqa: F401 (fixtures)
+
+pytestmark = gpu_pytestmark()
+
+DTYPES = [pytest.param(FLOAT32, id="f32"), pytest.param(FLOAT16, id="f16"),
+          pytest.param(BFLOAT16, id="bf16")]
+TOL = {FLOAT32: 1e-5, FLOAT16: 4e-3, BFLOAT16: 3e-2}  # relative, vs float64
+
+# (batch, seq_q, heads, kv_heads, head_dim, seq_k, options, mask, kv_lens)
+CASES = {
+    "sq1-gqa4-d128-cache": (3, 1, 8, 2, 128, 5000, dict(causal=True, causal_offset=4999), None,
+                            [5000, 3333, 17]),
+    "sq4-gqa4-d64-mask-dropout": (2, 4, 8, 2, 64, 2049,
+                                  dict(causal=True, causal_offset=2045, dropout_prob=0.1,
+                                       seed=9), "mask", None),
+    "sq8-mha-d80-window-128k": (1, 8, 2, 2, 80, 131072,
+                                dict(causal=True, causal_offset=131064, window=1000), None, None),
+    "sq1-gqa8-d32-noncausal": (2, 1, 8, 1, 32, 777, dict(), None, [777, 0]),
+    "sq2-gqa8-d16-window": (2, 2, 8, 1, 16, 4100, dict(window=7, causal_offset=4000), "mask",
+                            [4100, 3000]),
+    "sq1-d7-odd": (2, 1, 4, 4, 7, 300, dict(causal=True, causal_offset=299), None, None),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_matches_the_reference(dev, ref, rng, dtype, name):  # noqa: F811
+    b, sq, h, hkv, d, sk, opts, mask, lens = CASES[name]
+    opts = AttentionOptions(**opts)
+    q = rng.standard_normal((b, sq, h, d)).astype(np.float32).astype(dtype)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+    m = rng.standard_normal((b, 1, sq, sk)).astype(np.float32) if mask else None
+    kv_lens = None if lens is None else np.array(lens, np.int32)
+    if kv_lens is not None:
+        for i, n in enumerate(kv_lens):
+            k[i, n:], v[i, n:] = np.nan, np.nan
+    res = {}
+    for who, e in (("dev", dev), ("ref", ref)):
+        out = e.poisoned(q.shape, dtype=dtype)
+        lse = e.poisoned((b, h, sq), dtype=np.float32)
+        e.engine.flash_attention_v2_with(e.put(q), e.put(k), e.put(v), out, opts, e.put(m),
+                                         lse=lse, kv_lens=e.put(kv_lens))
+        res[who] = (e.get(out).astype(np.float64), e.get(lse).astype(np.float64))
+    for what, got, want in zip(("out", "lse"), res["dev"], res["ref"]):
+        assert not np.isnan(got).any(), f"{what}: NaN (unwritten, or past kv_lens)"
+        fin = np.isfinite(want)  # lse is -inf for a row that sees nothing
+        assert (got[~fin] == want[~fin]).all(), f"{what}: rows that see nothing differ"
+        err = np.linalg.norm(got[fin] - want[fin]) / np.linalg.norm(want[fin])
+        assert err < TOL[dtype], f"{what}: relative error {err:.2e} (tol {TOL[dtype]}) {name}"
