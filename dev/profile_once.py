@@ -2,7 +2,7 @@
 
     ncu --clock-control none --section SpeedOfLight ... python3 dev/profile_once.py
 
-FERRO_FWD_ISA=wgmma_ws (say) profiles that forward kernel instead of the table's first choice.
+FERRO_FWD_ISA=mma (say) profiles that forward kernel instead of the table's first choice.
 """
 import os
 

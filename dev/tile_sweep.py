@@ -26,9 +26,8 @@ from ferrocupy.dtypes import parse
 
 GEOMETRIES = {  # (warps, mt, step[, isa])
     configs.FORWARD: [(4, 1, 64), (4, 2, 64), (4, 1, 128), (8, 1, 64), (8, 1, 128), (4, 2, 32),
-                      (8, 2, 64), (8, 1, 64, configs.WGMMA), (8, 1, 128, configs.WGMMA),
-                      (4, 1, 128, configs.WGMMA), (8, 1, 128, configs.WGMMA_WS),
-                      (8, 1, 64, configs.WGMMA_WS)],
+                      (8, 2, 64), (8, 1, 128, configs.WGMMA), (12, 1, 128, configs.WGMMA),
+                      (12, 1, 64, configs.WGMMA)],
     configs.BACKWARD_DQ: [(4, 1, 32), (4, 1, 64), (8, 1, 64), (4, 2, 32), (8, 1, 32), (4, 1, 128)],
     configs.BACKWARD_DKDV: [(4, 1, 16), (4, 1, 32), (4, 1, 64), (8, 1, 32), (8, 1, 64), (4, 2, 32),
                             (2, 2, 64)],
@@ -45,8 +44,7 @@ class Tweaked(configs.Variant):
         return super().defines | dict(self.extra)
 
 
-TWEAKS = {configs.FORWARD: [Tweaked(configs.FORWARD, None, 0, 8, 1, 128, configs.WGMMA_WS,
-                                    (("FERRO_PINGPONG", 1),))]}
+TWEAKS: dict = {}  # op -> [Tweaked(...)], e.g. a define a kernel reads with a default
 
 FLOPS = {configs.FORWARD: 4, configs.BACKWARD_DQ: 6, configs.BACKWARD_DKDV: 8}  # x B H Sq Sk D
 

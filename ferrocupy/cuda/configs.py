@@ -34,8 +34,8 @@ _ARGS = {
     DECODE: ("q", "k", "v", "part_o", "part_ml", "mask", "kv_lens", "splits", "split_keys"),
 }
 ARGS = _ARGS
-MMA, WGMMA, WGMMA_WS = "mma", "wgmma", "wgmma_ws"
-SM90A = (WGMMA, WGMMA_WS)  # built for sm_90a alone
+MMA, WGMMA = "mma", "wgmma"
+SM90A = (WGMMA,)  # built for sm_90a alone
 WGMMA_STAGES = 3  # K/V buffers of the wgmma forwards
 # (source, kernel) per (op, is_half, isa)
 _SOURCES = {
@@ -46,7 +46,6 @@ _SOURCES = {
     (BACKWARD_DQ, True, MMA): ("flash_bwd_dq_half.cu", "flash_bwd_dq_half"),
     (BACKWARD_DKDV, True, MMA): ("flash_bwd_dkdv_half.cu", "flash_bwd_dkdv_half"),
     (FORWARD, True, WGMMA): ("flash_fwd_wgmma.cu", "flash_fwd_wgmma"),
-    (FORWARD, True, WGMMA_WS): ("flash_fwd_wgmma_ws.cu", "flash_fwd_wgmma_ws"),
     (DECODE, False, MMA): ("flash_decode.cu", "flash_decode"),
     (DECODE, True, MMA): ("flash_decode.cu", "flash_decode"),
 }
@@ -97,8 +96,8 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        """`warps` compute; a warp-specialized kernel adds a loading warpgroup."""
-        return 32 * self.warps + (128 if self.isa == WGMMA_WS else 0)
+        """`warps` compute; the warp-specialized wgmma kernel adds a loading warpgroup."""
+        return 32 * self.warps + (128 if self.isa == WGMMA else 0)
 
     @property
     def block_rows(self) -> int:
@@ -119,9 +118,9 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
-        if self.op == DECODE:  # K, V x 2 buffers (16-byte pad per row); Q, P and row state f32
+        if self.op == DECODE:  # K, V x 3 buffers (16-byte pad per row); Q, P and row state f32
             rows = DECODE_ROWS
-            return (4 * self.step * (self.head_dim + 16 // elem) * elem
+            return (6 * self.step * (self.head_dim + 16 // elem) * elem
                     + 4 * (rows * self.head_dim + rows * (self.step + 1) + 3 * rows))
         if self.isa in SM90A:  # Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
             return elem * (self.block_rows + 2 * WGMMA_STAGES * self.step) * self.head_dim + 1024
@@ -137,7 +136,7 @@ class Variant:
              "FERRO_BN": self.step, "FERRO_SMEM_BYTES": self.shared_bytes}
         if self.half:
             d["FERRO_BF16"] = int(self.dtype == BFLOAT16)
-        if self.isa == WGMMA_WS:
+        if self.isa == WGMMA:
             d["FERRO_STAGES"] = WGMMA_STAGES
         if self.op == DECODE:
             d["FERRO_ROWS"] = DECODE_ROWS

@@ -45,10 +45,11 @@ constexpr int ROWS = FERRO_ROWS;                   // query rows per block, at m
 constexpr int VEC = 16 / sizeof(T);                // elements per 16-byte shared read
 constexpr int PITCH = DP + VEC;  // +16 bytes: a warp's 32 key rows hit distinct bank groups
 constexpr int KV_ELEMS = BN * PITCH;
+constexpr int STAGES = 3;                          // tile t in use, t + 1 and t + 2 in flight
 constexpr int PAIRS = ROWS * DP / THREADS;         // (row, column) outputs per thread
 static_assert(BN == 32 && THREADS % BN == 0, "a key per lane in the softmax");
 static_assert(DP % 16 == 0 && (ROWS * DP) % THREADS == 0, "decode geometry");
-static_assert(2 * 2 * KV_ELEMS * (int)sizeof(T) + 4 * (ROWS * DP + ROWS * (BN + 1) + 3 * ROWS) ==
+static_assert(2 * STAGES * KV_ELEMS * (int)sizeof(T) + 4 * (ROWS * DP + ROWS * (BN + 1) + 3 * ROWS) ==
                   FERRO_SMEM_BYTES, "shared memory = configs.py's");
 }  // namespace
 
@@ -58,9 +59,9 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const void* __restrict__ mask, const int* __restrict__ kv_lens, const u32 splits,
              const u32 split_keys, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
     extern __shared__ __align__(16) unsigned char smem_d[];
-    T* sK = reinterpret_cast<T*>(smem_d);      // [2][BN][PITCH]
-    T* sV = sK + 2 * KV_ELEMS;                 // [2][BN][PITCH]
-    float* sQ = reinterpret_cast<float*>(sV + 2 * KV_ELEMS);  // [ROWS][DP], scaled
+    T* sK = reinterpret_cast<T*>(smem_d);      // [STAGES][BN][PITCH]
+    T* sV = sK + STAGES * KV_ELEMS;            // [STAGES][BN][PITCH]
+    float* sQ = reinterpret_cast<float*>(sV + STAGES * KV_ELEMS);  // [ROWS][DP], scaled
     float* sP = sQ + ROWS * DP;                // [ROWS][BN + 1]: scores, then P
     float* sM = sP + ROWS * (BN + 1);          // running max, sum, rescale per row
     float* sL = sM + ROWS;
@@ -102,23 +103,26 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
     for (int n = 0; n < PAIRS; ++n) o[n] = 0.f;
 
-    if (n_tiles > 0) {
-        load_tile<T, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_lo, j_hi, D, vec);
-        load_tile<T, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_lo, j_hi, D, vec);
-    }
-    cp_async_commit();
-    for (int t = 0; t < n_tiles; ++t) {
-        const long long j0 = j_lo + (long long)t * BN;
-        const T* tK = sK + (t & 1) * KV_ELEMS;
-        const T* tV = sV + (t & 1) * KV_ELEMS;
-        if (t + 1 < n_tiles) {  // the other buffer was released by the last barrier of t - 1
-            load_tile<T, BN, DP, PITCH, THREADS>(sK + ((t + 1) & 1) * KV_ELEMS, kb, kv_stride,
-                                                 j0 + BN, j_hi, D, vec);
-            load_tile<T, BN, DP, PITCH, THREADS>(sV + ((t + 1) & 1) * KV_ELEMS, vb, kv_stride,
-                                                 j0 + BN, j_hi, D, vec);
+    // Tiles t + 1 and t + 2 load while tile t is used; one commit group per tile (maybe empty),
+    // so waiting for all but the newest two groups means tile t has landed.
+    auto load_kv = [&](int t) {
+        if (t < n_tiles) {
+            const long long j = j_lo + (long long)t * BN;
+            load_tile<T, BN, DP, PITCH, THREADS>(sK + (t % STAGES) * KV_ELEMS, kb, kv_stride, j,
+                                                 j_hi, D, vec);
+            load_tile<T, BN, DP, PITCH, THREADS>(sV + (t % STAGES) * KV_ELEMS, vb, kv_stride, j,
+                                                 j_hi, D, vec);
         }
         cp_async_commit();
-        cp_async_wait<1>();
+    };
+    load_kv(0);
+    load_kv(1);
+    for (int t = 0; t < n_tiles; ++t) {
+        const long long j0 = j_lo + (long long)t * BN;
+        const T* tK = sK + (t % STAGES) * KV_ELEMS;
+        const T* tV = sV + (t % STAGES) * KV_ELEMS;
+        load_kv(t + 2);  // into tile t - 1's buffer, released by the last barrier of t - 1
+        cp_async_wait<2>();
         __syncthreads();  // tile t landed (Q and the row state too, on the first)
 
         // Scores: lane = key, warp w takes rows w, w + WARPS, ... (a warp shares its row, so its

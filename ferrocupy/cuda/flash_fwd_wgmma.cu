@@ -1,10 +1,13 @@
-// Fused attention forward in float16 / bfloat16 on sm_90a's warpgroup tensor cores (wgmma), for
-// head_dim up to 64 or 128 with 16-byte rows. A block is two warpgroups (8 warps) over BM = 128
-// query rows of one (batch, head); each warpgroup owns 64 rows, each warp 16. Q is staged once;
-// K and V tiles of BN keys stream through three buffers by cp.async. S = Q K^T reads both
-// operands from shared memory; P stays in registers as the A operand of O += P V, which runs on
-// the tensor cores while the warps do the next tile's softmax. Softmax, masks and dropout are the mma.sync kernel's, element for element
-// (the accumulator layout is the same). Geometry (FERRO_*) comes from cuda/configs.py.
+// Fused attention forward in float16 / bfloat16 on sm_90a's warpgroup tensor cores (wgmma),
+// warp-specialized as FlashAttention-3 is: one warpgroup only loads (cp.async into a ring of
+// STAGES K/V buffers, each announced on a `full` barrier), and WARPS / 4 warpgroups only compute,
+// each over 64 query rows of the block's BM, handing buffers back on an `empty` barrier. No
+// block-wide barrier in the key loop, so the computing warpgroups drift apart and one's softmax
+// overlaps the other's products; within a warpgroup, tile t's softmax overlaps O += P V of tile
+// t - 1. (Strict turn-taking between the warpgroups, FlashAttention-3's ping-pong, measured 8%
+// slower here: dev/tile_sweep.py, 2026-12-03.) S = Q K^T reads both operands from shared memory; P stays in registers. Softmax, masks
+// and dropout are the mma.sync kernel's, element for element (the accumulator layout is the
+// same). For head_dim up to 64 or 128 with 16-byte rows; geometry comes from cuda/configs.py.
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
 #include "ferro_philox.cuh"
@@ -13,54 +16,80 @@
 #include "ferro_tiles.cuh"
 #include "ferro_mma_f16.cuh"
 #include "ferro_wgmma.cuh"
+#include "ferro_mbarrier.cuh"
 
 namespace {
-constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BN = FERRO_BN;
-constexpr int THREADS = 32 * WARPS, BM = 16 * WARPS;
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BN = FERRO_BN, STAGES = FERRO_STAGES;
+constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
 constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
 constexpr int DT = DP / 8;  // n-tiles of O
 constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
-constexpr int STAGES = 3;  // K/V buffers: tile t in use by S, t - 1 by P V, t + 1 loading
+// Registers per thread: the loaders need few, the computing warpgroups hold S, P and O.
+constexpr int LOADER_REGS = WARPS == 8 ? 40 : 24, COMPUTE_REGS = WARPS == 8 ? 232 : 160;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
 static_assert((DP == 64 || DP == 128) && (BN == 64 || BN == 128), "wgmma tile geometry");
-// Q, the K and V buffers, and 1 KB to align the base for the 128-byte swizzle.
+static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
+// Q, the K and V ring, and 1 KB to align the base for the 128-byte swizzle.
 static_assert(2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, "configs.py's shared memory");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
-                const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+                   u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
+                   const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
     extern __shared__ __align__(1024) u16 smem_w[];
+    __shared__ u64 full[STAGES], empty[STAGES], q_full;
     const u32 raw = smem_u32(smem_w);
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sK = sQ + Q_ELEMS;            // [STAGES][BN x DP], swizzled
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
     AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
-    const int D = s.head_dim, wg = threadIdx.x >> 7;
+    const int D = s.head_dim, wg = threadIdx.x >> 7;  // warpgroup 0 loads
     (void)vec;  // always 16-byte copies: the backend picks this kernel only then
 
-    const QueryTile T = query_tile<BM, 1>(s, L);
+    QueryTile T = query_tile<BM, 1>(s, L);
 
     for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
-    const u16* kb = k + T.kv_off;
-    const u16* vb = v + T.kv_off;
-    const u64 kv_stride = T.kv_stride;
+    T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
     long long j_first;
     const int n_tiles = key_tiles<BN>(s, T, j_first);
 
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(&full[i], LOADERS);
+            mbar_init(&empty[i], 32 * WARPS);
+        }
+        mbar_init(&q_full, LOADERS);
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
+        regs_shrink<LOADER_REGS>();
+        const u16* kb = k + T.kv_off;
+        const u16* vb = v + T.kv_off;
+        load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q_off, T.q_stride, T.m0, s.seq_q, D);
+        mbar_arrive_cp_async(&q_full);
+        for (int t = 0; t < n_tiles; ++t) {
+            const int st = t % STAGES;
+            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // tile t - STAGES used
+            const long long j = j_first + (long long)t * BN;
+            load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.kv_stride, j, s.kv_reach, D);
+            load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.kv_stride, j, s.kv_reach, D);
+            mbar_arrive_cp_async(&full[st]);
+        }
+        cp_async_wait<0>();  // nothing in flight when the block ends
+        return;
+    }
+
+    // ---- the computing warpgroups ----------------------------------------------------------------
+    regs_grow<COMPUTE_REGS>();
     const bool dropout = s.dropout_prob > 0.f;
     const u32 thr = dropout_threshold(s.dropout_prob);
     const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
-    const u32 q_tile = smem_u32(sQ) + wg * 64 * 128;  // this warpgroup's 64 rows
+    const u32 q_tile = smem_u32(sQ) + (wg - 1) * 64 * 128;  // this warpgroup's 64 rows
     auto k_tile = [&](int t) { return smem_u32(sK + (t % STAGES) * KV_ELEMS); };
     auto v_tile = [&](int t) { return smem_u32(sV + (t % STAGES) * KV_ELEMS); };
-    auto load_kv = [&](int t) {
-        const long long j = j_first + (long long)t * BN;
-        load_tile_sw128<BN, DP, THREADS>(sK + (t % STAGES) * KV_ELEMS, kb, kv_stride, j, s.kv_reach, D);
-        load_tile_sw128<BN, DP, THREADS>(sV + (t % STAGES) * KV_ELEMS, vb, kv_stride, j, s.kv_reach, D);
-    };
     // S = Q K_t^T, issued (the caller commits and waits).
     auto issue_s = [&](float (&sc)[NT][4], int t) {
 #pragma unroll
@@ -117,18 +146,10 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(o, pa[kk], desc_mn_major<BN>(v_tile(t), kk), 1);
     };
 
-    // Pipeline (FlashAttention-3's within a warpgroup): while the tensor cores do O += P_{t-1}
-    // V_{t-1}, the warps do tile t's softmax. Tile t + 1 loads during iteration t into the
-    // buffer tile t - 2 used; the one barrier per iteration says every warp is done with it.
-    load_tile_sw128<BM, DP, THREADS>(sQ, q + T.q_off, T.q_stride, T.m0, s.seq_q, D);
-    if (n_tiles > 0) load_kv(0);
-    cp_async_commit();
+    if (n_tiles > 0) mbar_wait(&q_full, 0);
     for (int t = 0; t < n_tiles; ++t) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();  // tile t (and Q) landed and is visible to the tensor cores
-        if (t + 1 < n_tiles) load_kv(t + 1);
-        cp_async_commit();
+        mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
+        fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
 
         float sc[NT][4];
         wgmma_fence();
@@ -142,6 +163,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         softmax_to_p(sc, t, alpha);
         wgmma_wait<0>();
         wgmma_pin(o);
+        if (t > 0) mbar_arrive(&empty[(t - 1) % STAGES]);  // done with tile t - 1
         // Rescale O only when some row's max moved (alpha != 1).
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll

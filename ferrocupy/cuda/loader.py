@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent
-_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
+_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*(?://.*)?$', re.M)
 
 
 def expand_includes(path: Path, seen: set | None = None) -> str:
