@@ -154,11 +154,15 @@ class Variant:
 
 def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[tuple]:
     """The sm_90a candidates (warps, mt, step, isa, kernel head_dim), tried first where they run:
-    the forward at head_dim 49-64 and 97-128 (at most a quarter of the product zero-filled)."""
+    the forward at head_dim 49-64 and 97-128 (at most a quarter of the product zero-filled).
+
+    Three computing warpgroups (192 query rows) beat two in dev/tile_sweep.py (bfloat16, S 4096,
+    H200, 2026-12-03; TFLOP/s non-causal + causal): d64 with 128 keys a tile 331 + 226 (two
+    warpgroups: 291 + 228); d128 with 64 keys 378 + 304 (two warpgroups, 128 keys: 359 + 291;
+    three at 128 keys do not fit in shared memory)."""
     if op != FORWARD or dtype == FLOAT32 or dp not in (64, 112, 128):
         return []
-    kd = 64 if dp <= 64 else 128
-    return [(8, 1, 128, WGMMA, kd)]
+    return [(12, 1, 128, WGMMA, 64)] if dp <= 64 else [(12, 1, 64, WGMMA, 128)]
 
 
 def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:

@@ -133,7 +133,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             for (int r = warp; r < R; r += THREADS / 32) {
                 const float* qr = sQ + r * DP;
                 const T* kr = tK + kk * PITCH;
-                float acc = 0.f;
+                float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: the FMAs overlap
 #pragma unroll
                 for (int d = 0; d < DP; d += VEC) {
                     float e[VEC];
@@ -141,12 +141,13 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
                     for (int c = 0; c < VEC; c += 4) {
                         const float4 qv = *reinterpret_cast<const float4*>(qr + d + c);
-                        acc = fmaf(qv.x, e[c], acc);
-                        acc = fmaf(qv.y, e[c + 1], acc);
-                        acc = fmaf(qv.z, e[c + 2], acc);
-                        acc = fmaf(qv.w, e[c + 3], acc);
+                        part[0] = fmaf(qv.x, e[c], part[0]);
+                        part[1] = fmaf(qv.y, e[c + 1], part[1]);
+                        part[2] = fmaf(qv.z, e[c + 2], part[2]);
+                        part[3] = fmaf(qv.w, e[c + 3], part[3]);
                     }
                 }
+                float acc = (part[0] + part[1]) + (part[2] + part[3]);
                 const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
                 // Keys past the split's end belong to the next split (and were not loaded).
                 const bool ok = j < j_hi && visible(s, (long long)i + s.offset, j);
