@@ -96,6 +96,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         sQ[idx] = x;
     }
     if (tid < ROWS) sM[tid] = neg_inf(), sL[tid] = 0.f;
+    __syncthreads();  // Q and the row state, for every thread (a split with no tile included)
     const bool dropout = s.dropout_prob > 0.f;
     const u32 thr = dropout_threshold(s.dropout_prob);
 
@@ -123,7 +124,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         const T* tV = sV + (t % STAGES) * KV_ELEMS;
         load_kv(t + 2);  // into tile t - 1's buffer, released by the last barrier of t - 1
         cp_async_wait<2>();
-        __syncthreads();  // tile t landed (Q and the row state too, on the first)
+        __syncthreads();  // tile t landed
 
         // Scores: lane = key, warp w takes rows w, w + WARPS, ... (a warp shares its row, so its
         // Q reads are broadcasts; its 32 keys' 16-byte reads fall in distinct bank groups).
