@@ -1,0 +1,153 @@
+"""Writes examples/quickstart.ipynb (outputs cleared) from the cells below, so the notebook's text
+lives in a reviewable file. Run: python dev/make_quickstart.py"""
+
+from pathlib import Path
+
+import nbformat
+
+OUT = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
+
+CELLS = [
+    ("md", """# ferrocupy quickstart
+
+Fused attention and rotary embeddings for NVIDIA GPUs, with a NumPy reference backend that follows
+the same rules on any machine. This notebook runs top to bottom on either: with a CUDA GPU and CuPy
+the engine picks the CUDA kernels, otherwise the reference (float64 inside, slower, same results to
+rounding). The contract is [docs/semantics.md](../docs/semantics.md)."""),
+    ("code", """import numpy as np
+import matplotlib.pyplot as plt
+
+from ferrocupy import AttentionDims, AttentionOptions, ComputeEngine, UnifiedTensor
+from ferrocupy import reference
+
+eng = ComputeEngine()          # CUDA when a GPU is usable, else the reference
+where = "cuda" if eng.backend_name == "cuda" else "cpu"
+print(eng)
+
+rng = np.random.default_rng(0)
+
+def put(a):
+    \"\"\"A host array as a tensor on the engine's device.\"\"\"
+    return UnifiedTensor.from_numpy(np.ascontiguousarray(a), device=where)
+
+def empty(shape, dtype=np.float32):
+    return UnifiedTensor.empty(shape, dtype, device=where)"""),
+    ("md", """## RoPE
+
+`rope(tensor, head_dim, pos)` rotates `[B, S, H, D]` queries or keys in place (rotate-half,
+theta 10000); token `s` sits at position `pos + s`. A rotation keeps each head vector's norm."""),
+    ("code", """B, S, H, Hkv, D = 2, 64, 4, 2, 32
+q_host = rng.standard_normal((B, S, H, D)).astype(np.float32)
+k_host = rng.standard_normal((B, S, Hkv, D)).astype(np.float32)
+v_host = rng.standard_normal((B, S, Hkv, D)).astype(np.float32)
+
+q, k, v = put(q_host), put(k_host), put(v_host)
+eng.rope(q, D, 0)
+eng.rope(k, D, 0)
+rotated = q.to_numpy()
+print("norms kept:", np.allclose(np.linalg.norm(rotated, axis=-1), np.linalg.norm(q_host, axis=-1), rtol=1e-5))"""),
+    ("md", """## Forward with a mask, and its log-sum-exp
+
+Grouped-query attention (4 query heads over 2 KV heads), causal, plus an additive mask that
+broadcasts over heads. `lse` (float32 `[B, H, S]`) is each row's log-sum-exp; give it to the
+backward to spare it a pass. Checked here against a dense float64 computation."""),
+    ("code", """mask_host = rng.standard_normal((B, 1, S, S)).astype(np.float32)
+opts = AttentionOptions(causal=True)
+out, lse = empty(q.shape), empty((B, H, S))
+eng.flash_attention_v2_with(q, k, v, out, opts, put(mask_host), lse=lse)
+
+def dense(q, k, v, mask, causal):
+    b, s, h, d = q.shape
+    kk = np.repeat(k, h // k.shape[2], axis=2).astype(np.float64)
+    vv = np.repeat(v, h // v.shape[2], axis=2).astype(np.float64)
+    scores = np.einsum("bihd,bjhd->bhij", q.astype(np.float64), kk) / np.sqrt(d) + mask
+    if causal:
+        scores = np.where(np.tril(np.ones((s, kk.shape[1]), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhij,bjhd->bihd", p, vv)
+
+want = dense(rotated, k.to_numpy(), v_host, mask_host, causal=True)
+got = out.to_numpy()
+print("relative error:", np.linalg.norm(got - want) / np.linalg.norm(want))"""),
+    ("md", """## Backward
+
+The gradients are written (never accumulated) into the three outputs; dropout would be regenerated
+from `opts.seed`."""),
+    ("code", """grad_out = put(rng.standard_normal((B, S, H, D)).astype(np.float32))
+gq, gk, gv = empty(q.shape), empty(k.shape), empty(v.shape)
+eng.flash_attention_v2_backward_with(q, k, v, out, grad_out, gq, gk, gv, opts, put(mask_host), lse=lse)
+print("grad norms:", [round(float(np.linalg.norm(g.to_numpy())), 3) for g in (gq, gk, gv)])"""),
+    ("md", """## Which keys a row sees: causal, a KV-cache offset and a sliding window
+
+Row `i` sits at `a = i + causal_offset` and sees key `j` when `j <= a` (causal) and `|a - j| <
+window`. Keys that no row can reach are never read."""),
+    ("code", """small_q, small_k = np.zeros((1, 8, 1, 16), np.float32), np.zeros((1, 24, 1, 16), np.float32)
+params = AttentionDims.new(small_q, small_k).params(AttentionOptions(causal=True, causal_offset=12, window=6))
+seen = reference.visible(params, np.arange(8), np.arange(24))
+plt.figure(figsize=(6, 2.4))
+plt.imshow(seen, cmap="Greens", aspect="auto")
+plt.xlabel("key j"); plt.ylabel("query row i")
+plt.title("causal, causal_offset=12, window=6")
+plt.show()"""),
+    ("md", """## One decode step from a preallocated KV cache
+
+A cache of capacity 64 holds sequences of different lengths (`kv_lens`); the slots past each
+length hold anything, NaN here, and are never read. One new token per sequence sits at the end of
+its sequence (`causal_offset = capacity - 1`). On a GPU, calls like this (few query rows per KV
+head) take the split-KV decode kernels."""),
+    ("code", """cap, lens = 64, np.array([40, 17], np.int32)
+kc = rng.standard_normal((B, cap, Hkv, D)).astype(np.float32)
+vc = rng.standard_normal((B, cap, Hkv, D)).astype(np.float32)
+for b, n in enumerate(lens):
+    kc[b, n:], vc[b, n:] = np.nan, np.nan
+q1 = rng.standard_normal((B, 1, H, D)).astype(np.float32)
+out1 = empty(q1.shape)
+eng.flash_attention_v2_with(put(q1), put(kc), put(vc), out1,
+                            AttentionOptions(causal=True, causal_offset=cap - 1), kv_lens=put(lens))
+step = out1.to_numpy()
+print("finite:", np.isfinite(step).all())
+for b, n in enumerate(lens):  # the same as attending to each sequence's own keys
+    alone = dense(q1[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], 0.0, causal=False)
+    print(f"sequence {b} ({n} keys): relative error",
+          float(np.linalg.norm(step[b] - alone[0]) / np.linalg.norm(alone[0])))"""),
+    ("md", """## bfloat16
+
+The same call in bfloat16 (`ml_dtypes.bfloat16`, CuPy's dtype): float32 inside, the output
+rounded once."""),
+    ("code", """import ml_dtypes
+
+bf = ml_dtypes.bfloat16
+out_bf = empty(q.shape, bf)
+eng.flash_attention_v2_with(put(rotated.astype(bf)), put(k.to_numpy().astype(bf)),
+                            put(v_host.astype(bf)), out_bf, opts, put(mask_host))
+print("bf16 vs float64:", np.linalg.norm(out_bf.to_numpy().astype(np.float64) - want) / np.linalg.norm(want))"""),
+    ("md", """## Speed
+
+Measured on an H200 by `benchmarks/compare.py` against PyTorch SDPA's backends in the same run
+(every figure and the command that produced it: [benchmarks/RESULTS.md](../benchmarks/RESULTS.md))."""),
+    ("code", """from pathlib import Path
+from IPython.display import Image, display
+
+plot = Path("..") / "benchmarks" / "results-half.png"
+if plot.exists():
+    display(Image(filename=str(plot)))
+else:
+    print("no plot here:", plot.resolve())"""),
+]
+
+
+def notebook():
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src)
+                for kind, src in CELLS]
+    for i, cell in enumerate(nb.cells):  # stable ids: regenerating changes nothing
+        cell.id = f"cell-{i:02d}"
+    return nb
+
+
+if __name__ == "__main__":
+    OUT.parent.mkdir(exist_ok=True)
+    nbformat.write(notebook(), OUT)
+    print(f"wrote {OUT}")
