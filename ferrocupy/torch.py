@@ -86,10 +86,11 @@ def _options(causal, causal_offset, window, dropout_p, seed: Tensor, scale) -> A
 @torch.library.custom_op("ferrocupy::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
                    causal_offset: int, window: int, dropout_p: float, seed: Tensor,
-                   scale: Optional[float]) -> tuple[Tensor, Tensor]:
+                   scale: Optional[float], kv_lens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq])."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     mask = None if attn_mask is None else attn_mask.contiguous()
+    lens = None if kv_lens is None else kv_lens.contiguous()
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
     B, Sq, H, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -97,12 +98,12 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     engine = _engine(q.device)
     with _on_torch_stream(q.device):
         engine.flash_attention_v2_with(_wrap(q), _wrap(k), _wrap(v), _wrap(out), opts,
-                                       _wrap(mask), lse=_wrap(lse))
+                                       _wrap(mask), lse=_wrap(lse), kv_lens=_wrap(lens))
     return out, lse
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale):
+def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens):
     B, Sq, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, H, Sq), dtype=torch.float32)
 
@@ -134,19 +135,24 @@ def _(grad_out, q, k, v, out, lse, attn_mask, causal, causal_offset, window, dro
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale = inputs
+    q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed)
     ctx.options = (causal, causal_offset, window, dropout_p, scale)
+    ctx.has_kv_lens = kv_lens is not None
 
 
 def _backward(ctx, grad_out, grad_lse):
     # lse is not differentiable (`attention` does not return it); `grad_lse` is ignored.
+    if ctx.has_kv_lens:
+        raise ValueError("ferrocupy.torch.attention has no backward with kv_lens (per-sequence "
+                         "cache lengths are for inference); train on unpadded keys or pass an "
+                         "additive attn_mask")
     q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
     causal, causal_offset, window, dropout_p, scale = ctx.options
     gq, gk, gv = _attention_bwd(grad_out, q, k, v, out, lse, attn_mask, causal, causal_offset,
                                 window, dropout_p, seed, scale)
-    return gq, gk, gv, None, None, None, None, None, None, None  # no gradient for the mask
+    return gq, gk, gv, None, None, None, None, None, None, None, None  # none for mask, kv_lens
 
 
 torch.library.register_autograd("ferrocupy::attention_fwd", _backward,
@@ -169,7 +175,8 @@ def _seed_tensor(seed: Optional[int], dropout_p: float) -> Tensor:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_offset: int = 0,
               window: int = 0, dropout_p: float = 0.0, seed: Optional[int] = None,
-              attn_mask: Optional[Tensor] = None, scale: Optional[float] = None) -> Tensor:
+              attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
+              kv_lens: Optional[Tensor] = None) -> Tensor:
     """Fused attention with autograd; returns `out`, `[B, Sq, H, D]` in q's dtype.
 
     - `q`: `[B, Sq, H, D]`; `k`, `v`: `[B, Sk, Hkv, D]` (ferrocupy's layout, not SDPA's
@@ -187,15 +194,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
       default generator on each call (reproducible under `torch.manual_seed`); the backward
       reuses that call's seed.
     - `scale`: the softmax scale, default `1/sqrt(D)`.
-
-    Planned, not yet available: `kv_lens` (per-batch valid key lengths).
+    - `kv_lens`: int32 `[B]` on q's device, per-sequence lengths of a preallocated KV cache:
+      sequence `b` has `kv_lens[b]` keys (the slots past them are never read) and its queries
+      sit `kv_lens[b] - Sk` positions earlier. Inference only: the backward refuses it.
     """
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=torch.float32,
                                 device=attn_mask.device).masked_fill(~attn_mask, -math.inf)
     seed_t = _seed_tensor(seed, dropout_p)
     out, _ = _attention_fwd(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
-                            seed_t, None if scale is None else float(scale))
+                            seed_t, None if scale is None else float(scale), kv_lens)
     return out
 
 

@@ -75,8 +75,10 @@ def _grads(fn, inputs, grad_out):
     return out.detach(), [x.grad for x in inputs]
 
 
-def _fwd_args(q, k, v, mask=None, causal=False, offset=0, window=0, p=0.0, seed=0, scale=None):
-    return (q, k, v, mask, causal, offset, window, p, torch.tensor(seed, dtype=torch.int64), scale)
+def _fwd_args(q, k, v, mask=None, causal=False, offset=0, window=0, p=0.0, seed=0, scale=None,
+              kv_lens=None):
+    return (q, k, v, mask, causal, offset, window, p, torch.tensor(seed, dtype=torch.int64), scale,
+            kv_lens)
 
 
 # --- opcheck --------------------------------------------------------------------------------
@@ -95,7 +97,7 @@ def test_opcheck_forward_and_backward(gen, dtype, case):
     out, lse = FWD(*args)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 7)
     go = _randn(gen, *out.shape, dtype=dtype)
-    bwd_args = (go, q, k, v, out, lse, *args[3:])
+    bwd_args = (go, q, k, v, out, lse, *args[3:-1])  # the backward takes no kv_lens
     torch.library.opcheck(BWD, bwd_args)
 
 
@@ -380,3 +382,28 @@ def test_torch_compile_with_seed_none(gen):
     eager = fn(q, k, v)
     torch.manual_seed(11)
     assert torch.equal(compiled(q, k, v), eager)
+
+
+def test_opcheck_forward_with_kv_lens(gen):
+    q, k, v = _qkv(gen)
+    lens = torch.tensor([9, 4], dtype=torch.int32)
+    torch.library.opcheck(FWD, _fwd_args(q, k, v, causal=True, offset=8, kv_lens=lens))
+
+
+def test_kv_lens_is_each_sequence_on_its_own_and_has_no_backward(gen):
+    """kv_lens[b] = n: sequence b attends to its first n keys (NaN past them is never read),
+    its queries n - Sk positions earlier; the backward refuses it."""
+    q, k, v = _qkv(gen)  # [2, 7, 4, 16] over [2, 9, 2, 16]
+    k, v = k.clone(), v.clone()
+    lens = torch.tensor([9, 4], dtype=torch.int32)
+    k[1, 4:], v[1, 4:] = float("nan"), float("nan")
+    out = ft.attention(q, k, v, causal=True, causal_offset=2, kv_lens=lens)
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lens.tolist()):
+        alone = ft.attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=True,
+                             causal_offset=2 + n - 9) if n >= 7 - 2 else None
+        if alone is not None:
+            torch.testing.assert_close(out[b:b + 1], alone, rtol=0, atol=0)
+    qg = q.detach().clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="no backward with kv_lens"):
+        ft.attention(qg, k, v, causal=True, causal_offset=2, kv_lens=lens).sum().backward()
