@@ -104,6 +104,7 @@ class ComputeEngine:
                 why = "a CUDA GPU is usable" if backend == "cuda" else "no CUDA GPU is usable"
                 print(f"ferrocupy: using the {backend} backend ({why})", file=sys.stderr)
         self.backend = _make_backend(backend)
+        self._validated: dict = {}  # _attention's checked-and-packed calls, by their shapes
 
     @property
     def backend_name(self) -> str:
@@ -273,8 +274,33 @@ class ComputeEngine:
 
     def _attention(self, t: dict, opts: AttentionOptions, pack: str, outputs=(), kv_outputs=(),
                    written=()):
+        """(dims, packed params) of an attention call, after every check. What depends only on
+        the shapes, dtypes, devices and options is checked and packed once per such combination
+        and remembered; what can change from call to call (contiguity, in `_tensor`; aliasing and
+        writability of the outputs; the values of kv_lens) is checked on every call."""
         if not isinstance(opts, AttentionOptions):
             raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
+        # Option values with their types: True == 1 == 1.0, but only some of them are valid.
+        key = (pack, tuple((x.__class__, x) for x in opts.__dict__.values()),
+               tuple(None if x is None else (x.shape, x.dtype, x.device) for x in t.values()))
+        try:
+            hit = self._validated.get(key)
+        except TypeError:  # an unhashable option value: no caching (validate() will say why)
+            hit, key = None, None
+        if hit is not None:
+            dims, params = hit
+            if t.get("kv_lens") is not None:
+                _check_kv_lens(t["kv_lens"], dims)
+            _check_outputs(t, tuple(n for n in written if t.get(n) is not None))
+            return dims, params
+        dims, params = self._attention_checked(t, opts, pack, outputs, kv_outputs, written)
+        if key is not None:
+            if len(self._validated) >= _VALIDATED_MAX:
+                self._validated.clear()
+            self._validated[key] = (dims, params)
+        return dims, params
+
+    def _attention_checked(self, t: dict, opts, pack: str, outputs, kv_outputs, written):
         opts.validate()
         self._check_dtype(*t.items())
         q, k, v = t["q"], t["k"], t["v"]
@@ -303,6 +329,7 @@ class ComputeEngine:
 
 
 _OPTIONAL = ("mask", "lse", "kv_lens")  # None is allowed; none takes the data dtype
+_VALIDATED_MAX = 256  # remembered call shapes per engine (a long-running job sees few)
 
 
 def _check_kv_lens(t: UnifiedTensor, dims) -> None:
@@ -329,17 +356,17 @@ def _memory_range(a) -> tuple[int, int]:
 def _check_outputs(t: dict, written) -> None:
     """Outputs must be writable and share no memory with any other argument: the kernels read
     inputs after other blocks (or the other backward kernel) have written outputs."""
-    names = [n for n, x in t.items() if x is not None]
+    spans = {n: (x.device, *_memory_range(x.buffer())) for n, x in t.items()
+             if x is not None and x.numel}
     for out in written:
         buf = t[out].buffer()
         if isinstance(buf, np.ndarray) and not buf.flags.writeable:
             raise ValueError(f"{out} (shape {t[out].shape}) is read-only")
-        lo, hi = _memory_range(buf)
-        for other in names:
-            if other == out or t[out].numel == 0 or t[other].numel == 0:
-                continue
-            olo, ohi = _memory_range(t[other].buffer())
-            if t[out].device == t[other].device and lo < ohi and olo < hi:
+        if out not in spans:
+            continue
+        dev, lo, hi = spans[out]
+        for other, (odev, olo, ohi) in spans.items():
+            if other != out and dev == odev and lo < ohi and olo < hi:
                 raise ValueError(f"{out} (shape {t[out].shape}) shares memory with {other} "
                                  f"(shape {t[other].shape}); pass a separate output tensor")
 

@@ -643,3 +643,35 @@ def test_backward_rejects_kv_lens(eng, rng):
         eng.flash_attention_v2_backward_with(q, k, v, q.copy(), q.copy(), *grads,
                                              kv_lens=np.array([1, 2], np.int32))
     assert untouched(*grads)
+
+
+def test_checks_that_can_change_between_calls_run_on_every_call(eng, rng, monkeypatch):
+    """The engine remembers what it checked and packed for a call's shapes, dtypes and options
+    (issue 10: cost per call), but aliasing, read-only outputs and kv_lens values are checked
+    on every call, and an option of the wrong type is not let through by an equal valid one."""
+    from ferrocupy import params as params_mod
+
+    q, k, v, out = fwd_args(rng)
+    opts = AttentionOptions(causal=True, seed=1)
+    eng.flash_attention_v2_with(q, k, v, out, opts)
+    packs = []
+    real = params_mod.AttentionDims.params
+    monkeypatch.setattr(params_mod.AttentionDims, "params",
+                        lambda self, *a, **kw: packs.append(1) or real(self, *a, **kw))
+    out2 = sentinel(q.shape)
+    eng.flash_attention_v2_with(q, k, v, out2, opts)
+    assert packs == [] and not untouched(out2)  # packed once, ran again
+    with pytest.raises(ValueError, match="shares memory with q"):
+        eng.flash_attention_v2_with(q, k, v, q, opts)
+    ro = sentinel(q.shape)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        eng.flash_attention_v2_with(q, k, v, ro, opts)
+    for bad in (AttentionOptions(causal=1, seed=1), AttentionOptions(causal=True, seed=True)):
+        with pytest.raises((TypeError, ValueError)):
+            eng.flash_attention_v2_with(q, k, v, sentinel(q.shape), bad)
+    lens = np.array([4, 4], np.int32)
+    eng.flash_attention_v2_with(q, k, v, out2, opts, kv_lens=lens)
+    lens[1] = 5
+    with pytest.raises(ValueError, match=r"kv_lens\[1\] = 5"):
+        eng.flash_attention_v2_with(q, k, v, out2, opts, kv_lens=lens)

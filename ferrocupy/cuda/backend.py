@@ -28,13 +28,23 @@ class CudaBackend:
         self._id = cupy.cuda.Device().id
         self.device = f"cuda:{self._id}"
         self.loader = KernelLoader()
-        self.table = configs.TABLE if table is None else table  # a tuning sweep may swap it
+        self._table = configs.TABLE if table is None else table
+        self._kernels: dict = {}  # (op, dtype, head_dim, copy bytes) -> (variant, kernel)
         # Read once: CuPy's `attributes` queries every device attribute on each access.
         attrs = cupy.cuda.Device(self._id).attributes
         self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
         self._smem_per_sm = attrs["MaxSharedMemoryPerMultiprocessor"]
         self.sm_count = attrs["MultiProcessorCount"]
         self.capability = int(cupy.cuda.Device(self._id).compute_capability)  # e.g. 90
+
+    @property
+    def table(self) -> dict:
+        return self._table
+
+    @table.setter
+    def table(self, table: dict) -> None:  # a tuning sweep swaps it; forget the chosen kernels
+        self._table = table
+        self._kernels = {}
 
     def device_name(self) -> str:
         props = self.xp.cuda.runtime.getDeviceProperties(self._id)
@@ -97,11 +107,8 @@ class CudaBackend:
         dtype = np.dtype(buffers["q"].dtype)
         data = [buffers[a] for a in configs.ARGS[op] if a not in ("mask", "lse", "stats", "kv_lens")]
         vec = _copy_width(dtype, d, data)
-        v = self.variant(op, dtype, d, vec * dtype.itemsize)
-        fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
+        v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize)
         smem = v.shared_bytes
-        if fn.max_dynamic_shared_size_bytes < smem:
-            fn.max_dynamic_shared_size_bytes = smem
         blocks = v.blocks(params)
         if blocks > GRID_X_MAX:
             raise ValueError(f"{op}: {blocks} blocks exceed the grid limit {GRID_X_MAX}")
@@ -116,11 +123,8 @@ class CudaBackend:
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
         vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]])
-        v = self.variant(configs.DECODE, dtype, d, vec * dtype.itemsize)
-        fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
+        v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize)
         combine = self.loader.function(v.source, v.combine_kernel, v.defines, v.options)
-        if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
-            fn.max_dynamic_shared_size_bytes = v.shared_bytes
         pairs = int(params["batch"]) * int(params["kv_heads"])
         per_sm = min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads)
         splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
@@ -139,6 +143,19 @@ class CudaBackend:
         combine_args = (part_o, part_ml, buffers["out"], opt("lse"), np.uint32(splits))
         return [(fn, pairs * splits, v.threads, v.shared_bytes, args),
                 (combine, -(-rows // 8), 256, 0, combine_args)]
+
+    def _kernel(self, op: str, dtype, d: int, copy_bytes: int):
+        """(variant, compiled kernel) for one (op, dtype, head_dim, copy width), chosen, compiled
+        and given its shared memory once."""
+        key = (op, dtype, d, copy_bytes)
+        hit = self._kernels.get(key)
+        if hit is None:
+            v = self.variant(op, dtype, d, copy_bytes)
+            fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
+            if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
+                fn.max_dynamic_shared_size_bytes = v.shared_bytes
+            hit = self._kernels[key] = (v, fn)
+        return hit
 
     @staticmethod
     def _launch(fn, blocks, threads, smem, args, params) -> None:
