@@ -60,6 +60,7 @@ class Variant:
     mt: int  # 16-row m-tiles per warp
     step: int  # BN (keys per step) or, for dK/dV, BQ (query rows per step)
     isa: str = MMA
+    stages: int = 0  # K/V buffers, for the kernels that take it as a define (0: the kernel's own)
 
     @property
     def half(self) -> bool:
@@ -118,9 +119,9 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
-        if self.op == DECODE:  # K, V x 3 buffers (16-byte pad per row); Q, P and row state f32
+        if self.op == DECODE:  # K, V x stages (16-byte pad per row); Q, P and row state f32
             rows = DECODE_ROWS
-            return (6 * self.step * (self.head_dim + 16 // elem) * elem
+            return (2 * self.stages * self.step * (self.head_dim + 16 // elem) * elem
                     + 4 * (rows * self.head_dim + rows * (self.step + 1) + 3 * rows))
         if self.isa in SM90A:  # Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
             return elem * (self.block_rows + 2 * WGMMA_STAGES * self.step) * self.head_dim + 1024
@@ -140,6 +141,7 @@ class Variant:
             d["FERRO_STAGES"] = WGMMA_STAGES
         if self.op == DECODE:
             d["FERRO_ROWS"] = DECODE_ROWS
+            d["FERRO_STAGES"] = self.stages
         return d
 
     def blocks(self, params) -> int:
@@ -177,8 +179,8 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
       dQ       d64  4x16 rows, 64 keys: 193 + 182;  d128 4x32 rows, 32 keys: 243 + 218
       dK/dV    d64  4x32 keys, 32 rows: 113 + 107;  d128 8x16 keys, 64 rows: 157 + 150
     """
-    if op == DECODE:  # 4 warps, 32 keys a tile (a key per lane in the softmax)
-        return [(4, 1, 32)]
+    if op == DECODE:  # 4 warps, 32 keys a tile (a key per lane in the softmax); 3 or 2 buffers
+        return [(4, 1, 32, 3), (4, 1, 32, 2)]
     if dtype == FLOAT32:
         return [{FORWARD: (4, 1, 64), BACKWARD_DQ: (4, 1, 32), BACKWARD_DKDV: (4, 1, 32)}[op]]
     small = dp <= 64
@@ -196,7 +198,7 @@ def _table() -> dict:
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
                     [Variant(op, dtype, kd, w, mt, n, isa) for w, mt, n, isa, kd in _wgmma(op, dtype, dp)]
-                    + [Variant(op, dtype, dp, w, mt, n) for w, mt, n in _geometry(op, dtype, dp)])
+                    + [Variant(op, dtype, dp, *g[:3], MMA, *g[3:]) for g in _geometry(op, dtype, dp)])
     return table
 
 

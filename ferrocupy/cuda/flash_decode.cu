@@ -45,9 +45,10 @@ constexpr int ROWS = FERRO_ROWS;                   // query rows per block, at m
 constexpr int VEC = 16 / sizeof(T);                // elements per 16-byte shared read
 constexpr int PITCH = DP + VEC;  // +16 bytes: a warp's 32 key rows hit distinct bank groups
 constexpr int KV_ELEMS = BN * PITCH;
-constexpr int STAGES = 3;                          // tile t in use, t + 1 and t + 2 in flight
+constexpr int STAGES = FERRO_STAGES;               // tile t in use, the next STAGES - 1 in flight
 constexpr int PAIRS = ROWS * DP / THREADS;         // (row, column) outputs per thread
 static_assert(BN == 32 && THREADS % BN == 0, "a key per lane in the softmax");
+static_assert(STAGES >= 2, "at least one tile in flight");
 static_assert(DP % 16 == 0 && (ROWS * DP) % THREADS == 0, "decode geometry");
 static_assert(2 * STAGES * KV_ELEMS * (int)sizeof(T) + 4 * (ROWS * DP + ROWS * (BN + 1) + 3 * ROWS) ==
                   FERRO_SMEM_BYTES, "shared memory = configs.py's");
@@ -104,8 +105,8 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
     for (int n = 0; n < PAIRS; ++n) o[n] = 0.f;
 
-    // Tiles t + 1 and t + 2 load while tile t is used; one commit group per tile (maybe empty),
-    // so waiting for all but the newest two groups means tile t has landed.
+    // Tiles t + 1 .. t + STAGES - 1 load while tile t is used; one commit group per tile (maybe
+    // empty), so waiting for all but the newest STAGES - 1 groups means tile t has landed.
     auto load_kv = [&](int t) {
         if (t < n_tiles) {
             const long long j = j_lo + (long long)t * BN;
@@ -116,14 +117,14 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         }
         cp_async_commit();
     };
-    load_kv(0);
-    load_kv(1);
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) load_kv(t);
     for (int t = 0; t < n_tiles; ++t) {
         const long long j0 = j_lo + (long long)t * BN;
         const T* tK = sK + (t % STAGES) * KV_ELEMS;
         const T* tV = sV + (t % STAGES) * KV_ELEMS;
-        load_kv(t + 2);  // into tile t - 1's buffer, released by the last barrier of t - 1
-        cp_async_wait<2>();
+        load_kv(t + STAGES - 1);  // into tile t - 1's buffer, released by the last barrier of t - 1
+        cp_async_wait<STAGES - 1>();
         __syncthreads();  // tile t landed
 
         // Scores: lane = key, warp w takes rows w, w + WARPS, ... (a warp shares its row, so its
