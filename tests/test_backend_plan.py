@@ -1,0 +1,99 @@
+"""The CUDA backend's planning without a GPU: a CudaBackend is built around a fake device (an
+H200's limits) and a loader that records what it would compile, so the launch plans (variant,
+grid, shared memory, arguments, the decode split) and the per-(op, dtype, head_dim, copy width)
+kernel cache are tested on any machine. The GPU suite runs the same plans for real."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ferrocupy import AttentionDims, AttentionOptions
+from ferrocupy.cuda import configs
+from ferrocupy.cuda.backend import CudaBackend
+from ferrocupy.dtypes import BFLOAT16, FLOAT32
+
+
+class FakeLoader:
+    def __init__(self):
+        self.compiled = []
+
+    def function(self, source, name, defines=None, options=()):
+        self.compiled.append((source, name, tuple(sorted((defines or {}).items())), options))
+        return SimpleNamespace(name=name, max_dynamic_shared_size_bytes=0)
+
+
+def backend(capability=90):
+    b = object.__new__(CudaBackend)
+    b.xp, b._id, b.device, b.loader = np, 0, "cuda:0", FakeLoader()
+    b._table, b._kernels = configs.TABLE, {}
+    b._smem_limit, b._smem_per_sm, b.sm_count, b.capability = 232448, 233472, 132, capability
+    return b
+
+
+def buf(shape, dtype, offset=0):
+    """An array-like with the attributes the planner reads (dtype, data.ptr)."""
+    return SimpleNamespace(shape=shape, dtype=np.dtype(dtype),
+                           data=SimpleNamespace(ptr=0x10000 + offset))
+
+
+def forward_buffers(shape_q, shape_k, dtype, offset=0):
+    return dict(q=buf(shape_q, dtype, offset), k=buf(shape_k, dtype), v=buf(shape_k, dtype),
+                out=buf(shape_q, dtype), mask=None, lse=None, kv_lens=None)
+
+
+def params(shape_q, shape_k, **opts):
+    return AttentionDims.new(np.zeros(shape_q), np.zeros(shape_k)).params(AttentionOptions(**opts))
+
+
+def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
+    b = backend()
+    q, k = (4, 4096, 16, 128), (4, 4096, 16, 128)
+    p = params(q, k, causal=True)
+    fn, blocks, threads, smem, args = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
+    v = configs.select(configs.FORWARD, BFLOAT16, 128, 232448, capability=90, copy_bytes=16)
+    assert v.isa == configs.WGMMA and fn.name == "flash_fwd_wgmma"
+    assert blocks == -(-4096 // v.block_rows) * 4 * 16
+    assert threads == v.threads == 32 * v.warps + 128  # and a loading warpgroup
+    assert smem == v.shared_bytes == fn.max_dynamic_shared_size_bytes
+    assert len(args) == len(v.args) + 2 and args[-2] == 8  # 16-byte copies
+    b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
+    assert len(b.loader.compiled) == 1  # the second call reused the chosen kernel
+    assert b.loader.compiled[0][3] == ("-arch=sm_90a",)
+
+
+def test_unaligned_rows_or_another_gpu_take_the_mma_kernel():
+    q, k = (2, 256, 8, 128), (2, 256, 8, 128)
+    p = params(q, k)
+    b = backend()
+    fn, *_ , args = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16, offset=2), p)
+    assert fn.name == "flash_fwd_half" and args[-2] == 1  # element-wise copies
+    fn, *_ = backend(capability=80)._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
+    assert fn.name == "flash_fwd_half"
+
+
+@pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
+def test_decode_plan_splits_the_keys_and_combines(dtype):
+    b = backend()
+    q, k = (16, 1, 32, 128), (16, 32768, 8, 128)
+    p = params(q, k, causal=True, causal_offset=32767)
+    assert configs.decode_wanted(p)
+    (fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs) = \
+        b._plan_decode(forward_buffers(q, k, dtype), p)
+    assert fn.name == "flash_decode" and comb.name == "flash_decode_combine"
+    splits, split_keys = int(args[7]), int(args[8])
+    assert blocks == 16 * 8 * splits and splits * split_keys >= 32768
+    assert args[3].shape == (splits, 16 * 32, 128) and args[4].shape == (splits, 16 * 32, 2)
+    assert cblocks * 8 >= 16 * 32 and cthreads == 256 and csmem == 0
+    assert smem == fn.max_dynamic_shared_size_bytes <= 232448
+
+
+def test_swapping_the_table_forgets_the_chosen_kernels():
+    b = backend()
+    q, k = (1, 128, 4, 64), (1, 128, 4, 64)
+    b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), params(q, k))
+    b.table = configs.only(configs.MMA)
+    fn, *_ = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), params(q, k))
+    assert fn.name == "flash_fwd_half"
