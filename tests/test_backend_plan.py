@@ -88,6 +88,8 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     assert args[3].shape == (splits, 16 * 32, 128) and args[4].shape == (splits, 16 * 32, 2)
     assert cblocks * 8 >= 16 * 32 and cthreads == 256 and csmem == 0
     assert smem == fn.max_dynamic_shared_size_bytes <= 232448
+    b._plan_decode(forward_buffers(q, k, dtype), p)
+    assert len(b.loader.compiled) == 2  # both kernels chosen once
 
 
 def test_swapping_the_table_forgets_the_chosen_kernels():

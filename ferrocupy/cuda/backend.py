@@ -29,7 +29,8 @@ class CudaBackend:
         self.device = f"cuda:{self._id}"
         self.loader = KernelLoader()
         self._table = configs.TABLE if table is None else table
-        self._kernels: dict = {}  # (op, dtype, head_dim, copy bytes) -> (variant, kernel)
+        # (op, dtype, head_dim, copy bytes) -> (variant, kernel); a decode variant -> its combine
+        self._kernels: dict = {}
         # Read once: CuPy's `attributes` queries every device attribute on each access.
         attrs = cupy.cuda.Device(self._id).attributes
         self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
@@ -124,7 +125,10 @@ class CudaBackend:
         dtype = np.dtype(buffers["q"].dtype)
         vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]])
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize)
-        combine = self.loader.function(v.source, v.combine_kernel, v.defines, v.options)
+        combine = self._kernels.get(v)
+        if combine is None:
+            combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
+                                                              v.defines, v.options)
         pairs = int(params["batch"]) * int(params["kv_heads"])
         per_sm = min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads)
         splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
