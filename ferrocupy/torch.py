@@ -201,6 +201,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=torch.float32,
                                 device=attn_mask.device).masked_fill(~attn_mask, -math.inf)
+    if kv_lens is not None and torch.is_grad_enabled() and any(
+            x.requires_grad for x in (q, k, v)):
+        # Refused here, not in the backward: torch.compile traces the backward ahead of time.
+        raise ValueError("ferrocupy.torch.attention has no backward with kv_lens (per-sequence "
+                         "cache lengths are for inference): call it under torch.no_grad() or "
+                         "with inputs that do not require grad")
     seed_t = _seed_tensor(seed, dropout_p)
     out, _ = _attention_fwd(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
                             seed_t, None if scale is None else float(scale), kv_lens)

@@ -150,8 +150,10 @@ class Variant:
         return -(-rows // self.block_rows) * int(params["batch"]) * heads
 
     def describe(self) -> str:
-        return (f"{self.op}/{self.dtype}/d{self.head_dim}: {self.warps} warps x {16 * self.mt} "
-                f"rows, step {self.step}, {self.shared_bytes} B shared")
+        return (f"{self.op}/{self.dtype}/d{self.head_dim} ({self.isa}): {self.warps} warps x "
+                f"{16 * self.mt} rows, step {self.step}"
+                + (f", {self.stages} buffers" if self.stages else "")
+                + f", {self.shared_bytes} B shared")
 
 
 def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[tuple]:
