@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 
 import cupy as cp
 import numpy as np
@@ -33,18 +32,6 @@ GEOMETRIES = {  # (warps, mt, step[, isa])
                             (2, 2, 64)],
 }
 
-
-@dataclass(frozen=True)
-class Tweaked(configs.Variant):
-    """A variant with extra compile-time defines (an experiment the table does not hold)."""
-    extra: tuple = ()
-
-    @property
-    def defines(self) -> dict:
-        return super().defines | dict(self.extra)
-
-
-TWEAKS: dict = {}  # op -> [Tweaked(...)], e.g. a define a kernel reads with a default
 
 FLOPS = {configs.FORWARD: 4, configs.BACKWARD_DQ: 6, configs.BACKWARD_DKDV: 8}  # x B H Sq Sk D
 
@@ -77,8 +64,7 @@ def main() -> None:
     rows = []
     for D in (int(x) for x in args.dims.split(",")):
         B, H = 16384 // S, 2048 // D
-        variants = {op: [v for v in [configs.Variant(op, dtype, D, *g) for g in gs]
-                         + [replace(t, dtype=dtype, head_dim=D) for t in TWEAKS.get(op, [])]
+        variants = {op: [v for v in (configs.Variant(op, dtype, D, *g) for g in gs)
                          if v.runs_on(backend.capability, 16)]
                     for op, gs in GEOMETRIES.items() if op in args.ops.split(",")}
         todo = [v for vs in variants.values() for v in vs if v.shared_bytes <= limit]
@@ -118,8 +104,7 @@ def main() -> None:
                     got = bufs[name].astype(cp.float32)
                     err = float(cp.linalg.norm(got - want[name]) / cp.linalg.norm(want[name]))
                     ms = time_ms(run)
-                    rows.append((op, str(dtype), D, causal, f"w{var.warps} m{var.mt} n{var.step} {var.isa}"
-                                 + "".join(f" {k}={x}" for k, x in getattr(var, "extra", ())),
+                    rows.append((op, str(dtype), D, causal, f"w{var.warps} m{var.mt} n{var.step} {var.isa}",
                                  ms, flops / ms / 1e9, err))
                     backend.table = configs.TABLE
             try:

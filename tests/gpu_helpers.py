@@ -36,6 +36,7 @@ import pytest
 
 import ferrocupy
 from ferrocupy import AttentionOptions, ComputeEngine, UnifiedTensor
+from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from helpers import poison, rel_err  # tests/helpers.py (conftest puts tests/ on sys.path)
 
 SELF_CHECK_ENV = "FERRO_GPU_TESTS_ON_REFERENCE"
@@ -389,6 +390,33 @@ def check_backward(dev: Device, ref: Device, case: AttnCase) -> dict:
         for name in ("grad_k", "grad_v"):
             assert (got[name][dk] == 0).all(), f"{name}: a key no query sees is not 0 {what}"
     return errs
+
+
+# Forward out and lse of one dtype against the float64 reference, relative (kv_lens and decode).
+FWD_TOL_BY_DTYPE = {FLOAT32: 1e-5, FLOAT16: 4e-3, BFLOAT16: 3e-2}
+
+
+def check_forward_with_lse(dev: Device, ref: Device, q, k, v, opts, mask=None, kv_lens=None,
+                           what: str = "") -> None:
+    """The device's out and lse (NaN-poisoned first) equal the reference's within the dtype's
+    tolerance; no NaN anywhere (unwritten, or read past kv_lens); rows that see nothing give the
+    reference's exact values (out 0, lse -inf). Host arrays in, already in the call's dtype."""
+    dtype = np.dtype(q.dtype)
+    tol = FWD_TOL_BY_DTYPE[dtype]
+    b, sq, h, _ = q.shape
+    res = []
+    for e in (dev, ref):
+        out = e.poisoned(q.shape, dtype=dtype)
+        lse = e.poisoned((b, h, sq), dtype=np.float32)
+        e.engine.flash_attention_v2_with(e.put(q), e.put(k), e.put(v), out, opts, e.put(mask),
+                                         lse=lse, kv_lens=e.put(kv_lens))
+        res.append((e.get(out).astype(np.float64), e.get(lse).astype(np.float64)))
+    for name, got, want in zip(("out", "lse"), *res):
+        assert not np.isnan(got).any(), f"{name}: NaN (unwritten, or read past kv_lens) {what}"
+        fin = np.isfinite(want)  # lse is -inf for a row that sees nothing
+        assert (got[~fin] == want[~fin]).all(), f"{name}: rows that see nothing differ {what}"
+        err = np.linalg.norm(got[fin] - want[fin]) / np.linalg.norm(want[fin])
+        assert err < tol, f"{name}: relative error {err:.2e} (tol {tol}) {what}"
 
 
 def grad_floors(case: AttnCase) -> dict:

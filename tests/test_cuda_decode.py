@@ -13,13 +13,12 @@ import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import dev, gpu_pytestmark, ref  # noqa: F401 (fixtures)
+from gpu_helpers import check_forward_with_lse, dev, gpu_pytestmark, ref  # noqa: F401
 
 pytestmark = gpu_pytestmark()
 
 DTYPES = [pytest.param(FLOAT32, id="f32"), pytest.param(FLOAT16, id="f16"),
           pytest.param(BFLOAT16, id="bf16")]
-TOL = {FLOAT32: 1e-5, FLOAT16: 4e-3, BFLOAT16: 3e-2}  # relative, vs float64
 
 # (batch, seq_q, heads, kv_heads, head_dim, seq_k, options, mask, kv_lens)
 CASES = {
@@ -50,16 +49,4 @@ def test_decode_matches_the_reference(dev, ref, rng, dtype, name):  # noqa: F811
     if kv_lens is not None:
         for i, n in enumerate(kv_lens):
             k[i, n:], v[i, n:] = np.nan, np.nan
-    res = {}
-    for who, e in (("dev", dev), ("ref", ref)):
-        out = e.poisoned(q.shape, dtype=dtype)
-        lse = e.poisoned((b, h, sq), dtype=np.float32)
-        e.engine.flash_attention_v2_with(e.put(q), e.put(k), e.put(v), out, opts, e.put(m),
-                                         lse=lse, kv_lens=e.put(kv_lens))
-        res[who] = (e.get(out).astype(np.float64), e.get(lse).astype(np.float64))
-    for what, got, want in zip(("out", "lse"), res["dev"], res["ref"]):
-        assert not np.isnan(got).any(), f"{what}: NaN (unwritten, or past kv_lens)"
-        fin = np.isfinite(want)  # lse is -inf for a row that sees nothing
-        assert (got[~fin] == want[~fin]).all(), f"{what}: rows that see nothing differ"
-        err = np.linalg.norm(got[fin] - want[fin]) / np.linalg.norm(want[fin])
-        assert err < TOL[dtype], f"{what}: relative error {err:.2e} (tol {TOL[dtype]}) {name}"
+    check_forward_with_lse(dev, ref, q, k, v, opts, m, kv_lens, what=name)

@@ -13,7 +13,8 @@ import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import dev, gpu_pytestmark, kernels, ref  # noqa: F401 (fixtures)
+from gpu_helpers import (check_forward_with_lse, dev, gpu_pytestmark, kernels,  # noqa: F401
+                         ref)
 
 pytestmark = gpu_pytestmark()
 
@@ -58,9 +59,6 @@ def test_nan_past_the_reach_changes_nothing(kernels, rng, dtype, d, opts, reach)
     assert (got["grad_k"][:, reach:] == 0).all() and (got["grad_v"][:, reach:] == 0).all()
 
 
-TOL = {FLOAT32: 1e-5, FLOAT16: 4e-3, BFLOAT16: 3e-2}  # relative, out and lse vs float64
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [32, 64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("opts, mask", [
@@ -81,17 +79,4 @@ def test_kv_lens_matches_the_reference(kernels, ref, rng, dtype, d, opts, mask):
     lens = np.array([333, 250, 129, 64, 1, 0], np.int32)
     for i, n in enumerate(lens):
         k[i, n:], v[i, n:] = np.nan, np.nan
-    res = {}
-    for name, e in (("dev", kernels), ("ref", ref)):
-        out = e.poisoned(q.shape, dtype=dtype)
-        lse = e.poisoned((b, h, sq), dtype=np.float32)
-        e.engine.flash_attention_v2_with(e.put(q), e.put(k), e.put(v), out, opts, e.put(m),
-                                         lse=lse, kv_lens=e.put(lens))
-        res[name] = (e.get(out).astype(np.float64), e.get(lse).astype(np.float64))
-    for i, (got, want) in enumerate(zip(res["dev"], res["ref"])):
-        what = ("out", "lse")[i]
-        assert not np.isnan(got).any(), f"{what}: NaN past kv_lens got in"
-        live = np.isfinite(want)
-        assert (got[~live] == want[~live]).all(), f"{what}: rows that see nothing differ"
-        err = np.linalg.norm(got[live] - want[live]) / np.linalg.norm(want[live])
-        assert err < TOL[dtype], f"{what}: relative error {err:.2e} (tol {TOL[dtype]})"
+    check_forward_with_lse(kernels, ref, q, k, v, opts, m, lens)

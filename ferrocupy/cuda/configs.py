@@ -16,6 +16,7 @@ kernel's, zero-filled past the real one).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,13 +28,12 @@ DECODE = "decode"  # the forward of few rows against many keys: split-KV, then a
 DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernel takes
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
-_ARGS = {
+ARGS = {
     FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens"),
     BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse"),
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
     DECODE: ("q", "k", "v", "part_o", "part_ml", "mask", "kv_lens", "splits", "split_keys"),
 }
-ARGS = _ARGS
 MMA, WGMMA = "mma", "wgmma"
 SM90A = (WGMMA,)  # built for sm_90a alone
 WGMMA_STAGES = 3  # K/V buffers of the wgmma forwards
@@ -93,7 +93,7 @@ class Variant:
     @property
     def args(self) -> tuple:
         """Buffer names in the kernel's parameter order; then `vec`, `mask_kind`, the struct."""
-        return _ARGS[self.op]
+        return ARGS[self.op]
 
     @property
     def threads(self) -> int:
@@ -244,6 +244,7 @@ def decode_wanted(params) -> bool:
     return group_rows <= DECODE_ROWS and int(params["seq_k"]) > 0
 
 
+@functools.lru_cache(maxsize=1024)  # on every decode call's path: a loop worth remembering
 def decode_splits(pairs: int, reach: int, step: int, slots: int,
                   max_splits: int = 256) -> tuple[int, int]:
     """(splits, keys per split) for `pairs` (batch, KV head) pairs over `reach` keys on a GPU
