@@ -7,13 +7,13 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -m ferrocupy.cuda.precompile 2>&1 | tee "$OUT/precompile.log"
-timeout ${PYTEST_TIMEOUT:-400} python3 -m pytest tests/test_cuda_half.py tests/test_cuda_attention.py tests/test_cuda_backward.py \
-    tests/test_cuda_rope.py tests/test_cuda_torch.py -q -p no:cacheprovider -W ignore::RuntimeWarning \
+timeout ${PYTEST_TIMEOUT:-400} python3 -m pytest tests/test_cuda_*.py -q -p no:cacheprovider -W ignore::RuntimeWarning \
     "$@" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error" | tail -3
 for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool python3 dev/sanitize_run.py > "$OUT/sanitize_$tool.log" 2>&1
     echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Error|error' "$OUT/sanitize_$tool.log" | tail -2)"
 done
+python3 dev/call_cost.py > "$OUT/call_cost.txt" 2>&1; tail -8 "$OUT/call_cost.txt"
 if [ -n "${SWEEP:-}" ]; then
     timeout 150 python3 dev/tile_sweep.py --dtype bfloat16 > "$OUT/sweep.txt" 2>&1
     tail -90 "$OUT/sweep.txt"

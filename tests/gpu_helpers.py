@@ -170,27 +170,37 @@ def device_under_test() -> Device:
     return _ENGINES["dev"]
 
 
-def portable_device() -> Device:
-    """The CUDA engine restricted to the mma.sync kernels (every GPU from sm_80), so a GPU whose
-    own choice is a wgmma kernel still tests the portable ones; the reference in self-check mode."""
-    if "dev_mma" not in _ENGINES:
+def restricted_device(design: str) -> Device:
+    """The CUDA engine restricted to one design's variants (configs.only): "mma" (the mma.sync
+    forward and backward, every GPU from sm_80), "tiles" (the decode kernel that shares each tile
+    across the block), so a GPU whose own choice is another kernel still tests these; the reference
+    in self-check mode."""
+    key = "dev_" + design
+    if key not in _ENGINES:
         if self_check():
-            _ENGINES["dev_mma"] = device_under_test()
+            _ENGINES[key] = device_under_test()
         else:
             from ferrocupy.cuda import configs
             from ferrocupy.cuda.backend import CudaBackend
 
             engine = ComputeEngine("cuda")
-            engine.backend = CudaBackend(table=configs.only(configs.MMA))
-            _ENGINES["dev_mma"] = Device(engine, "cuda")
-    return _ENGINES["dev_mma"]
+            engine.backend = CudaBackend(table=configs.only(design))
+            _ENGINES[key] = Device(engine, "cuda")
+    return _ENGINES[key]
 
 
 @pytest.fixture(scope="session", params=["auto", "mma"])
 def kernels(request) -> Device:
     """The engine under test twice: with the kernels it picks for this GPU, and with the
     portable mma.sync ones only."""
-    return device_under_test() if request.param == "auto" else portable_device()
+    return device_under_test() if request.param == "auto" else restricted_device("mma")
+
+
+@pytest.fixture(scope="session", params=["auto", "tiles"])
+def decoders(request) -> Device:
+    """The engine under test twice for decode shapes: with the decode kernels it picks (streams
+    where the rows allow), and with the tiles design only."""
+    return device_under_test() if request.param == "auto" else restricted_device("tiles")
 
 
 @pytest.fixture(scope="session")

@@ -82,14 +82,43 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     assert configs.decode_wanted(p)
     (fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs) = \
         b._plan_decode(forward_buffers(q, k, dtype), p)
-    assert fn.name == "flash_decode" and comb.name == "flash_decode_combine"
-    splits, split_keys = int(args[7]), int(args[8])
-    assert blocks == 16 * 8 * splits and splits * split_keys >= 32768
+    assert fn.name == "flash_decode_streams" and comb.name == "flash_decode_combine"
+    names = configs.ARGS[configs.DECODE]
+    splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
+    assert blocks == 16 * 8 * splits and splits > 1 and splits * split_keys >= 32768
     assert args[3].shape == (splits, 16 * 32, 128) and args[4].shape == (splits, 16 * 32, 2)
     assert cblocks * 8 >= 16 * 32 and cthreads == 256 and csmem == 0
     assert smem == fn.max_dynamic_shared_size_bytes <= 232448
     b._plan_decode(forward_buffers(q, k, dtype), p)
     assert len(b.loader.compiled) == 2  # both kernels chosen once
+
+
+def test_decode_with_one_split_writes_out_itself():
+    """Enough (batch, KV head) pairs to fill the GPU: one split, no workspace, no combine."""
+    b = backend()
+    q, k = (64, 1, 32, 128), (64, 2048, 8, 128)
+    launches = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
+    assert len(launches) == 1
+    fn, blocks, _, _, args = launches[0]
+    assert fn.name == "flash_decode_streams" and blocks == 64 * 8
+    assert args[3].size == 0 and args[4].size == 0
+
+
+@pytest.mark.parametrize("heads, seq_q, offset, design", [
+    (32, 1, 0, configs.STREAMS),  # 4 rows a group
+    (32, 2, 0, configs.STREAMS),  # 8
+    (32, 3, 0, configs.TILES),  # 12: more than the streams kernel holds
+    (32, 1, 2, configs.TILES),  # K rows that take no 16-byte copies
+])
+def test_decode_design_follows_rows_and_copy_width(heads, seq_q, offset, design):
+    b = backend()
+    q, k = (2, seq_q, heads, 128), (2, 4096, 8, 128)
+    bufs = dict(forward_buffers(q, k, BFLOAT16), k=buf(k, BFLOAT16, offset))
+    launches = b._plan_decode(bufs, params(q, k))
+    v = configs.select(configs.DECODE, BFLOAT16, 128, 232448, capability=90,
+                       copy_bytes=16 if not offset else 2, rows=heads // 8 * seq_q)
+    assert v.isa == design and launches[0][0].name == v.kernel
+    assert len(launches) == 2 or design == configs.STREAMS
 
 
 def test_swapping_the_table_forgets_the_chosen_kernels():

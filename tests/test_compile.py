@@ -315,7 +315,8 @@ def test_nvrtc_machinery(tiny, arch):
 
 def test_every_selectable_variant_is_compiled():
     """The compile cases cover whatever `configs.select` can return, for every dtype and
-    head_dim 1..128, at a small (99 KB, sm_86) and a large (227 KB, sm_90) shared-memory limit."""
+    head_dim 1..128, at a small (99 KB, sm_86) and a large (227 KB, sm_90) shared-memory limit,
+    and (decode) KV groups of 1, 5 and 16 query rows."""
     from ferrocupy.cuda import configs
 
     compiled = {(p.name, a, d) for p, a, d in _NVRTC_JOBS}
@@ -324,10 +325,11 @@ def test_every_selectable_variant_is_compiled():
             for hd in range(1, 129):
                 for limit, cap in ((99 * 1024, 86), (227 * 1024, 90)):
                     for copy_bytes in (16, 4, 2):
-                        v = configs.select(op, dtype, hd, limit, capability=cap,
-                                           copy_bytes=copy_bytes)
-                        defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
-                        assert (v.source, v.arch or "90", defines) in compiled, v.describe()
+                        for rows in ((1, 5, 16) if op == configs.DECODE else (0,)):
+                            v = configs.select(op, dtype, hd, limit, capability=cap,
+                                               copy_bytes=copy_bytes, rows=rows)
+                            defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
+                            assert (v.source, v.arch or "90", defines) in compiled, v.describe()
 
 
 def test_wgmma_header_is_the_generators_output():
@@ -358,4 +360,7 @@ def test_wgmma_variants_are_chosen_only_where_they_run():
     assert configs.select(configs.FORWARD, FLOAT32, 128, big, capability=90,
                           copy_bytes=16).isa == configs.MMA
     table = configs.only(configs.MMA)
-    assert all(v.isa == configs.MMA for vs in table.values() for v in vs)
+    assert all(v.isa == configs.MMA for vs in table.values() for v in vs if v.op != configs.DECODE)
+    assert table[(configs.DECODE, BFLOAT16, 128)] == configs.TABLE[(configs.DECODE, BFLOAT16, 128)]
+    table = configs.only(configs.TILES)
+    assert {v.isa for v in table[(configs.DECODE, BFLOAT16, 128)]} == {configs.TILES}

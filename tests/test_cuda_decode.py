@@ -1,5 +1,6 @@
 """The decode path (issue 9): few query rows per KV group (heads / kv_heads * seq_q <= 16)
-against a long cache go through the split-KV decode kernel and its combine. Compared with the
+against a long cache go through a split-KV decode kernel (streams or tiles, each tested: the
+`decoders` fixture) and its combine. Compared with the
 reference at decode shapes: seq_q 1-8, GQA 1-8, up to 128k keys, uneven kv_lens with NaN past
 them, split counts that do not divide the keys, every forward option; out and lse.
 
@@ -13,7 +14,7 @@ import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import check_forward_with_lse, dev, gpu_pytestmark, ref  # noqa: F401
+from gpu_helpers import check_forward_with_lse, decoders, gpu_pytestmark, ref  # noqa: F401
 
 pytestmark = gpu_pytestmark()
 
@@ -33,12 +34,21 @@ CASES = {
     "sq2-gqa8-d16-window": (2, 2, 8, 1, 16, 4100, dict(window=7, causal_offset=4000), "mask",
                             [4100, 3000]),
     "sq1-d7-odd": (2, 1, 4, 4, 7, 300, dict(causal=True, causal_offset=299), None, None),
+    # The streams design (rows <= 8, 16-byte rows) with every option it must honour.
+    "sq2-gqa4-d128-mask-dropout": (2, 2, 8, 2, 128, 3001,
+                                   dict(causal=True, causal_offset=2999, dropout_prob=0.2,
+                                        seed=5), "mask", [3001, 1500]),
+    "sq1-gqa2-d48-window": (1, 1, 4, 2, 48, 9000, dict(window=333, causal_offset=8000), None,
+                            None),
+    # Enough (batch, KV head) pairs that one split fills the GPU: the block writes out itself.
+    "b40-sq1-gqa4-d128-one-split": (40, 1, 8, 2, 128, 250, dict(causal=True, causal_offset=249),
+                                    None, [250 - 6 * i for i in range(40)]),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_decode_matches_the_reference(dev, ref, rng, dtype, name):  # noqa: F811
+def test_decode_matches_the_reference(decoders, ref, rng, dtype, name):  # noqa: F811
     b, sq, h, hkv, d, sk, opts, mask, lens = CASES[name]
     opts = AttentionOptions(**opts)
     q = rng.standard_normal((b, sq, h, d)).astype(np.float32).astype(dtype)
@@ -49,4 +59,4 @@ def test_decode_matches_the_reference(dev, ref, rng, dtype, name):  # noqa: F811
     if kv_lens is not None:
         for i, n in enumerate(kv_lens):
             k[i, n:], v[i, n:] = np.nan, np.nan
-    check_forward_with_lse(dev, ref, q, k, v, opts, m, kv_lens, what=name)
+    check_forward_with_lse(decoders, ref, q, k, v, opts, m, kv_lens, what=name)

@@ -29,7 +29,8 @@ class CudaBackend:
         self.device = f"cuda:{self._id}"
         self.loader = KernelLoader()
         self._table = configs.TABLE if table is None else table
-        # (op, dtype, head_dim, copy bytes) -> (variant, kernel); a decode variant -> its combine
+        # (op, dtype, head_dim, copy bytes, decode rows) -> (variant, kernel); a decode variant ->
+        # its combine
         self._kernels: dict = {}
         # Read once: CuPy's `attributes` queries every device attribute on each access.
         attrs = cupy.cuda.Device(self._id).attributes
@@ -98,9 +99,10 @@ class CudaBackend:
                 self._launch(*dkdv, params)
 
     # --- planning ---------------------------------------------------------------------------------
-    def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16) -> configs.Variant:
+    def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
+                rows: int = 0) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
-                              self.capability, copy_bytes)
+                              self.capability, copy_bytes, rows)
 
     def _plan(self, op: str, buffers: dict, params):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch."""
@@ -119,42 +121,57 @@ class CudaBackend:
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind)
 
     def _plan_decode(self, buffers: dict, params) -> list:
-        """The decode kernel over (batch, KV head, split) blocks, then the combine: two launches,
-        both planned (compiled, checked) before either runs."""
+        """The decode kernel over (batch, KV head, split) blocks, then (with more than one split,
+        or the tiles design, which always leaves its result in the workspace) the combine. Every
+        launch is planned (compiled, checked) before any runs."""
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
         vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]])
-        v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize)
-        combine = self._kernels.get(v)
-        if combine is None:
-            combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
-                                                              v.defines, v.options)
+        group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
+        v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows)
         pairs = int(params["batch"]) * int(params["kv_heads"])
-        per_sm = min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads)
         splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
-                                                   max(1, per_sm) * self.sm_count)
+                                                   self._resident(fn, v) * self.sm_count)
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
         if pairs * splits > GRID_X_MAX:
             raise ValueError(f"decode: {pairs * splits} blocks exceed the grid limit {GRID_X_MAX}")
-        part_o = self.xp.empty((splits, rows, v.head_dim), dtype=np.float32)
-        part_ml = self.xp.empty((splits, rows, 2), dtype=np.float32)
+        combined = splits > 1 or v.isa != configs.STREAMS
+        # The workspace: per split, each row's unnormalised O and (max, sum); none when the one
+        # split writes out itself.
+        part_o = self.xp.empty((splits, rows, v.head_dim) if combined else (0,), dtype=np.float32)
+        part_ml = self.xp.empty((splits, rows, 2) if combined else (0,), dtype=np.float32)
         mask = buffers.get("mask")
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         opt = lambda name: NULL if buffers.get(name) is None else buffers[name]  # noqa: E731
-        args = (buffers["q"], buffers["k"], buffers["v"], part_o, part_ml, opt("mask"),
-                opt("kv_lens"), np.uint32(splits), np.uint32(split_keys), np.uint32(vec),
-                mask_kind)
-        combine_args = (part_o, part_ml, buffers["out"], opt("lse"), np.uint32(splits))
-        return [(fn, pairs * splits, v.threads, v.shared_bytes, args),
-                (combine, -(-rows // 8), 256, 0, combine_args)]
+        args = (buffers["q"], buffers["k"], buffers["v"], part_o, part_ml, buffers["out"],
+                opt("lse"), opt("mask"), opt("kv_lens"), np.uint32(splits),
+                np.uint32(split_keys), np.uint32(vec), mask_kind)
+        launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
+        if combined:
+            combine = self._kernels.get(v)
+            if combine is None:
+                combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
+                                                                  v.defines, v.options)
+            launches.append((combine, -(-rows // 8), 256, 0,
+                             (part_o, part_ml, buffers["out"], opt("lse"), np.uint32(splits))))
+        return launches
 
-    def _kernel(self, op: str, dtype, d: int, copy_bytes: int):
-        """(variant, compiled kernel) for one (op, dtype, head_dim, copy width), chosen, compiled
-        and given its shared memory once."""
-        key = (op, dtype, d, copy_bytes)
+    def _resident(self, fn, v: configs.Variant) -> int:
+        """Blocks of `fn` one SM holds at once: the driver's occupancy answer (registers, shared
+        memory, threads), or the shared-memory and thread bounds where there is none."""
+        driver = getattr(getattr(self.xp, "cuda", None), "driver", None)
+        occupancy = getattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
+        if occupancy is not None and hasattr(fn, "ptr"):
+            return max(1, occupancy(fn.ptr, v.threads, v.shared_bytes))
+        return max(1, min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads))
+
+    def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0):
+        """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows),
+        chosen, compiled and given its shared memory once."""
+        key = (op, dtype, d, copy_bytes, rows)
         hit = self._kernels.get(key)
         if hit is None:
-            v = self.variant(op, dtype, d, copy_bytes)
+            v = self.variant(op, dtype, d, copy_bytes, rows)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes

@@ -25,16 +25,21 @@ from ..dtypes import BFLOAT16, FLOAT16, FLOAT32
 
 FORWARD, BACKWARD_DQ, BACKWARD_DKDV, ROPE = "forward", "backward_dq", "backward_dkdv", "rope"
 DECODE = "decode"  # the forward of few rows against many keys: split-KV, then a combine
-DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernel takes
+DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernels take
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
 ARGS = {
     FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens"),
     BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse"),
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
-    DECODE: ("q", "k", "v", "part_o", "part_ml", "mask", "kv_lens", "splits", "split_keys"),
+    DECODE: ("q", "k", "v", "part_o", "part_ml", "out", "lse", "mask", "kv_lens", "splits",
+             "split_keys"),
 }
 MMA, WGMMA = "mma", "wgmma"
+# The decode kernels' two designs (CUDA cores, any GPU): `streams` (each warp streams its own
+# tiles, no block-wide barrier in the key loop; 16-byte rows, at most 8 rows a group) and `tiles`
+# (the block shares each tile; any row width, up to DECODE_ROWS rows).
+STREAMS, TILES = "streams", "tiles"
 SM90A = (WGMMA,)  # built for sm_90a alone
 WGMMA_STAGES = 3  # K/V buffers of the wgmma forwards
 # (source, kernel) per (op, is_half, isa)
@@ -46,8 +51,10 @@ _SOURCES = {
     (BACKWARD_DQ, True, MMA): ("flash_bwd_dq_half.cu", "flash_bwd_dq_half"),
     (BACKWARD_DKDV, True, MMA): ("flash_bwd_dkdv_half.cu", "flash_bwd_dkdv_half"),
     (FORWARD, True, WGMMA): ("flash_fwd_wgmma.cu", "flash_fwd_wgmma"),
-    (DECODE, False, MMA): ("flash_decode.cu", "flash_decode"),
-    (DECODE, True, MMA): ("flash_decode.cu", "flash_decode"),
+    (DECODE, False, TILES): ("flash_decode.cu", "flash_decode"),
+    (DECODE, True, TILES): ("flash_decode.cu", "flash_decode"),
+    (DECODE, False, STREAMS): ("flash_decode_streams.cu", "flash_decode_streams"),
+    (DECODE, True, STREAMS): ("flash_decode_streams.cu", "flash_decode_streams"),
 }
 
 
@@ -61,6 +68,7 @@ class Variant:
     step: int  # BN (keys per step) or, for dK/dV, BQ (query rows per step)
     isa: str = MMA
     stages: int = 0  # K/V buffers, for the kernels that take it as a define (0: the kernel's own)
+    rows: int = 0  # decode: the most query rows of a KV group the block takes
 
     @property
     def half(self) -> bool:
@@ -88,6 +96,8 @@ class Variant:
         `copy_bytes` per row chunk (the backend's `_copy_width` in bytes)."""
         if self.isa in SM90A:
             return capability == 90 and copy_bytes == 16
+        if self.isa == STREAMS:
+            return copy_bytes == 16
         return True
 
     @property
@@ -110,6 +120,16 @@ class Variant:
         return "flash_decode_combine"
 
     @property
+    def key_lanes(self) -> int:
+        """Streams decode: lanes per key, each holding 16 dims (rows <= 4) or 8 of every row (its
+        O and Q in registers), rounded up to a power of two (a few lanes idle at head_dim 48,
+        80, 96, 112)."""
+        elem = self.dtype.itemsize
+        chunks_per_lane = (16 if self.rows <= 4 else 8) * elem // 16
+        need = -(-(self.head_dim * elem // 16) // chunks_per_lane)
+        return 1 << (need - 1).bit_length()
+
+    @property
     def per_kv_head(self) -> bool:
         """One block row per (batch, KV head) rather than per (batch, head)."""
         return self.op == BACKWARD_DKDV
@@ -119,6 +139,9 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
+        if self.isa == STREAMS:  # per warp, a ring of K and V tiles; reused to merge the warps
+            return max(2 * self.stages * self.step * self.head_dim * elem,
+                       4 * self.warps * self.rows * (self.head_dim + 2))
         if self.op == DECODE:  # K, V x stages (16-byte pad per row); Q, P and row state f32
             rows = DECODE_ROWS
             return (2 * self.stages * self.step * (self.head_dim + 16 // elem) * elem
@@ -140,8 +163,10 @@ class Variant:
         if self.isa == WGMMA:
             d["FERRO_STAGES"] = WGMMA_STAGES
         if self.op == DECODE:
-            d["FERRO_ROWS"] = DECODE_ROWS
+            d["FERRO_ROWS"] = self.rows
             d["FERRO_STAGES"] = self.stages
+        if self.isa == STREAMS:
+            d["FERRO_KEY_LANES"] = self.key_lanes
         return d
 
     def blocks(self, params) -> int:
@@ -153,6 +178,7 @@ class Variant:
         return (f"{self.op}/{self.dtype}/d{self.head_dim} ({self.isa}): {self.warps} warps x "
                 f"{16 * self.mt} rows, step {self.step}"
                 + (f", {self.stages} buffers" if self.stages else "")
+                + (f", {self.rows} query rows" if self.rows else "")
                 + f", {self.shared_bytes} B shared")
 
 
@@ -181,8 +207,8 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
       dQ       d64  4x16 rows, 64 keys: 193 + 182;  d128 4x32 rows, 32 keys: 243 + 218
       dK/dV    d64  4x32 keys, 32 rows: 113 + 107;  d128 8x16 keys, 64 rows: 157 + 150
     """
-    if op == DECODE:  # 4 warps, 32 keys a tile (a key per lane in the softmax); 3 or 2 buffers
-        return [(4, 1, 32, 3), (4, 1, 32, 2)]
+    if op == DECODE:  # tiles: 4 warps, 32 keys a tile (a key per lane in the softmax); 3 or 2 buffers
+        return [(4, 1, 32, TILES, 3, DECODE_ROWS), (4, 1, 32, TILES, 2, DECODE_ROWS)]
     if dtype == FLOAT32:
         return [{FORWARD: (4, 1, 64), BACKWARD_DQ: (4, 1, 32), BACKWARD_DKDV: (4, 1, 32)}[op]]
     small = dp <= 64
@@ -193,6 +219,24 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
     return [(4, 2, 32), (4, 1, 32)] if small else [(8, 1, 64), (4, 1, 32), (4, 1, 16)]
 
 
+DECODE_STAGE_BYTES = 8192  # at most this much K + V in one warp tile of the streams decode kernel
+DECODE_IN_FLIGHT = 16384  # bytes each warp of it keeps in flight: (stages - 1) tiles
+
+
+def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
+    """The streams decode kernels for rows <= 4 and <= 8: 4 warps; a warp tile is C keys per lane
+    group (C x rows <= 16 scores live in registers beside Q and O), at most DECODE_STAGE_BYTES;
+    enough buffers per warp (at most 8) for DECODE_IN_FLIGHT bytes of copies in flight."""
+    out = []
+    for rows in (4, 8):
+        kw = 32 // Variant(DECODE, dtype, dp, 4, 1, 0, STREAMS, 0, rows).key_lanes
+        key_bytes = 2 * dp * dtype.itemsize  # K and V
+        c = max(1, min(4, 16 // rows, DECODE_STAGE_BYTES // (kw * key_bytes)))
+        stages = min(8, 1 + DECODE_IN_FLIGHT // (kw * c * key_bytes))
+        out.append(Variant(DECODE, dtype, dp, 4, 1, 4 * kw * c, STREAMS, stages, rows))
+    return out
+
+
 def _table() -> dict:
     table = {}
     for op in (FORWARD, BACKWARD_DQ, BACKWARD_DKDV, DECODE):
@@ -200,7 +244,9 @@ def _table() -> dict:
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
                     [Variant(op, dtype, kd, w, mt, n, isa) for w, mt, n, isa, kd in _wgmma(op, dtype, dp)]
-                    + [Variant(op, dtype, dp, *g[:3], MMA, *g[3:]) for g in _geometry(op, dtype, dp)])
+                    + (_decode_streams(dtype, dp) if op == DECODE else [])
+                    + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
+                       for g in _geometry(op, dtype, dp)])
     return table
 
 
@@ -213,13 +259,15 @@ def padded_head_dim(d: int) -> int:
 
 
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
-           capability: int = 0, copy_bytes: int = 0) -> Variant:
-    """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block and
-    runs on a GPU of compute `capability` with `copy_bytes`-wide row copies."""
+           capability: int = 0, copy_bytes: int = 0, rows: int = 0) -> Variant:
+    """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
+    on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
+    query rows per KV group."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
-        if v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes):
+        if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
+                and v.rows >= rows):
             return v
     raise ValueError(f"{op} in {dtype} at head_dim {head_dim} needs at least "
                      f"{min(v.shared_bytes for v in candidates if v.isa == MMA)} bytes of shared memory per "
@@ -263,8 +311,12 @@ def decode_splits(pairs: int, reach: int, step: int, slots: int,
 
 
 def only(isa: str, table: dict | None = None) -> dict:
-    """The table restricted to one instruction set's variants (to test or time that one)."""
-    return {key: tuple(v for v in vs if v.isa == isa)
+    """The table restricted to one design's variants (to test or time that one): an instruction
+    set (MMA, WGMMA) for the forward and backward, a decode design (STREAMS, TILES) for decode;
+    the other operation's variants stay as they are."""
+    decode_designs = (STREAMS, TILES)
+    return {key: tuple(v for v in vs if v.isa == isa or ((v.isa in decode_designs) !=
+                                                          (isa in decode_designs)))
             for key, vs in (TABLE if table is None else table).items()}
 
 

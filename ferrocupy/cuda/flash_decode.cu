@@ -1,4 +1,6 @@
 // Decoding from a KV cache (flash-decoding): few query rows against many keys, in two kernels.
+// This design serves what flash_decode_streams.cu does not: rows of K and V that take no 16-byte
+// copies, and KV groups of 9-16 query rows. `out` and `lse` are the combine's to write.
 // `flash_decode` gives each block one (batch, KV head) and one split of its keys: the block's rows
 // are every query row of every head of that KV group (R = heads / kv_heads * seq_q, at most
 // ROWS), so K and V are read once per group. Tiles of BN keys stream through shared memory by
@@ -14,30 +16,7 @@
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
 
-#ifdef FERRO_BF16
-#include "ferro_mma_f16.cuh"  // widen, round1
-typedef u16 T;
-__device__ __forceinline__ float to_f(T x) { return widen(x); }
-__device__ __forceinline__ T from_f(float x) { return round1(x); }
-// 16 bytes of shared memory as floats (in registers: no local copy to index).
-__device__ __forceinline__ void load16(const T* src, float (&f)[8]) {
-    const uint4 r = *reinterpret_cast<const uint4*>(src);
-    const u32 w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        f[2 * c] = widen((u16)(w[c] & 0xffffu));
-        f[2 * c + 1] = widen((u16)(w[c] >> 16));
-    }
-}
-#else
-typedef float T;
-__device__ __forceinline__ float to_f(T x) { return x; }
-__device__ __forceinline__ T from_f(float x) { return x; }
-__device__ __forceinline__ void load16(const T* src, float (&f)[4]) {
-    const float4 r = *reinterpret_cast<const float4*>(src);
-    f[0] = r.x, f[1] = r.y, f[2] = r.z, f[3] = r.w;
-}
-#endif
+#include "ferro_decode.cuh"
 
 namespace {
 constexpr int DP = FERRO_HEAD_DIM, THREADS = 32 * FERRO_WARPS, BN = FERRO_BN;
@@ -56,8 +35,8 @@ static_assert(2 * STAGES * KV_ELEMS * (int)sizeof(T) + 4 * (ROWS * DP + ROWS * (
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-             float* __restrict__ part_o, float* __restrict__ part_ml,
-             const void* __restrict__ mask, const int* __restrict__ kv_lens, const u32 splits,
+             float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
+             float* __restrict__ lse, const void* __restrict__ mask, const int* __restrict__ kv_lens, const u32 splits,
              const u32 split_keys, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     T* sK = reinterpret_cast<T*>(smem_d);      // [STAGES][BN][PITCH]
@@ -218,39 +197,4 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             part_ml[((u64)split * rows_total + row) * 2 + 1] = sL[r];
         }
     }
-}
-
-// One warp per output row (b, h, i): merges the splits through their (max, sum), writes out
-// (rounded once) and lse.
-extern "C" __global__ void __launch_bounds__(256)
-flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                     T* __restrict__ out, float* __restrict__ lse, const u32 splits,
-                     const FlashV2Params p) {
-    const u64 rows_total = (u64)p.batch * p.heads * p.seq_q;
-    const u64 row = (u64)blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31, D = p.head_dim;
-    if (row >= rows_total) return;
-    float M = neg_inf();
-    for (u32 sp = 0; sp < splits; ++sp) M = fmaxf(M, part_ml[((u64)sp * rows_total + row) * 2]);
-    const float m_use = M == neg_inf() ? 0.f : M;
-    float L = 0.f;
-    for (u32 sp = 0; sp < splits; ++sp) {
-        const float* ml = part_ml + ((u64)sp * rows_total + row) * 2;
-        if (ml[1] != 0.f) L += ml[1] * exp2f((ml[0] - m_use) * FERRO_LOG2E);
-    }
-    const float keep_scale = p.dropout_prob > 0.f ? 1.f / (1.f - p.dropout_prob) : 1.f;
-    const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
-    const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
-    T* orow = out + ((u64)b * p.seq_q + i) * p.heads * D + (u64)h * D;
-    for (int d = lane; d < D; d += 32) {
-        float acc = 0.f;
-        for (u32 sp = 0; sp < splits; ++sp) {
-            const float* ml = part_ml + ((u64)sp * rows_total + row) * 2;
-            if (ml[1] != 0.f)
-                acc += part_o[((u64)sp * rows_total + row) * DP + d] *
-                       exp2f((ml[0] - m_use) * FERRO_LOG2E);
-        }
-        orow[d] = from_f(acc * inv);
-    }
-    if (lse && lane == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
 }
