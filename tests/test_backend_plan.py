@@ -87,7 +87,7 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
     assert blocks == 16 * 8 * splits and splits > 1 and splits * split_keys >= 32768
     assert args[3].shape == (splits, 16 * 32, 128) and args[4].shape == (splits, 16 * 32, 2)
-    assert cblocks * 8 >= 16 * 32 and cthreads == 256 and csmem == 0
+    assert cblocks == 16 * 32 and cthreads == configs.COMBINE_THREADS and csmem == 0
     assert smem == fn.max_dynamic_shared_size_bytes <= 232448
     b._plan_decode(forward_buffers(q, k, dtype), p)
     assert len(b.loader.compiled) == 2  # both kernels chosen once

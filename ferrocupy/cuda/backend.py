@@ -152,7 +152,7 @@ class CudaBackend:
             if combine is None:
                 combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
                                                                   v.defines, v.options)
-            launches.append((combine, -(-rows // 8), 256, 0,
+            launches.append((combine, rows, configs.COMBINE_THREADS, 0,
                              (part_o, part_ml, buffers["out"], opt("lse"), np.uint32(splits))))
         return launches
 

@@ -26,6 +26,8 @@ from ..dtypes import BFLOAT16, FLOAT16, FLOAT32
 FORWARD, BACKWARD_DQ, BACKWARD_DKDV, ROPE = "forward", "backward_dq", "backward_dkdv", "rope"
 DECODE = "decode"  # the forward of few rows against many keys: split-KV, then a combine
 DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernels take
+DECODE_MAX_SPLITS = 256  # key splits per (batch, KV head): the combine's shared weights
+COMBINE_THREADS = 128  # the combine's block (one per output row)
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
 ARGS = {
@@ -165,6 +167,8 @@ class Variant:
         if self.op == DECODE:
             d["FERRO_ROWS"] = self.rows
             d["FERRO_STAGES"] = self.stages
+            d["FERRO_MAX_SPLITS"] = DECODE_MAX_SPLITS
+            d["FERRO_COMBINE_THREADS"] = COMBINE_THREADS
         if self.isa == STREAMS:
             d["FERRO_KEY_LANES"] = self.key_lanes
         return d
@@ -294,7 +298,7 @@ def decode_wanted(params) -> bool:
 
 @functools.lru_cache(maxsize=1024)  # on every decode call's path: a loop worth remembering
 def decode_splits(pairs: int, reach: int, step: int, slots: int,
-                  max_splits: int = 256) -> tuple[int, int]:
+                  max_splits: int = DECODE_MAX_SPLITS) -> tuple[int, int]:
     """(splits, keys per split) for `pairs` (batch, KV head) pairs over `reach` keys on a GPU
     that holds `slots` decode blocks at once: the count whose blocks finish soonest, taking time
     as waves of blocks times (tiles per block + 1, a block's start-up), with at least 4 tiles a

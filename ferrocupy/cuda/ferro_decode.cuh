@@ -32,37 +32,58 @@ __device__ __forceinline__ void load16(const T* src, float (&f)[4]) {
 }
 #endif
 
-// One warp per output row (b, h, i): merges the splits through their (max, sum), writes out
-// (rounded once) and lse.
-extern "C" __global__ void __launch_bounds__(256)
+// One block of COMBINE_THREADS per output row (b, h, i): the splits' weights exp(m_s - M) once,
+// into shared memory (threads across splits), then each thread a column of O over every split
+// (independent loads, coalesced across the row); writes out (rounded once) and lse. At most
+// FERRO_MAX_SPLITS splits (configs.py).
+constexpr int COMBINE_THREADS = FERRO_COMBINE_THREADS;
+
+__device__ __forceinline__ float block_reduce(float x, bool is_max, float* scratch) {
+#pragma unroll
+    for (int w = 16; w; w >>= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, x, w);
+        x = is_max ? fmaxf(x, y) : x + y;
+    }
+    __syncthreads();  // scratch is free (a previous reduction has been read)
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = scratch[0];
+#pragma unroll
+    for (int w = 1; w < COMBINE_THREADS / 32; ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+    return x;
+}
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                      T* __restrict__ out, float* __restrict__ lse, const u32 splits,
                      const FlashV2Params p) {
-    const u64 rows_total = (u64)p.batch * p.heads * p.seq_q;
-    const u64 row = (u64)blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31, D = p.head_dim;
-    if (row >= rows_total) return;
+    __shared__ float weight[FERRO_MAX_SPLITS];
+    __shared__ float scratch[COMBINE_THREADS / 32];
+    const u64 rows_total = (u64)p.batch * p.heads * p.seq_q, row = blockIdx.x;
+    const int tid = threadIdx.x, D = p.head_dim;
     float M = neg_inf();
-    for (u32 sp = 0; sp < splits; ++sp) M = fmaxf(M, part_ml[((u64)sp * rows_total + row) * 2]);
+    for (u32 sp = tid; sp < splits; sp += COMBINE_THREADS)
+        M = fmaxf(M, part_ml[((u64)sp * rows_total + row) * 2]);
+    M = block_reduce(M, true, scratch);
     const float m_use = M == neg_inf() ? 0.f : M;
     float L = 0.f;
-    for (u32 sp = 0; sp < splits; ++sp) {
+    for (u32 sp = tid; sp < splits; sp += COMBINE_THREADS) {
         const float* ml = part_ml + ((u64)sp * rows_total + row) * 2;
-        if (ml[1] != 0.f) L += ml[1] * exp2f((ml[0] - m_use) * FERRO_LOG2E);
+        const float w = ml[1] != 0.f ? exp2f((ml[0] - m_use) * FERRO_LOG2E) : 0.f;  // an empty split: 0
+        weight[sp] = w;
+        L += ml[1] * w;
     }
+    L = block_reduce(L, false, scratch);  // its barriers also publish `weight`
     const float keep_scale = p.dropout_prob > 0.f ? 1.f / (1.f - p.dropout_prob) : 1.f;
     const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
     const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
     T* orow = out + ((u64)b * p.seq_q + i) * p.heads * D + (u64)h * D;
-    for (int d = lane; d < D; d += 32) {
+    for (int d = tid; d < D; d += COMBINE_THREADS) {
+        const float* col = part_o + row * FERRO_HEAD_DIM + d;
         float acc = 0.f;
-        for (u32 sp = 0; sp < splits; ++sp) {
-            const float* ml = part_ml + ((u64)sp * rows_total + row) * 2;
-            if (ml[1] != 0.f)
-                acc += part_o[((u64)sp * rows_total + row) * FERRO_HEAD_DIM + d] *
-                       exp2f((ml[0] - m_use) * FERRO_LOG2E);
-        }
+#pragma unroll 8
+        for (u32 sp = 0; sp < splits; ++sp) acc = fmaf(weight[sp], col[(u64)sp * rows_total * FERRO_HEAD_DIM], acc);
         orow[d] = from_f(acc * inv);
     }
-    if (lse && lane == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+    if (lse && tid == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
 }

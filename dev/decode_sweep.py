@@ -1,0 +1,126 @@
+"""Time candidate geometries of the streams decode kernel (warps, keys per lane group, buffers)
+at the benchmark's decode shapes, to choose `cuda/configs.py`'s decode entries from measurements
+(issue 9).
+
+    python3 dev/decode_sweep.py [--dtypes bfloat16,float32]
+
+Each candidate runs the whole decode (kernel + combine, as the backend plans it), is checked
+against the table's own choice on the same inputs, then timed with CUDA events (median of 20
+after 3 warm-up calls). Prints GB/s (K + V bytes read once) per (shape, dtype, geometry), and
+torch SDPA cudnn's for the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+import cupy as cp
+import numpy as np
+
+from ferrocupy import AttentionDims, AttentionOptions
+from ferrocupy.cuda import configs
+from ferrocupy.cuda.backend import CudaBackend
+from ferrocupy.dtypes import parse
+
+SHAPES = [(16, 32768), (1, 131072), (64, 2048)]  # (batch, keys); H32 / KV heads 8, D128, Sq1
+H, HKV, D = 32, 8, 128
+
+
+def time_ms(fn, reps=20, warm=3) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return statistics.median(times)
+
+
+def candidates(dtype) -> list[configs.Variant]:
+    out = []
+    for warps in (4, 8):
+        probe = configs.Variant(configs.DECODE, dtype, D, warps, 1, 0, configs.STREAMS, 0, 4)
+        kw = 32 // probe.key_lanes
+        for c in (1, 2, 4):
+            for stages in (2, 3, 4, 6, 8):
+                v = configs.Variant(configs.DECODE, dtype, D, warps, 1, warps * kw * c,
+                                    configs.STREAMS, stages, 4)
+                if v.shared_bytes <= 227 * 1024:
+                    out.append(v)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    args = ap.parse_args()
+    backend = CudaBackend()
+    rows = []
+    for dtype in (parse(x) for x in args.dtypes.split(",")):
+        key = (configs.DECODE, dtype, D)
+        default = backend.variant(configs.DECODE, dtype, D, 16, 4)
+        with ThreadPoolExecutor(16) as pool:  # compile every candidate first, in parallel
+            list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
+                                     for name in (v.kernel, v.combine_kernel)],
+                          candidates(dtype)))
+        for B, SK in SHAPES:
+            rng = cp.random.default_rng(0)
+            mk = lambda *s: rng.standard_normal(s, dtype=cp.float32).astype(dtype)  # noqa: E731
+            q, k, v = mk(B, 1, H, D), mk(B, SK, HKV, D), mk(B, SK, HKV, D)
+            out = cp.empty_like(q)
+            bufs = dict(q=q, k=k, v=v, out=out, mask=None, lse=None, kv_lens=None)
+            p = AttentionDims.new(q, k).params(AttentionOptions())
+            gbytes = 2 * k.nbytes / 1e9
+            backend.table = configs.TABLE
+            for launch in backend._plan_decode(bufs, p):
+                backend._launch(*launch, p)
+            want = out.astype(cp.float32)
+            for var in candidates(dtype):
+                backend.table = dict(configs.TABLE) | {key: (var,)}
+                launches = backend._plan_decode(bufs, p)
+                splits = int(launches[0][4][configs.ARGS[configs.DECODE].index("splits")])
+
+                def run(launches=launches):
+                    for launch in launches:
+                        backend._launch(*launch, p)
+                out.fill(np.nan)
+                run()
+                err = float(cp.linalg.norm(out.astype(cp.float32) - want) / cp.linalg.norm(want))
+                ms = time_ms(run)
+                tag = f"w{var.warps} n{var.step} s{var.stages}" + (" *" if var == default else "")
+                rows.append((f"b{B} sk{SK}", str(dtype), tag, splits, ms, gbytes / ms * 1e3, err))
+            backend.table = configs.TABLE
+            try:
+                import torch
+                import torch.nn.functional as F
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                tdt = getattr(torch, str(dtype))
+                tq = torch.randn(B, H, 1, D, device="cuda", dtype=tdt)
+                tk, tv = (torch.randn(B, SK, HKV, D, device="cuda", dtype=tdt).transpose(1, 2)
+                          for _ in range(2))
+                for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                                 ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        with sdpa_kernel(be):
+                            fn = lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)  # noqa: E731,E501
+                            ms = time_ms(fn)
+                        rows.append((f"b{B} sk{SK}", str(dtype), f"torch-{name}", 0, ms,
+                                     gbytes / ms * 1e3, 0.0))
+                    except RuntimeError as e:
+                        print(f"torch {name} skipped: {str(e).splitlines()[0]}")
+            except ImportError:
+                pass
+    print(f"{'shape':<14}{'dtype':<10}{'geometry':<18}{'splits':>7}{'ms':>9}{'GB/s':>8}{'rel err':>10}")
+    for r in rows:
+        print(f"{r[0]:<14}{r[1]:<10}{r[2]:<18}{r[3]:>7}{r[4]:>9.4f}{r[5]:>8.0f}{r[6]:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()
