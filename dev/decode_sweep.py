@@ -45,14 +45,16 @@ def time_ms(fn, reps=20, warm=3) -> float:
 def candidates(dtype) -> list[configs.Variant]:
     out = []
     for warps in (4, 8):
-        probe = configs.Variant(configs.DECODE, dtype, D, warps, 1, 0, configs.STREAMS, 0, 4)
-        kw = 32 // probe.key_lanes
-        for c in (1, 2, 4):
-            for stages in (2, 3, 4, 6, 8):
-                v = configs.Variant(configs.DECODE, dtype, D, warps, 1, warps * kw * c,
-                                    configs.STREAMS, stages, 4)
-                if v.shared_bytes <= 227 * 1024:
-                    out.append(v)
+        for lane_dims in (16, 8):
+            probe = configs.Variant(configs.DECODE, dtype, D, warps, 1, 0, configs.STREAMS, 0, 4,
+                                    lane_dims)
+            kw = 32 // probe.key_lanes
+            for c in (1, 2, 4):
+                for stages in (2, 3, 4):
+                    v = configs.Variant(configs.DECODE, dtype, D, warps, 1, warps * kw * c,
+                                        configs.STREAMS, stages, 4, lane_dims)
+                    if v.shared_bytes <= 227 * 1024 and kw * c >= 4:
+                        out.append(v)
     return out
 
 
@@ -93,7 +95,8 @@ def main() -> None:
                 run()
                 err = float(cp.linalg.norm(out.astype(cp.float32) - want) / cp.linalg.norm(want))
                 ms = time_ms(run)
-                tag = f"w{var.warps} n{var.step} s{var.stages}" + (" *" if var == default else "")
+                tag = (f"w{var.warps} l{var.lane_dims} n{var.step} s{var.stages}"
+                       + (" *" if var == default else ""))
                 rows.append((f"b{B} sk{SK}", str(dtype), tag, splits, ms, gbytes / ms * 1e3, err))
             backend.table = configs.TABLE
             try:

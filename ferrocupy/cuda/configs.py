@@ -71,6 +71,7 @@ class Variant:
     isa: str = MMA
     stages: int = 0  # K/V buffers, for the kernels that take it as a define (0: the kernel's own)
     rows: int = 0  # decode: the most query rows of a KV group the block takes
+    lane_dims: int = 0  # streams decode: head dims per lane (0: 16 for rows <= 4, else 8)
 
     @property
     def half(self) -> bool:
@@ -123,11 +124,11 @@ class Variant:
 
     @property
     def key_lanes(self) -> int:
-        """Streams decode: lanes per key, each holding 16 dims (rows <= 4) or 8 of every row (its
-        O and Q in registers), rounded up to a power of two (a few lanes idle at head_dim 48,
-        80, 96, 112)."""
+        """Streams decode: lanes per key, each holding `lane_dims` dims of every row (its O and Q
+        in registers), rounded up to a power of two (a few lanes idle at head_dim 48, 80, 96,
+        112)."""
         elem = self.dtype.itemsize
-        chunks_per_lane = (16 if self.rows <= 4 else 8) * elem // 16
+        chunks_per_lane = max(1, (self.lane_dims or (16 if self.rows <= 4 else 8)) * elem // 16)
         need = -(-(self.head_dim * elem // 16) // chunks_per_lane)
         return 1 << (need - 1).bit_length()
 

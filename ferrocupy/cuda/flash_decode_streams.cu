@@ -227,8 +227,10 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 sc[c][r] = (keep >> (c * ROWS + r)) & 1u ? pe : 0.f;
             }
             l[r] = l[r] * alpha + sum;
+            if (__any_sync(0xffffffffu, alpha != 1.f)) {  // once the max settles, alpha is 1
 #pragma unroll
-            for (int e = 0; e < DL; ++e) o[r][e] *= alpha;
+                for (int e = 0; e < DL; ++e) o[r][e] *= alpha;
+            }
         }
         // O += P V over the group's keys.
 #pragma unroll
