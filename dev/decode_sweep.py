@@ -51,7 +51,7 @@ def candidates(dtype) -> list[configs.Variant]:
             kw = 32 // probe.key_lanes
             for c in (1, 2, 4):
                 for stages in (2, 3, 4):
-                    v = configs.Variant(configs.DECODE, dtype, D, warps, 1, kw * c,
+                    v = configs.Variant(configs.DECODE, dtype, D, warps, 1, warps * kw * c,
                                         configs.STREAMS, stages, 4, lane_dims)
                     if v.shared_bytes <= 227 * 1024 and kw * c >= 4:
                         out.append(v)

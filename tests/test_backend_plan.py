@@ -85,9 +85,7 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     assert fn.name == "flash_decode_streams" and comb.name == "flash_decode_combine"
     names = configs.ARGS[configs.DECODE]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
-    v = configs.select(configs.DECODE, dtype, 128, 232448, capability=90, copy_bytes=16, rows=4)
-    assert blocks == -(-16 * 8 * splits // v.warps)  # a warp per (batch, KV head, split)
-    assert splits > 1 and splits * split_keys >= 32768
+    assert blocks == 16 * 8 * splits and splits > 1 and splits * split_keys >= 32768
     assert args[3].shape == (splits, 16 * 32, 128) and args[4].shape == (splits, 16 * 32, 2)
     assert cblocks == 16 * 32 and cthreads == configs.COMBINE_THREADS and csmem == 0
     assert smem == fn.max_dynamic_shared_size_bytes <= 232448
@@ -98,11 +96,11 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
 def test_decode_with_one_split_writes_out_itself():
     """Enough (batch, KV head) pairs to fill the GPU: one split, no workspace, no combine."""
     b = backend()
-    q, k = (128, 1, 32, 128), (128, 2048, 8, 128)
+    q, k = (64, 1, 32, 128), (64, 2048, 8, 128)
     launches = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
     assert len(launches) == 1
     fn, blocks, _, _, args = launches[0]
-    assert fn.name == "flash_decode_streams" and blocks == 128 * 8 // 4
+    assert fn.name == "flash_decode_streams" and blocks == 64 * 8
     assert args[3].size == 0 and args[4].size == 0
 
 

@@ -40,9 +40,9 @@ CASES = {
                                         seed=5), "mask", [3001, 1500]),
     "sq1-gqa2-d48-window": (1, 1, 4, 2, 48, 9000, dict(window=333, causal_offset=8000), None,
                             None),
-    # Too few keys to split: each work item writes out itself.
-    "b40-sq1-gqa4-d128-one-split": (40, 1, 8, 2, 128, 50, dict(causal=True, causal_offset=49),
-                                    None, [50 - 6 * (i % 7) for i in range(40)]),
+    # Enough (batch, KV head) pairs that one split fills the GPU: the block writes out itself.
+    "b40-sq1-gqa4-d128-one-split": (40, 1, 8, 2, 128, 250, dict(causal=True, causal_offset=249),
+                                    None, [250 - 6 * i for i in range(40)]),
 }
 
 

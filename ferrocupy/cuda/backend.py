@@ -121,7 +121,7 @@ class CudaBackend:
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind)
 
     def _plan_decode(self, buffers: dict, params) -> list:
-        """The decode kernel over (batch, KV head, split) work items, then (with more than one split,
+        """The decode kernel over (batch, KV head, split) blocks, then (with more than one split,
         or the tiles design, which always leaves its result in the workspace) the combine. Every
         launch is planned (compiled, checked) before any runs."""
         d = int(params["head_dim"])
@@ -130,14 +130,11 @@ class CudaBackend:
         group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows)
         pairs = int(params["batch"]) * int(params["kv_heads"])
-        per_block = v.items_per_block
-        splits, split_keys = configs.decode_splits(
-            pairs, configs.key_reach(params), v.step,
-            self._resident(fn, v) * self.sm_count * per_block)
+        splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
+                                                   self._resident(fn, v) * self.sm_count)
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
-        blocks = -(-pairs * splits // per_block)
-        if blocks > GRID_X_MAX:
-            raise ValueError(f"decode: {blocks} blocks exceed the grid limit {GRID_X_MAX}")
+        if pairs * splits > GRID_X_MAX:
+            raise ValueError(f"decode: {pairs * splits} blocks exceed the grid limit {GRID_X_MAX}")
         combined = splits > 1 or v.isa != configs.STREAMS
         # The workspace: per split, each row's unnormalised O and (max, sum); none when the one
         # split writes out itself.
@@ -149,7 +146,7 @@ class CudaBackend:
         args = (buffers["q"], buffers["k"], buffers["v"], part_o, part_ml, buffers["out"],
                 opt("lse"), opt("mask"), opt("kv_lens"), np.uint32(splits),
                 np.uint32(split_keys), np.uint32(vec), mask_kind)
-        launches = [(fn, blocks, v.threads, v.shared_bytes, args)]
+        launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
         if combined:
             combine = self._kernels.get(v)
             if combine is None:

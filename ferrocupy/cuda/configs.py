@@ -123,12 +123,6 @@ class Variant:
         return "flash_decode_combine"
 
     @property
-    def items_per_block(self) -> int:
-        """Decode work items ((batch, KV head, split)) a block takes: one per warp (streams) or one
-        (tiles)."""
-        return self.warps if self.isa == STREAMS else 1
-
-    @property
     def key_lanes(self) -> int:
         """Streams decode: lanes per key, each holding `lane_dims` dims of every row (its O and Q
         in registers), rounded up to a power of two (a few lanes idle at head_dim 48, 80, 96,
@@ -148,8 +142,9 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
-        if self.isa == STREAMS:  # per warp, a ring of `stages` K and V tiles of `step` keys
-            return self.warps * self.stages * 2 * self.step * self.head_dim * elem
+        if self.isa == STREAMS:  # per warp, a ring of K and V tiles; reused to merge the warps
+            return max(2 * self.stages * self.step * self.head_dim * elem,
+                       4 * self.warps * self.rows * (self.head_dim + 2))
         if self.op == DECODE:  # K, V x stages (16-byte pad per row); Q, P and row state f32
             rows = DECODE_ROWS
             return (2 * self.stages * self.step * (self.head_dim + 16 // elem) * elem
@@ -234,17 +229,16 @@ DECODE_IN_FLIGHT = 16384  # bytes each warp of it keeps in flight: (stages - 1) 
 
 
 def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
-    """The streams decode kernels for rows <= 4 and <= 8: 4 warps, each its own work item; a warp
-    tile (`step` keys) is C keys per lane group (C x rows <= 16 scores live in registers beside Q
-    and O), at most DECODE_STAGE_BYTES; enough buffers per warp (at most 8) for DECODE_IN_FLIGHT
-    bytes of copies in flight."""
+    """The streams decode kernels for rows <= 4 and <= 8: 4 warps; a warp tile is C keys per lane
+    group (C x rows <= 16 scores live in registers beside Q and O), at most DECODE_STAGE_BYTES;
+    enough buffers per warp (at most 8) for DECODE_IN_FLIGHT bytes of copies in flight."""
     out = []
     for rows in (4, 8):
         kw = 32 // Variant(DECODE, dtype, dp, 4, 1, 0, STREAMS, 0, rows).key_lanes
         key_bytes = 2 * dp * dtype.itemsize  # K and V
         c = max(1, min(4, 16 // rows, DECODE_STAGE_BYTES // (kw * key_bytes)))
         stages = min(8, 1 + DECODE_IN_FLIGHT // (kw * c * key_bytes))
-        out.append(Variant(DECODE, dtype, dp, 4, 1, kw * c, STREAMS, stages, rows))
+        out.append(Variant(DECODE, dtype, dp, 4, 1, 4 * kw * c, STREAMS, stages, rows))
     return out
 
 
@@ -307,8 +301,8 @@ def decode_wanted(params) -> bool:
 def decode_splits(pairs: int, reach: int, step: int, slots: int,
                   max_splits: int = DECODE_MAX_SPLITS) -> tuple[int, int]:
     """(splits, keys per split) for `pairs` (batch, KV head) pairs over `reach` keys on a GPU
-    that holds `slots` decode work items at once: the count whose items finish soonest, taking
-    time as waves of items times (tiles per item + 1, its start-up), with at least 4 tiles a
+    that holds `slots` decode blocks at once: the count whose blocks finish soonest, taking time
+    as waves of blocks times (tiles per block + 1, a block's start-up), with at least 4 tiles a
     split (fewer splits on a tie: less to combine)."""
     tiles = max(1, -(-reach // step))
     best = None

@@ -1,17 +1,17 @@
 // Decoding from a KV cache, bound by memory: few query rows (a KV group's heads x seq_q, at most
 // ROWS) against many keys, each key read once per group.
 //
-// The work items are (batch, KV head, key split), one per warp; a block holds WARPS of them and
-// nothing in it waits for anything but its own copies. A warp streams its split's tiles through
-// its own ring of STAGES shared-memory buffers, and inside the warp each group of TX lanes takes
-// one key at a time, a lane holding DL of the head's dims (16-byte chunks x, x + TX, ...: a
-// group's reads are contiguous in global and in shared memory). A lane copies its chunks with
-// cp.async and later reads back only those same bytes, so `cp.async.wait_group` is the only
+// A block takes one (batch, KV head) and one split of its keys. Inside it nothing waits for
+// anything but its own copies: every warp streams its own tiles (tiles warp, warp + WARPS, ...)
+// through its own ring of STAGES shared-memory buffers, and inside a warp each group of TX lanes
+// takes one key at a time, a lane holding DL of the head's dims (16-byte chunks x, x + TX, ...:
+// a group's 16-byte reads are contiguous in global and in shared memory). A lane copies its chunks
+// with cp.async and later reads back only those same bytes, so `cp.async.wait_group` is the only
 // synchronisation the key loop needs; with STAGES - 1 tiles in flight per warp the copies run
 // back to back. Each lane group keeps its own online softmax (max, sum, O over its dims) for
-// every row, and the groups merge by shuffles at the end.
+// every row; the groups of a warp merge by shuffles, the warps through shared memory at the end.
 //
-// With one split the warp writes out (rounded once) and lse itself; with more, its unnormalised
+// With one split the block writes out (rounded once) and lse itself; with more, its unnormalised
 // O and (max, sum) go to the workspace and `flash_decode_combine` merges them. Every forward option
 // holds: causal + offset, window, mask, dropout (the same keep mask), kv_lens, dead rows -> 0.
 // Rows of K and V must take 16-byte copies (head_dim * element size a multiple of 16, aligned);
@@ -33,13 +33,16 @@ constexpr int ROW_CHUNKS = DP / VEC;            // chunks per key row
 constexpr int CH = (ROW_CHUNKS + TX - 1) / TX;  // chunks per lane
 constexpr int DL = CH * VEC;                    // dims per lane
 constexpr int KW = 32 / TX;                     // keys a warp reads at once: one per lane group
-constexpr int TK = FERRO_BN;                    // keys per warp tile
+constexpr int TK = FERRO_BN / WARPS;            // keys per warp tile
 constexpr int C = TK / KW;                      // keys per lane group per tile
 constexpr int ROW_BYTES = DP * (int)sizeof(T);
 constexpr int TILE_BYTES = 2 * TK * ROW_BYTES;  // K rows, then V rows
+constexpr int MERGE_BYTES = 4 * WARPS * ROWS * (DP + 2);  // each warp's O and (max, sum)
 static_assert(TX >= 1 && TX <= 32 && (TX & (TX - 1)) == 0, "lane groups of a power of two");
-static_assert(DP % 16 == 0 && C >= 1 && C * KW == TK, "decode tile geometry");
-static_assert(WARPS * STAGES * TILE_BYTES == FERRO_SMEM_BYTES, "shared memory = configs.py's");
+static_assert(DP % 16 == 0 && C >= 1 && C * KW * WARPS == FERRO_BN, "decode tile geometry");
+static_assert((WARPS * STAGES * TILE_BYTES > MERGE_BYTES ? WARPS * STAGES * TILE_BYTES
+                                                          : MERGE_BYTES) == FERRO_SMEM_BYTES,
+              "shared memory = configs.py's");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -54,9 +57,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     unsigned char* ring = smem_d + warp * STAGES * TILE_BYTES;
 
     AttnShape s = attn_shape(p, mask_kind);
-    const u32 item = blockIdx.x * WARPS + warp;  // this warp's (batch, KV head, split)
-    if (item >= (u32)s.batch * s.kv_heads * splits) return;  // no block-wide barrier follows
-    const u32 split = item % splits, bhk = item / splits;
+    const u32 split = blockIdx.x % splits, bhk = blockIdx.x / splits;
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads;
     for_batch(s, kv_lens, b);
     const u32 G = s.heads / s.kv_heads;
@@ -66,13 +67,14 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const T* kb = k + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
     const T* vb = v + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
 
-    // This split's keys, clipped to what some row can see.
+    // This split's keys, clipped to what some row can see; the warp's share of its tiles.
     long long lo, hi;
     visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, lo, hi);
     if (hi > s.kv_reach) hi = s.kv_reach;
     const long long j_lo = max(lo, (long long)split * split_keys);
     const long long j_hi = min(hi, (long long)(split + 1) * split_keys);
     const int n_tiles = j_hi > j_lo ? (int)((j_hi - j_lo + TK - 1) / TK) : 0;
+    const int n_mine = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
 
     // Row r sees the keys j_lo + [see_lo[r], see_lo[r] + see_n[r]) of this split (none past R):
     // one unsigned compare per (row, key) in the loop.
@@ -98,11 +100,11 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
     }
 
-    // Tile u: keys jt + c * KW + g for c < C. A lane copies chunks x + TX * cc of
+    // Tile u of this warp: keys jt + c * KW + g for c < C. A lane copies chunks x + TX * cc of
     // its group's keys; past j_hi (the split's end, or the reach) and past D, zero-filled.
     auto load = [&](int u) {
-        if (u < n_tiles) {
-            const long long jt = j_lo + (long long)u * TK;
+        if (u < n_mine) {
+            const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
             unsigned char* buf = ring + (u % STAGES) * TILE_BYTES;
 #pragma unroll
             for (int c = 0; c < C; ++c) {
@@ -137,13 +139,13 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
 #pragma unroll
     for (int u = 0; u < STAGES - 1; ++u) load(u);
-    for (int u = 0; u < n_tiles; ++u) {
+    for (int u = 0; u < n_mine; ++u) {
         // The buffer refilled here was read (by this lane alone) in iteration u - 1.
         __syncwarp();
         load(u + STAGES - 1);
         cp_async_wait<STAGES - 1>();  // this lane's copies of tile u have landed
         const unsigned char* buf = ring + (u % STAGES) * TILE_BYTES;
-        const long long jt = j_lo + (long long)u * TK;
+        const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
 
         float sc[C][ROWS];  // scores, then P
 #pragma unroll
@@ -268,38 +270,52 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
             m[r] = mx;
         }
     }
-    // Lanes of group 0 now hold the split's O for their dims, every lane its (max, sum).
-    if (g != 0) return;
+    // Then the warps, through shared memory (the rings are done with: every warp's copies landed).
+    __syncthreads();
+    float* sO = reinterpret_cast<float*>(smem_d);  // [WARPS][ROWS][DP]
+    float* sML = sO + WARPS * ROWS * DP;             // [WARPS][ROWS][2]
+    if (g == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+            for (int cc = 0; cc < CH; ++cc) {
+                const int ch = x + TX * cc;
+                if (ch >= ROW_CHUNKS) continue;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    sO[(warp * ROWS + r) * DP + ch * VEC + e] = o[r][cc * VEC + e];
+            }
+            if (x == 0) sML[(warp * ROWS + r) * 2] = m[r], sML[(warp * ROWS + r) * 2 + 1] = l[r];
+        }
+    }
+    __syncthreads();
+
     const u64 rows_total = (u64)s.batch * s.heads * s.seq_q;
     const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
+    for (int idx = tid; idx < R * DP; idx += THREADS) {
+        const int r = idx / DP, d = idx % DP;
+        float M = neg_inf();
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (r >= R) break;
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
+        const float m_use = M == neg_inf() ? 0.f : M;
+        float L = 0.f, O = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float a = exp2f((sML[(w * ROWS + r) * 2] - m_use) * FERRO_LOG2E);
+            L += sML[(w * ROWS + r) * 2 + 1] * a;
+            O += sO[(w * ROWS + r) * DP + d] * a;
+        }
         const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
         const u64 row = ((u64)b * s.heads + h) * s.seq_q + i;
-        const float inv = l[r] == 0.f ? 0.f : keep_scale / l[r];  // a row that sees nothing: 0
-        T* orow = out + ((u64)b * s.seq_q + i) * s.heads * D + (u64)h * D;
-        float* prow = part_o + ((u64)split * rows_total + row) * DP;
-#pragma unroll
-        for (int cc = 0; cc < CH; ++cc) {
-            const int ch = x + TX * cc;
-            if (ch >= ROW_CHUNKS) continue;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                const int d = ch * VEC + e;
-                if (splits == 1) {  // the only split: this warp writes the answer
-                    if (d < D) orow[d] = from_f(o[r][cc * VEC + e] * inv);
-                } else {
-                    prow[d] = o[r][cc * VEC + e];
-                }
-            }
-        }
-        if (x == 0) {
-            if (splits == 1) {
-                if (lse) lse[row] = l[r] == 0.f ? neg_inf() : m[r] + logf(l[r]);
-            } else {
-                part_ml[((u64)split * rows_total + row) * 2] = m[r];
-                part_ml[((u64)split * rows_total + row) * 2 + 1] = l[r];
+        if (splits == 1) {  // the only split: this block writes the answer
+            const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
+            if (d < D) out[((u64)b * s.seq_q + i) * s.heads * D + (u64)h * D + d] = from_f(O * inv);
+            if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+        } else {
+            part_o[((u64)split * rows_total + row) * DP + d] = O;
+            if (d == 0) {
+                part_ml[((u64)split * rows_total + row) * 2] = M;
+                part_ml[((u64)split * rows_total + row) * 2 + 1] = L;
             }
         }
     }
