@@ -77,7 +77,7 @@ def test_unaligned_rows_or_another_gpu_take_the_mma_kernel():
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
 def test_decode_plan_splits_the_keys_and_combines(dtype):
     b = backend()
-    q, k = (16, 1, 32, 128), (16, 32768, 8, 128)
+    q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)
     assert configs.decode_wanted(p)
     (fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs) = \
@@ -85,9 +85,9 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     assert fn.name == "flash_decode_streams" and comb.name == "flash_decode_combine"
     names = configs.ARGS[configs.DECODE]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
-    assert blocks == 16 * 8 * splits and splits > 1 and splits * split_keys >= 32768
-    assert args[3].shape == (splits, 16 * 32, 128) and args[4].shape == (splits, 16 * 32, 2)
-    assert cblocks == 16 * 32 and cthreads == configs.COMBINE_THREADS and csmem == 0
+    assert blocks == 2 * 8 * splits and splits > 1 and splits * split_keys >= 32768
+    assert args[3].shape == (splits, 2 * 32, 128) and args[4].shape == (splits, 2 * 32, 2)
+    assert cblocks == 2 * 32 and cthreads == configs.COMBINE_THREADS and csmem == 0
     assert smem == fn.max_dynamic_shared_size_bytes <= 232448
     b._plan_decode(forward_buffers(q, k, dtype), p)
     assert len(b.loader.compiled) == 2  # both kernels chosen once

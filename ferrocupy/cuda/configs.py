@@ -229,16 +229,23 @@ DECODE_IN_FLIGHT = 16384  # bytes each warp of it keeps in flight: (stages - 1) 
 
 
 def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
-    """The streams decode kernels for rows <= 4 and <= 8: 4 warps; a warp tile is C keys per lane
-    group (C x rows <= 16 scores live in registers beside Q and O), at most DECODE_STAGE_BYTES;
-    enough buffers per warp (at most 8) for DECODE_IN_FLIGHT bytes of copies in flight."""
+    """The streams decode kernels for rows <= 4 and <= 8: a warp tile (`step` / warps keys) is C
+    keys per lane group (C x rows <= 16 scores live in registers beside Q and O), at most
+    DECODE_STAGE_BYTES; enough buffers per warp (at most 8) for DECODE_IN_FLIGHT bytes of copies
+    in flight. Half precision at rows <= 4 takes 8 warps first (4 as the fallback for GPUs with
+    less shared memory): dev/decode_sweep.py (H200, 2026-12-03, H32/KV8 D128, GB/s at B16 Sk32k,
+    B1 Sk128k, B64 Sk2k) gave bf16 8 warps 4296-4354, 3552-3693, 3171-3355 against 4 warps'
+    4078-4178, 3452-3547, 3433-3646; float32 was best at 4 warps (4442, 4039, 4154). A warp per
+    (batch, KV head, split), with no block sharing its key range, was slower (bf16 4005, 3251,
+    3466): its scattered streams read DRAM less well."""
     out = []
     for rows in (4, 8):
         kw = 32 // Variant(DECODE, dtype, dp, 4, 1, 0, STREAMS, 0, rows).key_lanes
         key_bytes = 2 * dp * dtype.itemsize  # K and V
         c = max(1, min(4, 16 // rows, DECODE_STAGE_BYTES // (kw * key_bytes)))
         stages = min(8, 1 + DECODE_IN_FLIGHT // (kw * c * key_bytes))
-        out.append(Variant(DECODE, dtype, dp, 4, 1, 4 * kw * c, STREAMS, stages, rows))
+        for warps in ((8, 4) if dtype != FLOAT32 and rows <= 4 else (4,)):
+            out.append(Variant(DECODE, dtype, dp, warps, 1, warps * kw * c, STREAMS, stages, rows))
     return out
 
 
