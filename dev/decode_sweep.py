@@ -80,12 +80,12 @@ def main() -> None:
             p = AttentionDims.new(q, k).params(AttentionOptions())
             gbytes = 2 * k.nbytes / 1e9
             backend.table = configs.TABLE
-            for launch in backend._plan_decode(bufs, p):
+            for launch in backend._plan_decode(bufs, p)[0]:
                 backend._launch(*launch, p)
             want = out.astype(cp.float32)
             for var in candidates(dtype):
                 backend.table = dict(configs.TABLE) | {key: (var,)}
-                launches = backend._plan_decode(bufs, p)
+                launches, _work = backend._plan_decode(bufs, p)
                 splits = int(launches[0][4][configs.ARGS[configs.DECODE].index("splits")])
 
                 def run(launches=launches):

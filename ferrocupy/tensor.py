@@ -83,7 +83,7 @@ def _host_from_dlpack(obj):
 class UnifiedTensor:
     """A NumPy or CuPy array with the seed's tensor API. Views share memory with their source."""
 
-    __slots__ = ("_array",)
+    __slots__ = ("_array", "__weakref__")  # weak references: the engine's remembered calls
 
     def __init__(self, array):
         self._array = _wrap(array)

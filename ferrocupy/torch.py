@@ -21,13 +21,19 @@ import math
 import threading
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from .dtypes import BFLOAT16
 
 from .engine import AttentionOptions, ComputeEngine
 from .tensor import UnifiedTensor
 
 __all__ = ["attention", "rope_"]
+
+_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+                 torch.bfloat16: BFLOAT16, torch.int32: np.dtype(np.int32)}
 
 _REFERENCE = ComputeEngine("reference", quiet=True)  # every CPU tensor
 _CUDA: dict[int, ComputeEngine] = {}  # one per GPU, created at first use
@@ -72,6 +78,80 @@ def _wrap(t: Optional[Tensor]) -> Optional[UnifiedTensor]:
     return None if t is None else UnifiedTensor(t.detach())
 
 
+# --- the CUDA fast path: checked once per call shape, then launched from raw addresses ----------
+# On CUDA the ops' tensors are contiguous (made so above) and their outputs fresh, so every rule
+# the engine checks depends only on the shapes, strides, dtypes and devices of the inputs and on
+# the options: the first call of each such combination goes through the engine's full checks
+# (tensors shared through DLPack), and remembers the packed parameters; later calls pass the
+# tensors' addresses straight to the CUDA backend's cached launch plan, on torch's current stream.
+# kv_lens' values, which can change, are checked on every call.
+_CHECKED: dict = {}  # (op, tensor metadata, options) -> (engine, dims, params)
+_CHECKED_MAX = 256
+
+
+class _Raw:
+    """What the CUDA backend reads of a buffer: its dtype and device address."""
+
+    __slots__ = ("dtype", "data", "ptr")
+
+    def __init__(self, t: Tensor):
+        self.dtype = _NUMPY_DTYPES[t.dtype]
+        self.data = self  # `.data.ptr`, as on a cupy.ndarray
+        self.ptr = t.data_ptr()
+
+
+def _meta(t: Optional[Tensor]):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _stream(device: torch.device) -> int:
+    """torch's current stream on `device`, as a CUstream handle."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _check_lens_values(kv_lens: Tensor, seq_k: int) -> None:
+    values = kv_lens.cpu()
+    bad = ((values < 0) | (values > seq_k)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"kv_lens[{i}] = {int(values[i])} is outside [0, seq_k = {seq_k}] "
+                         f"({bad.numel()} of {values.numel()} entries are)")
+
+
+def _cuda_call(op: str, named: dict, opts_key: tuple, opts, full) -> None:
+    """Run `op` ("forward" / "backward") on CUDA tensors `named` (None for absent ones): through
+    `full()` (the engine, every check) the first time this combination is seen, then straight to
+    the backend."""
+    key = (op, tuple(_meta(t) for t in named.values()), opts_key)
+    hit = _CHECKED.get(key)
+    if hit is None:
+        engine = _engine(named["q"].device)
+        wrapped = {n: _wrap(t) for n, t in named.items()}
+        t = engine._tensors(**wrapped)
+        if op == "forward":
+            dims, params = engine._attention(t, opts, "params", outputs=("out",),
+                                             written=("out", "lse"))
+        else:
+            dims, params = engine._attention(t, opts, "params_bwd",
+                                             outputs=("out", "grad_out", "grad_q"),
+                                             kv_outputs=("grad_k", "grad_v"),
+                                             written=("grad_q", "grad_k", "grad_v"))
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        hit = _CHECKED[key] = (engine, dims, params)
+    elif named.get("kv_lens") is not None:
+        _check_lens_values(named["kv_lens"], hit[1].seq_k)
+    engine, dims, params = hit
+    if dims.batch * dims.heads * dims.seq_q == 0:
+        full()  # the engine's own handling of an empty problem (zero gradients)
+        return
+    buffers = {n: None if t is None else _Raw(t) for n, t in named.items()}
+    stream = _stream(named["q"].device)
+    getattr(engine.backend, op)(buffers, params, stream=stream)
+
+
 def _seed_int(seed: Tensor) -> int:
     """The op's int64 seed tensor as the engine's seed in [0, 2**64)."""
     return int(seed) % 2**64
@@ -96,9 +176,17 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     engine = _engine(q.device)
-    with _on_torch_stream(q.device):
-        engine.flash_attention_v2_with(_wrap(q), _wrap(k), _wrap(v), _wrap(out), opts,
-                                       _wrap(mask), lse=_wrap(lse), kv_lens=_wrap(lens))
+
+    def full():
+        with _on_torch_stream(q.device):
+            engine.flash_attention_v2_with(_wrap(q), _wrap(k), _wrap(v), _wrap(out), opts,
+                                           _wrap(mask), lse=_wrap(lse), kv_lens=_wrap(lens))
+
+    if q.device.type == "cuda" and all(x.device == q.device for x in (k, v)):
+        named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens}
+        _cuda_call("forward", named, tuple(opts.__dict__.values()), opts, full)
+    else:
+        full()
     return out, lse
 
 
@@ -121,10 +209,19 @@ def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
     gq, gk, gv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     engine = _engine(q.device)
-    with _on_torch_stream(q.device):
-        engine.flash_attention_v2_backward_with(
-            _wrap(q), _wrap(k), _wrap(v), _wrap(out), _wrap(grad_out), _wrap(gq), _wrap(gk),
-            _wrap(gv), opts, _wrap(mask), lse=_wrap(lse))
+
+    def full():
+        with _on_torch_stream(q.device):
+            engine.flash_attention_v2_backward_with(
+                _wrap(q), _wrap(k), _wrap(v), _wrap(out), _wrap(grad_out), _wrap(gq), _wrap(gk),
+                _wrap(gv), opts, _wrap(mask), lse=_wrap(lse))
+
+    if q.device.type == "cuda" and all(x.device == q.device for x in (k, v, out, grad_out, lse)):
+        named = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": gq,
+                 "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse}
+        _cuda_call("backward", named, tuple(opts.__dict__.values()), opts, full)
+    else:
+        full()
     return gq, gk, gv
 
 

@@ -5,6 +5,7 @@ kernel cache are tested on any machine. The GPU suite runs the same plans for re
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -80,8 +81,9 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)
     assert configs.decode_wanted(p)
-    (fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs) = \
+    ((fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs)), work = \
         b._plan_decode(forward_buffers(q, k, dtype), p)
+    assert work == [args[3], args[4]]  # the plan keeps its workspace
     assert fn.name == "flash_decode_streams" and comb.name == "flash_decode_combine"
     names = configs.ARGS[configs.DECODE]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
@@ -97,7 +99,7 @@ def test_decode_with_one_split_writes_out_itself():
     """Enough (batch, KV head) pairs to fill the GPU: one split, no workspace, no combine."""
     b = backend()
     q, k = (64, 1, 32, 128), (64, 2048, 8, 128)
-    launches = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
+    launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
     assert len(launches) == 1
     fn, blocks, _, _, args = launches[0]
     assert fn.name == "flash_decode_streams" and blocks == 64 * 8
@@ -114,7 +116,7 @@ def test_decode_design_follows_rows_and_copy_width(heads, seq_q, offset, design)
     b = backend()
     q, k = (2, seq_q, heads, 128), (2, 4096, 8, 128)
     bufs = dict(forward_buffers(q, k, BFLOAT16), k=buf(k, BFLOAT16, offset))
-    launches = b._plan_decode(bufs, params(q, k))
+    launches, _ = b._plan_decode(bufs, params(q, k))
     v = configs.select(configs.DECODE, BFLOAT16, 128, 232448, capability=90,
                        copy_bytes=16 if not offset else 2, rows=heads // 8 * seq_q)
     assert v.isa == design and launches[0][0].name == v.kernel
@@ -128,3 +130,61 @@ def test_swapping_the_table_forgets_the_chosen_kernels():
     b.table = configs.only(configs.MMA)
     fn, *_ = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), params(q, k))
     assert fn.name == "flash_fwd_half"
+
+
+def fake_runtime(b, stream=7):
+    """The fake backend with a CuPy-like runtime (device 0, one current stream) and plans that
+    record their runs instead of launching."""
+    runs = []
+    b._plans = {}
+    b.xp = SimpleNamespace(empty=np.empty, cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0),
+        get_current_stream=lambda: SimpleNamespace(ptr=stream),
+        ExternalStream=lambda ptr, device: contextlib.nullcontext()))
+    return runs
+
+
+def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
+    from ferrocupy.cuda import launch
+
+    runs = []
+    monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
+        (self.fn.name, dict(ptrs), stream, self.slot_names)))
+    b = backend()
+    fake_runtime(b)
+    q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
+    p = params(q, k, causal=True, causal_offset=32767)
+    bufs = forward_buffers(q, k, BFLOAT16)
+    b.forward(bufs, p)
+    first = runs[:]
+    assert [r[0] for r in first] == ["flash_decode_streams", "flash_decode_combine"]
+    assert set(first[0][3]) == {"q", "k", "v", "out"}  # absent mask/lse/kv_lens: NULL, no slot
+    b.forward(dict(bufs, out=buf(q, BFLOAT16, offset=4096)), p)  # another output, same shape
+    assert len(b._plans) == 1 and runs[2][1]["out"] == 0x10000 + 4096
+    plan = next(iter(b._plans.values()))
+    assert len(plan.workspace) == 2  # the splits' partial results, reused by the next call
+    b.xp.cuda.get_current_stream = lambda: SimpleNamespace(ptr=8)
+    b.forward(bufs, p)
+    assert len(b._plans) == 2 and runs[-1][2] == 8  # another stream: its own workspace
+
+
+def test_backward_plan_owns_its_stats(monkeypatch):
+    from ferrocupy.cuda import launch
+
+    runs = []
+    monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
+        (self.fn.name, self.args)))
+    b = backend()
+    fake_runtime(b)
+    q, k = (1, 256, 8, 64), (1, 256, 4, 64)
+    bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
+                grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16))
+    bufs.pop("kv_lens")
+    p = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(AttentionOptions(causal=True))
+    b.backward(bufs, p)
+    b.backward(bufs, p)
+    names = [r[0] for r in runs]
+    assert names == ["flash_bwd_dq_half", "flash_bwd_dkdv_half"] * 2
+    stats = [a for a in runs[0][1] if isinstance(a, np.ndarray)]
+    assert len(stats) == 1 and stats[0].shape == (8 * 256, 2)
+    assert any(a is stats[0] for a in runs[3][1])  # the same stats buffer on the second call

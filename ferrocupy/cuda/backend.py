@@ -10,10 +10,12 @@ import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
 from . import configs
+from .launch import NULL, PackedLaunch, Plan, Slot
 from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
-NULL = np.uint64(0)  # a null pointer argument: no mask, lse or kv_lens
+_PLANS_MAX = 256  # remembered plans per backend (a long-running job sees few)
+_NOT_ROWS = ("mask", "lse", "kv_lens")  # buffers whose alignment picks no copy width
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 
 
@@ -32,6 +34,7 @@ class CudaBackend:
         # (op, dtype, head_dim, copy bytes, decode rows) -> (variant, kernel); a decode variant ->
         # its combine
         self._kernels: dict = {}
+        self._plans: dict = {}  # see _run
         # Read once: CuPy's `attributes` queries every device attribute on each access.
         attrs = cupy.cuda.Device(self._id).attributes
         self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
@@ -47,6 +50,7 @@ class CudaBackend:
     def table(self, table: dict) -> None:  # a tuning sweep swaps it; forget the chosen kernels
         self._table = table
         self._kernels = {}
+        self._plans = {}
 
     def device_name(self) -> str:
         props = self.xp.cuda.runtime.getDeviceProperties(self._id)
@@ -76,27 +80,61 @@ class CudaBackend:
                                       configs.rope_defines(x.dtype))
             fn((blocks,), (threads,), (x, np.uint64(tokens), params))
 
-    def forward(self, buffers: dict, params: np.void) -> None:
-        with self.xp.cuda.Device(self._id):
-            if configs.decode_wanted(params):
-                for launch in self._plan_decode(buffers, params):
-                    self._launch(*launch, params)
-                return
-            launch = self._plan(configs.FORWARD, buffers, params)
-            self._launch(*launch, params)
+    def forward(self, buffers: dict, params: np.void, stream: int | None = None) -> None:
+        """The attention forward (or the decode kernels) on `stream` (a CUstream handle; default
+        CuPy's current stream). `buffers` need only `.dtype` and `.data.ptr`."""
+        self._run("forward", buffers, params, stream)
 
-    def backward(self, buffers: dict, params: np.void) -> None:
-        """dQ (and each row's [Delta, LSE] into a stats buffer), then dK/dV from the stats.
-        Both launches are compiled and checked before either runs: nothing is written if
-        either cannot run."""
-        with self.xp.cuda.Device(self._id):
+    def backward(self, buffers: dict, params: np.void, stream: int | None = None) -> None:
+        """dQ (and each row's [Delta, LSE] into the plan's stats workspace), then dK/dV from the
+        stats."""
+        self._run("backward", buffers, params, stream)
+
+    def _run(self, op: str, buffers: dict, params: np.void, stream: int | None) -> None:
+        """Run the plan of (op, params, dtypes, which buffers are given, their alignment, the
+        current stream), made on first use: every launch of it is compiled and checked before any
+        runs, so nothing is written if one cannot run. A plan owns its workspace (the decode
+        splits' partial results, the backward's stats), reused by every call on its stream
+        (stream order keeps the calls apart); a plan per stream keeps streams apart."""
+        ptrs = _pointers(buffers)
+        device = self.xp.cuda.runtime.getDevice()
+        if stream is None:
+            stream = self.xp.cuda.get_current_stream().ptr
+        low_bits = 0
+        for name, ptr in ptrs.items():
+            if name not in _NOT_ROWS:
+                low_bits |= ptr
+        key = (op, params.tobytes(), buffers["q"].dtype, _dtype_or_none(buffers.get("mask")),
+               tuple(n for n, x in buffers.items() if x is None), low_bits & 15, stream)
+        if device != self._id:
+            with self.xp.cuda.Device(self._id):
+                return self._run(op, buffers, params, stream)
+        plan = self._plans.get(key)
+        if plan is None:
+            with self.xp.cuda.ExternalStream(stream, self._id):  # the workspace: on this stream
+                plan = self._make_plan(op, buffers, params)
+            if len(self._plans) >= _PLANS_MAX:
+                self._plans.clear()
+            self._plans[key] = plan
+        plan.run(ptrs, stream)
+
+    def _make_plan(self, op: str, buffers: dict, params: np.void) -> Plan:
+        slots = set(buffers)
+        if op == "forward":
+            if configs.decode_wanted(params):
+                launches, workspace = self._plan_decode(buffers, params, slots)
+            else:
+                launches, workspace = [self._plan(configs.FORWARD, buffers, params, slots)], []
+        else:
             rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
-            bufs = dict(buffers, stats=self.xp.empty((rows, 2), dtype=np.float32))
-            dq = self._plan(configs.BACKWARD_DQ, bufs, params)
-            dkdv = self._plan(configs.BACKWARD_DKDV, bufs, params) if int(params["seq_k"]) else None
-            self._launch(*dq, params)
-            if dkdv is not None:
-                self._launch(*dkdv, params)
+            stats = self.xp.empty((rows, 2), dtype=np.float32)
+            bufs = dict(buffers, stats=stats)
+            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, slots)]
+            if int(params["seq_k"]):
+                launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params, slots))
+            workspace = [stats]
+        return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params,))
+                     for fn, blocks, threads, smem, args in launches], workspace)
 
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
@@ -104,8 +142,10 @@ class CudaBackend:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
                               self.capability, copy_bytes, rows)
 
-    def _plan(self, op: str, buffers: dict, params):
-        """(kernel, blocks, threads, shared bytes, arguments) of one attention launch."""
+    def _plan(self, op: str, buffers: dict, params, slots=()):
+        """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; the
+        buffers named in `slots` become `Slot`s (filled in on each run), the others are passed
+        as they are."""
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
         data = [buffers[a] for a in configs.ARGS[op] if a not in ("mask", "lse", "stats", "kv_lens")]
@@ -116,11 +156,12 @@ class CudaBackend:
         if blocks > GRID_X_MAX:
             raise ValueError(f"{op}: {blocks} blocks exceed the grid limit {GRID_X_MAX}")
         mask = buffers.get("mask")
-        args = tuple(NULL if buffers.get(a) is None else buffers[a] for a in v.args)
+        args = tuple(NULL if buffers.get(a) is None else Slot(a) if a in slots else buffers[a]
+                     for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind)
 
-    def _plan_decode(self, buffers: dict, params) -> list:
+    def _plan_decode(self, buffers: dict, params, slots=()) -> tuple[list, list]:
         """The decode kernel over (batch, KV head, split) blocks, then (with more than one split,
         or the tiles design, which always leaves its result in the workspace) the combine. Every
         launch is planned (compiled, checked) before any runs."""
@@ -142,8 +183,13 @@ class CudaBackend:
         part_ml = self.xp.empty((splits, rows, 2) if combined else (0,), dtype=np.float32)
         mask = buffers.get("mask")
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
-        opt = lambda name: NULL if buffers.get(name) is None else buffers[name]  # noqa: E731
-        args = (buffers["q"], buffers["k"], buffers["v"], part_o, part_ml, buffers["out"],
+
+        def opt(name):
+            if buffers.get(name) is None:
+                return NULL
+            return Slot(name) if name in slots else buffers[name]
+
+        args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, opt("out"),
                 opt("lse"), opt("mask"), opt("kv_lens"), np.uint32(splits),
                 np.uint32(split_keys), np.uint32(vec), mask_kind)
         launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
@@ -153,16 +199,17 @@ class CudaBackend:
                 combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
                                                                   v.defines, v.options)
             launches.append((combine, rows, configs.COMBINE_THREADS, 0,
-                             (part_o, part_ml, buffers["out"], opt("lse"), np.uint32(splits))))
-        return launches
+                             (part_o, part_ml, opt("out"), opt("lse"), np.uint32(splits))))
+        return launches, [part_o, part_ml]
 
     def _resident(self, fn, v: configs.Variant) -> int:
         """Blocks of `fn` one SM holds at once: the driver's occupancy answer (registers, shared
         memory, threads), or the shared-memory and thread bounds where there is none."""
         driver = getattr(getattr(self.xp, "cuda", None), "driver", None)
         occupancy = getattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
-        if occupancy is not None and hasattr(fn, "ptr"):
-            return max(1, occupancy(fn.ptr, v.threads, v.shared_bytes))
+        function = getattr(fn, "kernel", None)  # a cupy.RawKernel's CUfunction
+        if occupancy is not None and hasattr(function, "ptr"):
+            return max(1, occupancy(function.ptr, v.threads, v.shared_bytes))
         return max(1, min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads))
 
     def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0):
@@ -192,3 +239,11 @@ def _copy_width(dtype: np.dtype, d: int, arrays) -> int:
         if width and d % width == 0 and all(a.data.ptr % (width * size) == 0 for a in arrays):
             return width
     return 1
+
+
+def _pointers(buffers: dict) -> dict:
+    return {n: (0 if b is None else b.data.ptr) for n, b in buffers.items()}
+
+
+def _dtype_or_none(a):
+    return None if a is None else a.dtype

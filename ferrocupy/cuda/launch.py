@@ -1,0 +1,85 @@
+"""Kernel launches with their arguments packed once.
+
+A `Plan` is what one operation launches for one combination of shapes, dtypes, options, copy
+width and stream: its kernels, grids, shared memory, workspace, and every argument packed into
+the `void*[]` array that `cuLaunchKernel` takes. What changes from call to call, the buffers'
+addresses, is written into their slots before each run; everything else was decided when the plan
+was made. Running a plan is one driver call per kernel, no argument conversion, no allocation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NULL = np.uint64(0)  # a null pointer argument: no mask, lse or kv_lens
+
+
+class PackedLaunch:
+    """One kernel launch. `args` are its arguments in order: a named buffer (`Slot`), an array
+    the plan owns (workspace: its address is fixed), NULL, or a NumPy scalar (np.uint32, or the
+    packed parameter struct as a structured scalar), each stored once at its own alignment."""
+
+    __slots__ = ("fn", "blocks", "threads", "smem", "args", "_values", "_slots", "_addr", "_addrs",
+                 "_function")
+
+    def __init__(self, fn, blocks: int, threads: int, smem: int, args):
+        self.fn, self.blocks, self.threads, self.smem = fn, int(blocks), int(threads), int(smem)
+        self.args = tuple(args)
+        self._values, self._slots, self._function = [], [], None
+        for a in args:
+            if isinstance(a, Slot):
+                cell = np.zeros(1, np.uint64)
+                self._slots.append((a.name, cell))
+            elif isinstance(a, np.generic):  # np.uint32, np.uint64, the struct (np.void)
+                cell = np.array([a])
+            else:  # an array the plan owns: its address
+                cell = np.array([_address(a)], np.uint64)
+            self._values.append(cell)
+        self._addrs = np.array([c.ctypes.data for c in self._values], np.uint64)
+        self._addr = int(self._addrs.ctypes.data)
+
+    @property
+    def slot_names(self) -> tuple:
+        return tuple(name for name, _ in self._slots)
+
+    def run(self, pointers: dict, stream: int) -> None:
+        """Write this call's buffer addresses, then launch on `stream` (a CUstream handle)."""
+        from cupy.cuda import driver
+
+        for name, cell in self._slots:
+            cell[0] = pointers[name]
+        if self._function is None:
+            self._function = self.fn.kernel.ptr  # the cupy.RawKernel's CUfunction
+        driver.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1, self.smem,
+                            stream, self._addr, 0)
+
+
+class Slot:
+    """A buffer argument filled in on every run: `pointers[name]` (0 for an absent one)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name!r})"
+
+
+class Plan:
+    """The launches of one operation, in order, and the workspace they use (kept alive here)."""
+
+    __slots__ = ("launches", "workspace")
+
+    def __init__(self, launches, workspace=()):
+        self.launches = [x for x in launches if x.blocks]  # an empty grid launches nothing
+        self.workspace = tuple(workspace)
+
+    def run(self, pointers: dict, stream: int) -> None:
+        for launch in self.launches:
+            launch.run(pointers, stream)
+
+
+def _address(a) -> int:
+    """A CuPy array's device address (a NumPy one's host address: the tests' fake device)."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
