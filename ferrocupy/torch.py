@@ -83,8 +83,9 @@ def _wrap(t: Optional[Tensor]) -> Optional[UnifiedTensor]:
 # the engine checks depends only on the shapes, strides, dtypes and devices of the inputs and on
 # the options: the first call of each such combination goes through the engine's full checks
 # (tensors shared through DLPack), and remembers the packed parameters; later calls pass the
-# tensors' addresses straight to the CUDA backend's cached launch plan, on torch's current stream.
-# kv_lens' values, which can change, are checked on every call.
+# tensors' addresses straight to the CUDA backend's cached launch plan, on torch's current stream,
+# with the workspace from torch's allocator. kv_lens' values, which can change, are checked on
+# every call (a copy to the host: a call with kv_lens cannot be captured in a CUDA graph).
 _CHECKED: dict = {}  # (op, tensor metadata, options) -> (engine, dims, params)
 _CHECKED_MAX = 256
 
@@ -148,8 +149,11 @@ def _cuda_call(op: str, named: dict, opts_key: tuple, opts, full) -> None:
         full()  # the engine's own handling of an empty problem (zero gradients)
         return
     buffers = {n: None if t is None else _Raw(t) for n, t in named.items()}
-    stream = _stream(named["q"].device)
-    getattr(engine.backend, op)(buffers, params, stream=stream)
+    device = named["q"].device
+    # The workspace (decode splits, backward stats) from torch's allocator: ordered on torch's
+    # stream, and kept by a CUDA graph that captures the call.
+    getattr(engine.backend, op)(buffers, params, stream=_stream(device), alloc=lambda shape: (
+        torch.empty(shape, dtype=torch.float32, device=device)))
 
 
 def _seed_int(seed: Tensor) -> int:

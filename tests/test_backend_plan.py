@@ -83,7 +83,7 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     assert configs.decode_wanted(p)
     ((fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs)), work = \
         b._plan_decode(forward_buffers(q, k, dtype), p)
-    assert work == [args[3], args[4]]  # the plan keeps its workspace
+    assert work == {"part_o": args[3].shape, "part_ml": args[4].shape}
     assert fn.name == "flash_decode_streams" and comb.name == "flash_decode_combine"
     names = configs.ARGS[configs.DECODE]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
@@ -158,14 +158,21 @@ def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
     b.forward(bufs, p)
     first = runs[:]
     assert [r[0] for r in first] == ["flash_decode_streams", "flash_decode_combine"]
-    assert set(first[0][3]) == {"q", "k", "v", "out"}  # absent mask/lse/kv_lens: NULL, no slot
+    assert set(first[0][3]) == {"q", "k", "v", "out", "part_o", "part_ml"}  # absent: NULL
     b.forward(dict(bufs, out=buf(q, BFLOAT16, offset=4096)), p)  # another output, same shape
     assert len(b._plans) == 1 and runs[2][1]["out"] == 0x10000 + 4096
+    assert runs[2][1]["part_o"] == runs[0][1]["part_o"]  # the workspace, reused on its stream
     plan = next(iter(b._plans.values()))
-    assert len(plan.workspace) == 2  # the splits' partial results, reused by the next call
+    assert set(plan.workspace) == {"part_o", "part_ml"} and set(plan.owned) == {7}
     b.xp.cuda.get_current_stream = lambda: SimpleNamespace(ptr=8)
     b.forward(bufs, p)
-    assert len(b._plans) == 2 and runs[-1][2] == 8  # another stream: its own workspace
+    assert len(b._plans) == 1 and set(plan.owned) == {7, 8}  # another stream, its own workspace
+    assert runs[-1][2] == 8 and runs[-1][1]["part_o"] != runs[0][1]["part_o"]
+    made = []
+    b.forward(bufs, p, stream=9, alloc=lambda shape: made.append(np.empty(shape, np.float32))
+              or made[-1])
+    assert [m.shape for m in made] == [plan.workspace["part_o"], plan.workspace["part_ml"]]
+    assert runs[-1][1]["part_o"] == made[0].ctypes.data and set(plan.owned) == {7, 8}
 
 
 def test_backward_plan_owns_its_stats(monkeypatch):
@@ -173,7 +180,7 @@ def test_backward_plan_owns_its_stats(monkeypatch):
 
     runs = []
     monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
-        (self.fn.name, self.args)))
+        (self.fn.name, self.args, dict(ptrs))))
     b = backend()
     fake_runtime(b)
     q, k = (1, 256, 8, 64), (1, 256, 4, 64)
@@ -185,6 +192,7 @@ def test_backward_plan_owns_its_stats(monkeypatch):
     b.backward(bufs, p)
     names = [r[0] for r in runs]
     assert names == ["flash_bwd_dq_half", "flash_bwd_dkdv_half"] * 2
-    stats = [a for a in runs[0][1] if isinstance(a, np.ndarray)]
-    assert len(stats) == 1 and stats[0].shape == (8 * 256, 2)
-    assert any(a is stats[0] for a in runs[3][1])  # the same stats buffer on the second call
+    assert "stats" in [a.name for a in runs[0][1] if isinstance(a, launch.Slot)]
+    plan = next(iter(b._plans.values()))
+    assert plan.workspace == {"stats": (8 * 256, 2)}
+    assert runs[0][2]["stats"] == runs[3][2]["stats"]  # the same stats buffer on the second call

@@ -160,3 +160,102 @@ def test_torch_non_contiguous_layout_is_an_error(torch, dev, rng):
                                            UnifiedTensor(out))
     torch.cuda.synchronize()
     assert bool((out == 7.0).all())
+
+
+# --- ferrocupy.torch on CUDA: the launch plans, streams, torch.compile, CUDA graphs ---------------
+
+def _ft_case(torch, seed, dtype="bfloat16", b=2, sq=1, sk=700, h=8, hkv=2, d=128):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, dtype)
+    q = torch.randn(b, sq, h, d, device="cuda", generator=g).to(dt)
+    k = torch.randn(b, sk, hkv, d, device="cuda", generator=g).to(dt)
+    v = torch.randn(b, sk, hkv, d, device="cuda", generator=g).to(dt)
+    return q, k, v
+
+
+def _want(torch, q, k, v, causal=False):
+    rep = q.shape[2] // k.shape[2]
+    qt, kt, vt = (x.double().transpose(1, 2) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+
+
+@pytest.mark.parametrize("shape", [dict(sq=1, sk=700), dict(sq=300, sk=300)],
+                         ids=["decode", "forward"])
+def test_torch_op_reuses_its_plan_with_new_tensors(torch, shape):
+    """Second and third calls of one shape take the cached plan with other tensors' addresses:
+    each answer is its own inputs'."""
+    import ferrocupy.torch as ft
+
+    for seed in (1, 2, 3):
+        q, k, v = _ft_case(torch, seed, **shape)
+        out = ft.attention(q, k, v)
+        torch.cuda.synchronize()
+        err = _rel(torch, out, _want(torch, q, k, v))
+        assert err < 2e-2, f"call {seed}: relative error {err:.3e}"
+
+
+def test_torch_op_on_a_side_stream_equals_the_default_stream(torch):
+    import ferrocupy.torch as ft
+
+    q, k, v = _ft_case(torch, 4, sq=64, sk=640)
+    want = ft.attention(q, k, v, causal=True, causal_offset=576)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = ft.attention(q, k, v, causal=True, causal_offset=576)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+def test_torch_compile_fullgraph_on_cuda(torch):
+    import ferrocupy.torch as ft
+
+    q, k, v = _ft_case(torch, 5, sq=128, sk=128)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def f(q, k, v):
+        return ft.attention(q, k, v, causal=True).float().square().sum()
+
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled = torch.compile(f, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_capture_and_replay_equals_eager(torch):
+    """A decode step captured in a CUDA graph (after a warm-up call made the plan), replayed on
+    new inputs copied into the captured tensors."""
+    import ferrocupy.torch as ft
+
+    q, k, v = _ft_case(torch, 6, sq=1, sk=4000)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ft.attention(q, k, v)  # warm-up: compile, plan, workspace
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ft.attention(q, k, v)
+    for seed in (7, 8):
+        nq, nk, nv = _ft_case(torch, seed, sq=1, sk=4000)
+        q.copy_(nq), k.copy_(nk), v.copy_(nv)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ft.attention(nq, nk, nv))
+
+
+def test_torch_kv_lens_values_are_checked_on_every_call(torch):
+    import ferrocupy.torch as ft
+
+    q, k, v = _ft_case(torch, 9, sq=1, sk=500)
+    lens = torch.tensor([500, 123], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        ft.attention(q, k, v, kv_lens=lens)
+        lens[1] = 501
+        with pytest.raises(ValueError, match=r"kv_lens\[1\] = 501"):
+            ft.attention(q, k, v, kv_lens=lens)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
 from . import configs
-from .launch import NULL, PackedLaunch, Plan, Slot
+from .launch import NULL, PackedLaunch, Plan, Slot, _address
 from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
@@ -80,22 +80,26 @@ class CudaBackend:
                                       configs.rope_defines(x.dtype))
             fn((blocks,), (threads,), (x, np.uint64(tokens), params))
 
-    def forward(self, buffers: dict, params: np.void, stream: int | None = None) -> None:
+    def forward(self, buffers: dict, params: np.void, stream: int | None = None,
+                alloc=None) -> None:
         """The attention forward (or the decode kernels) on `stream` (a CUstream handle; default
-        CuPy's current stream). `buffers` need only `.dtype` and `.data.ptr`."""
-        self._run("forward", buffers, params, stream)
+        CuPy's current stream). `buffers` need only `.dtype` and `.data.ptr`. `alloc(shape)`, if
+        given, makes each call's float32 workspace (a torch tensor, say: the caller's allocator
+        then orders it by stream, and a CUDA graph capture keeps it)."""
+        self._run("forward", buffers, params, stream, alloc)
 
-    def backward(self, buffers: dict, params: np.void, stream: int | None = None) -> None:
-        """dQ (and each row's [Delta, LSE] into the plan's stats workspace), then dK/dV from the
+    def backward(self, buffers: dict, params: np.void, stream: int | None = None,
+                 alloc=None) -> None:
+        """dQ (and each row's [Delta, LSE] into the stats workspace), then dK/dV from the
         stats."""
-        self._run("backward", buffers, params, stream)
+        self._run("backward", buffers, params, stream, alloc)
 
-    def _run(self, op: str, buffers: dict, params: np.void, stream: int | None) -> None:
-        """Run the plan of (op, params, dtypes, which buffers are given, their alignment, the
-        current stream), made on first use: every launch of it is compiled and checked before any
-        runs, so nothing is written if one cannot run. A plan owns its workspace (the decode
-        splits' partial results, the backward's stats), reused by every call on its stream
-        (stream order keeps the calls apart); a plan per stream keeps streams apart."""
+    def _run(self, op: str, buffers: dict, params: np.void, stream, alloc) -> None:
+        """Run the plan of (op, params, dtypes, which buffers are given, their alignment), made
+        on first use: every launch of it is compiled and checked before any runs, so nothing is
+        written if one cannot run. Its workspace (the decode splits' partial results, the
+        backward's stats) comes from `alloc`, or else is the plan's own for this stream, reused
+        by every call on it (stream order keeps those calls apart)."""
         ptrs = _pointers(buffers)
         device = self.xp.cuda.runtime.getDevice()
         if stream is None:
@@ -105,18 +109,31 @@ class CudaBackend:
             if name not in _NOT_ROWS:
                 low_bits |= ptr
         key = (op, params.tobytes(), buffers["q"].dtype, _dtype_or_none(buffers.get("mask")),
-               tuple(n for n, x in buffers.items() if x is None), low_bits & 15, stream)
+               tuple(n for n, x in buffers.items() if x is None), low_bits & 15)
         if device != self._id:
             with self.xp.cuda.Device(self._id):
-                return self._run(op, buffers, params, stream)
+                return self._run(op, buffers, params, stream, alloc)
         plan = self._plans.get(key)
         if plan is None:
-            with self.xp.cuda.ExternalStream(stream, self._id):  # the workspace: on this stream
-                plan = self._make_plan(op, buffers, params)
+            plan = self._make_plan(op, buffers, params)
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
             self._plans[key] = plan
+        keep = None
+        if plan.workspace:
+            if alloc is not None:
+                keep = [alloc(shape) for shape in plan.workspace.values()]
+                ptrs.update(zip(plan.workspace, (_address(x) for x in keep)))
+            else:
+                owned = plan.owned.get(stream)
+                if owned is None:
+                    with self.xp.cuda.ExternalStream(stream, self._id):
+                        owned = plan.owned[stream] = {
+                            n: self.xp.empty(shape, dtype=np.float32)
+                            for n, shape in plan.workspace.items()}
+                ptrs.update((n, _address(a)) for n, a in owned.items())
         plan.run(ptrs, stream)
+        del keep  # the launches are queued: the allocator may reuse it in stream order
 
     def _make_plan(self, op: str, buffers: dict, params: np.void) -> Plan:
         slots = set(buffers)
@@ -124,15 +141,15 @@ class CudaBackend:
             if configs.decode_wanted(params):
                 launches, workspace = self._plan_decode(buffers, params, slots)
             else:
-                launches, workspace = [self._plan(configs.FORWARD, buffers, params, slots)], []
+                launches, workspace = [self._plan(configs.FORWARD, buffers, params, slots)], {}
         else:
             rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
-            stats = self.xp.empty((rows, 2), dtype=np.float32)
-            bufs = dict(buffers, stats=stats)
-            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, slots)]
+            workspace = {"stats": (rows, 2)}
+            bufs = dict(buffers, stats=Slot("stats"))
+            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, slots | {"stats"})]
             if int(params["seq_k"]):
-                launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params, slots))
-            workspace = [stats]
+                launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params,
+                                           slots | {"stats"}))
         return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params,))
                      for fn, blocks, threads, smem, args in launches], workspace)
 
@@ -161,7 +178,7 @@ class CudaBackend:
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind)
 
-    def _plan_decode(self, buffers: dict, params, slots=()) -> tuple[list, list]:
+    def _plan_decode(self, buffers: dict, params, slots=()) -> tuple[list, dict]:
         """The decode kernel over (batch, KV head, split) blocks, then (with more than one split,
         or the tiles design, which always leaves its result in the workspace) the combine. Every
         launch is planned (compiled, checked) before any runs."""
@@ -178,9 +195,15 @@ class CudaBackend:
             raise ValueError(f"decode: {pairs * splits} blocks exceed the grid limit {GRID_X_MAX}")
         combined = splits > 1 or v.isa != configs.STREAMS
         # The workspace: per split, each row's unnormalised O and (max, sum); none when the one
-        # split writes out itself.
-        part_o = self.xp.empty((splits, rows, v.head_dim) if combined else (0,), dtype=np.float32)
-        part_ml = self.xp.empty((splits, rows, 2) if combined else (0,), dtype=np.float32)
+        # split writes out itself. Slots when planning (the caller supplies it on each run),
+        # else arrays made here.
+        workspace = {"part_o": (splits, rows, v.head_dim), "part_ml": (splits, rows, 2)} \
+            if combined else {}
+        if slots:
+            part_o, part_ml = (Slot(n) if n in workspace else NULL for n in ("part_o", "part_ml"))
+        else:
+            part_o, part_ml = (self.xp.empty(workspace.get(n, (0,)), dtype=np.float32)
+                               for n in ("part_o", "part_ml"))
         mask = buffers.get("mask")
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
 
@@ -200,7 +223,7 @@ class CudaBackend:
                                                                   v.defines, v.options)
             launches.append((combine, rows, configs.COMBINE_THREADS, 0,
                              (part_o, part_ml, opt("out"), opt("lse"), np.uint32(splits))))
-        return launches, [part_o, part_ml]
+        return launches, workspace
 
     def _resident(self, fn, v: configs.Variant) -> int:
         """Blocks of `fn` one SM holds at once: the driver's occupancy answer (registers, shared

@@ -67,13 +67,16 @@ class Slot:
 
 
 class Plan:
-    """The launches of one operation, in order, and the workspace they use (kept alive here)."""
+    """The launches of one operation, in order; the float32 workspace they take (name -> shape,
+    slots filled on each run like the buffers'); the workspace the backend made for it, by stream
+    (when the caller supplies none)."""
 
-    __slots__ = ("launches", "workspace")
+    __slots__ = ("launches", "workspace", "owned")
 
-    def __init__(self, launches, workspace=()):
+    def __init__(self, launches, workspace=None):
         self.launches = [x for x in launches if x.blocks]  # an empty grid launches nothing
-        self.workspace = tuple(workspace)
+        self.workspace = dict(workspace or {})
+        self.owned: dict = {}
 
     def run(self, pointers: dict, stream: int) -> None:
         for launch in self.launches:
@@ -81,5 +84,8 @@ class Plan:
 
 
 def _address(a) -> int:
-    """A CuPy array's device address (a NumPy one's host address: the tests' fake device)."""
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+    """A CuPy array's or a torch tensor's device address (a NumPy array's host address: the
+    tests' fake device)."""
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
+    return a.data_ptr() if hasattr(a, "data_ptr") else a.data.ptr
