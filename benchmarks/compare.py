@@ -12,7 +12,8 @@
 attention sweep is the same for every dtype: D64 and D128, S from 512 to 16384 at 16384 tokens per
 batch (batch = 16384 / S) and hidden 2048 (heads = 2048 / D), causal and not, forward and
 backward (the backward given the forward's out and float32 log-sum-exp, as a training step runs
-it); plus GQA, decode and RoPE. The peers are torch SDPA's flash, cudnn, efficient and math
+it); plus GQA, decode and RoPE; and the host cost of one call (call_cost.py, id "call-cost-...").
+The peers are torch SDPA's flash, cudnn, efficient and math
 backends (flash and cudnn take only float16/bfloat16) and eager RoPE.
 
 Prints a header (date, GPU, driver, CUDA, CuPy, torch, cuDNN), measures the ceilings (device copy
@@ -37,6 +38,7 @@ for p in (str(HERE.parent), str(HERE)):      # this checkout's ferrocupy, then t
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import call_cost  # noqa: E402
 import harness  # noqa: E402
 import report  # noqa: E402
 
@@ -230,6 +232,16 @@ def main(argv=None) -> int:
     if args.plot:
         print(f"wrote {args.plot}" if report.plot(payload, args.plot)
               else "plot: no attention sweep case in this run; nothing plotted")
+    call_rows = None
+    if torch is not None and (not args.cases or any(
+            f and f in call_cost.CASE_ID for f in args.cases.split(","))):
+        try:
+            call_rows = call_cost.measure()
+        except Exception as e:  # a wrong answer or a crash: reported, not timed
+            print(f"call cost: {type(e).__name__}: {e}", file=sys.stderr)
+        payload["call_cost"] = call_rows
+        if args.json:
+            report.write_json(payload, args.json)
     floors = report.floor_lines(rows)
     if floors:
         print("issue-3 floor:\n" + "\n".join(floors))
@@ -243,6 +255,8 @@ def main(argv=None) -> int:
     summary = report.ratio_summary(rows)
     if summary:
         print("\n" + "\n".join(summary))
+    if call_rows:
+        print("\n" + call_cost.format_table(call_rows))
     return 1 if wrong else 0
 
 

@@ -32,6 +32,8 @@ class PackedLaunch:
                 self._slots.append((a.name, cell))
             elif isinstance(a, np.generic):  # np.uint32, np.uint64, the struct (np.void)
                 cell = np.array([a])
+            elif isinstance(a, np.ndarray) and a.ndim == 0:  # a struct as a 0-d array
+                cell = a.reshape(1).copy()
             else:  # an array the plan owns: its address
                 cell = np.array([_address(a)], np.uint64)
             self._values.append(cell)
