@@ -42,15 +42,15 @@ def time_ms(fn, reps=20, warm=3) -> float:
     return statistics.median(times)
 
 
-def candidates(dtype) -> list[configs.Variant]:
+def candidates(dtype, small: bool = False) -> list[configs.Variant]:
     out = []
     for warps in (4, 8):
-        for lane_dims in (16, 8):
+        for lane_dims in ((16,) if small else (16, 8)):
             probe = configs.Variant(configs.DECODE, dtype, D, warps, 1, 0, configs.STREAMS, 0, 4,
                                     lane_dims)
             kw = 32 // probe.key_lanes
-            for c in (1, 2, 4):
-                for stages in (2, 3, 4):
+            for c in ((2, 4) if small else (1, 2, 4)):
+                for stages in ((2, 3) if small else (2, 3, 4)):
                     v = configs.Variant(configs.DECODE, dtype, D, warps, 1, warps * kw * c,
                                         configs.STREAMS, stages, 4, lane_dims)
                     if v.shared_bytes <= 227 * 1024 and kw * c >= 4:
@@ -61,6 +61,7 @@ def candidates(dtype) -> list[configs.Variant]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--small", action="store_true", help="16 dims a lane, 2-3 buffers, C 2-4")
     args = ap.parse_args()
     backend = CudaBackend()
     rows = []
@@ -70,7 +71,7 @@ def main() -> None:
         with ThreadPoolExecutor(16) as pool:  # compile every candidate first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
                                      for name in (v.kernel, v.combine_kernel)],
-                          candidates(dtype)))
+                          candidates(dtype, args.small)))
         for B, SK in SHAPES:
             rng = cp.random.default_rng(0)
             mk = lambda *s: rng.standard_normal(s, dtype=cp.float32).astype(dtype)  # noqa: E731
@@ -83,7 +84,7 @@ def main() -> None:
             for launch in backend._plan_decode(bufs, p)[0]:
                 backend._launch(*launch, p)
             want = out.astype(cp.float32)
-            for var in candidates(dtype):
+            for var in candidates(dtype, args.small):
                 backend.table = dict(configs.TABLE) | {key: (var,)}
                 launches, _work = backend._plan_decode(bufs, p)
                 splits = int(launches[0][4][configs.ARGS[configs.DECODE].index("splits")])
