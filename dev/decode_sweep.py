@@ -13,7 +13,6 @@ torch SDPA cudnn's for the same shape.
 from __future__ import annotations
 
 import argparse
-import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 import cupy as cp
@@ -23,23 +22,10 @@ from ferrocupy import AttentionDims, AttentionOptions
 from ferrocupy.cuda import configs
 from ferrocupy.cuda.backend import CudaBackend
 from ferrocupy.dtypes import parse
+from tile_sweep import time_ms  # same folder: CUDA-event median after warm-up
 
 SHAPES = [(16, 32768), (1, 131072), (64, 2048)]  # (batch, keys); H32 / KV heads 8, D128, Sq1
 H, HKV, D = 32, 8, 128
-
-
-def time_ms(fn, reps=20, warm=3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return statistics.median(times)
 
 
 def candidates(dtype, small: bool = False) -> list[configs.Variant]:
