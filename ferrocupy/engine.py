@@ -178,15 +178,7 @@ class ComputeEngine:
         may hold anything there), and its rows sit at `i + causal_offset + kv_lens[b] - seq_k`.
         Its values are read (one small copy to the host) and checked before any launch."""
         named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": kv_lens}
-        key = self._seen_key("params", named, opts)
-        hit = self._remembered(key, named)
-        if hit is None:
-            t = self._tensors(**named)
-            dims, params = self._attention(t, opts, "params", outputs=("out",),
-                                           written=("out", "lse"))
-            self._remember(key, named, dims, params)
-        else:
-            t, (dims, params) = named, hit
+        t, dims, params = self._checked("forward", named, opts)
         if dims.batch * dims.heads * dims.seq_q == 0:
             return
         self.backend.forward(self._buffers(t, "q", "k", "v", "out", "mask", "lse", "kv_lens"),
@@ -224,17 +216,7 @@ class ComputeEngine:
                              "use an additive mask")
         named = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": grad_q,
                  "grad_k": grad_k, "grad_v": grad_v, "mask": mask, "lse": lse}
-        key = self._seen_key("params_bwd", named, opts)
-        hit = self._remembered(key, named)
-        if hit is None:
-            t = self._tensors(**named)
-            dims, params = self._attention(t, opts, "params_bwd",
-                                           outputs=("out", "grad_out", "grad_q"),
-                                           kv_outputs=("grad_k", "grad_v"),
-                                           written=("grad_q", "grad_k", "grad_v"))
-            self._remember(key, named, dims, params)
-        else:
-            t, (dims, params) = named, hit
+        t, dims, params = self._checked("backward", named, opts)
         if dims.batch * dims.heads * dims.seq_q == 0:
             # No query row (seq_q or heads 0): every key gets zero gradient, written, not left
             # as it was.
@@ -244,6 +226,25 @@ class ComputeEngine:
         self.backend.backward(self._buffers(t, "q", "k", "v", "out", "grad_out", "grad_q",
                                              "grad_k", "grad_v", "mask", "lse"), params)
 
+    def _check_call(self, op: str, named: dict, opts):
+        """(tensors, dims, packed params) of an attention call ("forward" or "backward"), every
+        check done: the rules of `_OPS[op]`."""
+        t = self._tensors(**named)
+        pack, outputs, kv_outputs, written = _OPS[op]
+        dims, params = self._attention(t, opts, pack, outputs=outputs, kv_outputs=kv_outputs,
+                                       written=written)
+        return t, dims, params
+
+    def _checked(self, op: str, named: dict, opts):
+        """`_check_call`, or what an earlier call on these very tensors and options found."""
+        key = self._seen_key(op, named, opts)
+        hit = self._remembered(key, named)
+        if hit is not None:
+            return (named, *hit)
+        t, dims, params = self._check_call(op, named, opts)
+        self._remember(key, named, dims, params)
+        return t, dims, params
+
     # --- calls on the same tensor objects ---------------------------------------------------------
     # A loop that calls with the same UnifiedTensors (a decode step, a benchmark) skips the
     # validation that depends only on them: a UnifiedTensor's array, hence its shape, dtype,
@@ -252,7 +253,7 @@ class ComputeEngine:
     # values of kv_lens. Weak references: a remembered call keeps no tensor alive, and a tensor
     # that died (its id reused) is never mistaken for a new one. Only on the CUDA backend (a
     # NumPy output's writeable flag can change between calls).
-    def _seen_key(self, pack: str, named: dict, opts):
+    def _seen_key(self, op: str, named: dict, opts):
         if self.backend.name != "cuda" or not isinstance(opts, AttentionOptions):
             return None
         ids = []
@@ -261,7 +262,7 @@ class ComputeEngine:
                 return None
             ids.append(None if x is None else id(x))
         try:
-            key = (pack, tuple(ids), tuple((x.__class__, x) for x in opts.__dict__.values()))
+            key = (op, tuple(ids), tuple((x.__class__, x) for x in opts.__dict__.values()))
             hash(key)
         except TypeError:  # an unhashable option value: validate() will say why
             return None
@@ -393,6 +394,12 @@ class ComputeEngine:
 
 
 _OPTIONAL = ("mask", "lse", "kv_lens")  # None is allowed; none takes the data dtype
+# Per operation: the params it packs, the tensors shaped like q, those shaped like k, those written.
+_OPS = {
+    "forward": ("params", ("out",), (), ("out", "lse")),
+    "backward": ("params_bwd", ("out", "grad_out", "grad_q"), ("grad_k", "grad_v"),
+                 ("grad_q", "grad_k", "grad_v")),
+}
 _VALIDATED_MAX = 256  # remembered call shapes per engine (a long-running job sees few)
 _SEEN_MAX = 64  # remembered calls on the same tensor objects per engine
 
@@ -404,12 +411,16 @@ def _check_kv_lens(t: UnifiedTensor, dims) -> None:
     if t.shape != (dims.batch,):
         raise ValueError(f"kv_lens shape {t.shape} must be [batch] = [{dims.batch}]")
     buf = t.buffer()
-    values = buf if isinstance(buf, np.ndarray) else buf.get()
-    bad = np.flatnonzero((values < 0) | (values > dims.seq_k))
+    check_kv_lens_values(buf if isinstance(buf, np.ndarray) else buf.get(), dims.seq_k)
+
+
+def check_kv_lens_values(values: np.ndarray, seq_k: int) -> None:
+    """Every kv_lens value (on the host) in [0, seq_k]."""
+    bad = np.flatnonzero((values < 0) | (values > seq_k))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"kv_lens[{i}] = {int(values[i])} is outside [0, seq_k = {dims.seq_k}] "
-                         f"({bad.size} of {dims.batch} entries are)")
+        raise ValueError(f"kv_lens[{i}] = {int(values[i])} is outside [0, seq_k = {seq_k}] "
+                         f"({bad.size} of {values.size} entries are)")
 
 
 def _memory_range(a) -> tuple[int, int]:

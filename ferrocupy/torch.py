@@ -17,6 +17,7 @@ C-contiguous data today; accepting strided views without a copy is planned).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from typing import Optional
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from .dtypes import BFLOAT16
 
-from .engine import AttentionOptions, ComputeEngine
+from .engine import AttentionOptions, ComputeEngine, check_kv_lens_values
 from .tensor import UnifiedTensor
 
 __all__ = ["attention", "rope_"]
@@ -112,38 +113,20 @@ def _stream(device: torch.device) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _check_lens_values(kv_lens: Tensor, seq_k: int) -> None:
-    values = kv_lens.cpu()
-    bad = ((values < 0) | (values > seq_k)).nonzero().flatten()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"kv_lens[{i}] = {int(values[i])} is outside [0, seq_k = {seq_k}] "
-                         f"({bad.numel()} of {values.numel()} entries are)")
-
-
-def _cuda_call(op: str, named: dict, opts_key: tuple, opts, full) -> None:
+def _cuda_call(op: str, named: dict, opts: AttentionOptions, full) -> None:
     """Run `op` ("forward" / "backward") on CUDA tensors `named` (None for absent ones): through
     `full()` (the engine, every check) the first time this combination is seen, then straight to
     the backend."""
-    key = (op, tuple(_meta(t) for t in named.values()), opts_key)
+    key = (op, tuple(_meta(t) for t in named.values()), opts)  # options: a frozen dataclass
     hit = _CHECKED.get(key)
     if hit is None:
         engine = _engine(named["q"].device)
-        wrapped = {n: _wrap(t) for n, t in named.items()}
-        t = engine._tensors(**wrapped)
-        if op == "forward":
-            dims, params = engine._attention(t, opts, "params", outputs=("out",),
-                                             written=("out", "lse"))
-        else:
-            dims, params = engine._attention(t, opts, "params_bwd",
-                                             outputs=("out", "grad_out", "grad_q"),
-                                             kv_outputs=("grad_k", "grad_v"),
-                                             written=("grad_q", "grad_k", "grad_v"))
+        _, dims, params = engine._check_call(op, {n: _wrap(t) for n, t in named.items()}, opts)
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
         hit = _CHECKED[key] = (engine, dims, params)
     elif named.get("kv_lens") is not None:
-        _check_lens_values(named["kv_lens"], hit[1].seq_k)
+        check_kv_lens_values(named["kv_lens"].cpu().numpy(), hit[1].seq_k)
     engine, dims, params = hit
     if dims.batch * dims.heads * dims.seq_q == 0:
         full()  # the engine's own handling of an empty problem (zero gradients)
@@ -162,8 +145,13 @@ def _seed_int(seed: Tensor) -> int:
 
 
 def _options(causal, causal_offset, window, dropout_p, seed: Tensor, scale) -> AttentionOptions:
+    return _options_of(causal, causal_offset, window, dropout_p, _seed_int(seed), scale)
+
+
+@functools.lru_cache(maxsize=256)  # a frozen dataclass: one object per set of values, reused
+def _options_of(causal, causal_offset, window, dropout_p, seed: int, scale) -> AttentionOptions:
     return AttentionOptions(causal=causal, causal_offset=causal_offset, window=window,
-                            dropout_prob=dropout_p, seed=_seed_int(seed), scale=scale)
+                            dropout_prob=dropout_p, seed=seed, scale=scale)
 
 
 # --- attention: forward -----------------------------------------------------------------------
@@ -188,7 +176,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
     if q.device.type == "cuda" and all(x.device == q.device for x in (k, v)):
         named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens}
-        _cuda_call("forward", named, tuple(opts.__dict__.values()), opts, full)
+        _cuda_call("forward", named, opts, full)
     else:
         full()
     return out, lse
@@ -223,7 +211,7 @@ def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if q.device.type == "cuda" and all(x.device == q.device for x in (k, v, out, grad_out, lse)):
         named = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": gq,
                  "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse}
-        _cuda_call("backward", named, tuple(opts.__dict__.values()), opts, full)
+        _cuda_call("backward", named, opts, full)
     else:
         full()
     return gq, gk, gv

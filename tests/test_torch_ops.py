@@ -412,3 +412,43 @@ def test_kv_lens_is_each_sequence_on_its_own_and_has_no_backward(gen):
                                                     kv_lens=lens), fullgraph=True,
                             backend="aot_eager")(qg, k, v)
     torch.testing.assert_close(got, out, rtol=0, atol=0)
+
+
+def test_the_cuda_fast_path_checks_once_and_launches_from_addresses(gen, monkeypatch):
+    """`_cuda_call`'s logic on CPU tensors: the engine's full checks on the first call of a call
+    shape, then straight to the backend with each call's addresses and workspace from torch's
+    allocator; kv_lens' values checked on every call. (The GPU runs it for real.)"""
+    engine = ComputeEngine("reference", quiet=True)
+    launches, checks = [], []
+    real_check = engine._check_call
+    monkeypatch.setattr(engine, "_check_call",
+                        lambda *a: checks.append(a[0]) or real_check(*a))
+
+    class Recorder:
+        def forward(self, buffers, params, stream, alloc):
+            work = alloc((3, 2))
+            launches.append(({n: b and b.data.ptr for n, b in buffers.items()}, stream,
+                             work.dtype, tuple(work.shape)))
+
+    engine.backend = Recorder()
+    engine.backend.name, engine.backend.device, engine.backend.dtypes = \
+        "cuda", "cpu", ComputeEngine("reference").backend.dtypes
+    monkeypatch.setattr(ft, "_engine", lambda device: engine)
+    monkeypatch.setattr(ft, "_stream", lambda device: 77)
+    monkeypatch.setattr(ft, "_CHECKED", {})  # this test's calls only
+    opts = AttentionOptions(causal=True, causal_offset=8)
+    for _ in range(2):
+        q, k, v = _qkv(gen, B=2, Sq=1, Sk=9)
+        out, lse = torch.empty_like(q), torch.empty(2, 4, 1)
+        lens = torch.tensor([9, 4], dtype=torch.int32)
+        named = {"q": q, "k": k, "v": v, "out": out, "mask": None, "lse": lse, "kv_lens": lens}
+        ft._cuda_call("forward", named, opts, full=lambda: pytest.fail("not empty"))
+        ptrs, stream, wdtype, wshape = launches[-1]
+        assert ptrs["q"] == q.data_ptr() and ptrs["out"] == out.data_ptr()
+        assert ptrs["mask"] is None and stream == 77
+        assert wdtype == torch.float32 and wshape == (3, 2)
+    assert checks == ["forward"]  # the second call of the same shape was not checked again
+    lens[1] = 10
+    with pytest.raises(ValueError, match=r"kv_lens\[1\] = 10 is outside \[0, seq_k = 9\]"):
+        ft._cuda_call("forward", named, opts, full=lambda: None)
+    assert len(launches) == 2

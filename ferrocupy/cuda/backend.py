@@ -10,12 +10,12 @@ import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
 from . import configs
-from .launch import NULL, PackedLaunch, Plan, Slot, _address
+from .launch import NULL, PackedLaunch, Plan, Slot, address
 from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
 _PLANS_MAX = 256  # remembered plans per backend (a long-running job sees few)
-_NOT_ROWS = ("mask", "lse", "kv_lens")  # buffers whose alignment picks no copy width
+_NOT_ROWS = ("mask", "lse", "kv_lens", "stats")  # buffers whose alignment picks no copy width
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 
 
@@ -100,8 +100,10 @@ class CudaBackend:
         written if one cannot run. Its workspace (the decode splits' partial results, the
         backward's stats) comes from `alloc`, or else is the plan's own for this stream, reused
         by every call on it (stream order keeps those calls apart)."""
+        if self.xp.cuda.runtime.getDevice() != self._id:
+            with self.xp.cuda.Device(self._id):
+                return self._run(op, buffers, params, stream, alloc)
         ptrs = _pointers(buffers)
-        device = self.xp.cuda.runtime.getDevice()
         if stream is None:
             stream = self.xp.cuda.get_current_stream().ptr
         low_bits = 0
@@ -110,9 +112,6 @@ class CudaBackend:
                 low_bits |= ptr
         key = (op, params.tobytes(), buffers["q"].dtype, _dtype_or_none(buffers.get("mask")),
                tuple(n for n, x in buffers.items() if x is None), low_bits & 15)
-        if device != self._id:
-            with self.xp.cuda.Device(self._id):
-                return self._run(op, buffers, params, stream, alloc)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._make_plan(op, buffers, params)
@@ -123,7 +122,7 @@ class CudaBackend:
         if plan.workspace:
             if alloc is not None:
                 keep = [alloc(shape) for shape in plan.workspace.values()]
-                ptrs.update(zip(plan.workspace, (_address(x) for x in keep)))
+                ptrs.update(zip(plan.workspace, (address(x) for x in keep)))
             else:
                 owned = plan.owned.get(stream)
                 if owned is None:
@@ -131,7 +130,7 @@ class CudaBackend:
                         owned = plan.owned[stream] = {
                             n: self.xp.empty(shape, dtype=np.float32)
                             for n, shape in plan.workspace.items()}
-                ptrs.update((n, _address(a)) for n, a in owned.items())
+                ptrs.update((n, address(a)) for n, a in owned.items())
         plan.run(ptrs, stream)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
@@ -165,7 +164,7 @@ class CudaBackend:
         as they are."""
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
-        data = [buffers[a] for a in configs.ARGS[op] if a not in ("mask", "lse", "stats", "kv_lens")]
+        data = [buffers[a] for a in configs.ARGS[op] if a not in _NOT_ROWS]
         vec = _copy_width(dtype, d, data)
         v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize)
         smem = v.shared_bytes

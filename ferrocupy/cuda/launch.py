@@ -35,7 +35,7 @@ class PackedLaunch:
             elif isinstance(a, np.ndarray) and a.ndim == 0:  # a struct as a 0-d array
                 cell = a.reshape(1).copy()
             else:  # an array the plan owns: its address
-                cell = np.array([_address(a)], np.uint64)
+                cell = np.array([address(a)], np.uint64)
             self._values.append(cell)
         self._addrs = np.array([c.ctypes.data for c in self._values], np.uint64)
         self._addr = int(self._addrs.ctypes.data)
@@ -85,7 +85,7 @@ class Plan:
             launch.run(pointers, stream)
 
 
-def _address(a) -> int:
+def address(a) -> int:
     """A CuPy array's or a torch tensor's device address (a NumPy array's host address: the
     tests' fake device)."""
     if isinstance(a, np.ndarray):
