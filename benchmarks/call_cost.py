@@ -1,11 +1,12 @@
 """Host cost of one call (issue 10): the decode shape B1, Sq1, Sk128, H8, D64, float32, where the
 GPU work is a few microseconds and the host is what is measured.
 
-Four ways to call, timed back to back in one run (N calls after a warm-up, then one synchronize;
+Six ways to call, timed back to back in one run (N calls after a warm-up, then one synchronize;
 the median of 5 such rounds): the engine on pre-wrapped UnifiedTensors, the engine on torch
 tensors passed straight in (a DLPack wrap each call), `ferrocupy.torch.attention`, and torch's
-`scaled_dot_product_attention`. Each answer is checked against float64 SDPA first. Used by
-compare.py (the "call-cost" table) and dev/call_cost.py."""
+`scaled_dot_product_attention`; the last two again with inputs that require grad (each ratio is
+against the SDPA row of the same kind). Each answer is checked against float64 SDPA first. Used
+by compare.py (the "call-cost" table) and dev/call_cost.py."""
 
 from __future__ import annotations
 
@@ -49,16 +50,23 @@ def setup():
     def engine_torch():
         eng.flash_attention_v2_with(q, k, v, out, opts)
 
+    # With inputs that require grad, each call also records the autograd graph (and
+    # ferrocupy.torch goes through its custom op and saves lse): a training step's forward.
+    gq, gk, gv = (x.clone().requires_grad_() for x in (q, k, v))
+    gqt, gkt, gvt = (x.transpose(1, 2) for x in (gq, gk, gv))
     calls = [("engine, pre-wrapped", engine_wrapped, lambda: out),
              ("engine, torch tensors", engine_torch, lambda: out),
              ("ferrocupy.torch.attention", lambda: ft.attention(q, k, v), None),
-             ("torch SDPA", lambda: F.scaled_dot_product_attention(qt, kt, vt), None)]
+             ("torch SDPA", lambda: F.scaled_dot_product_attention(qt, kt, vt), None),
+             ("ferrocupy.torch, grad", lambda: ft.attention(gq, gk, gv), None),
+             ("torch SDPA, grad", lambda: F.scaled_dot_product_attention(gqt, gkt, gvt), None)]
     checked = []
     for name, fn, result in calls:
         out.fill_(float("nan"))
         got = fn()
         got = result() if result is not None else got
-        check(name, got if name != "torch SDPA" else got.transpose(1, 2))
+        got = got.detach()
+        check(name, got if not name.startswith("torch SDPA") else got.transpose(1, 2))
         checked.append((name, fn))
     return checked
 
@@ -80,15 +88,17 @@ def per_call_us(fn, n: int = 2000, rounds: int = 5) -> float:
 
 
 def measure() -> list[dict]:
-    """[{"name", "us_per_call"}] for the four calls, in one run."""
+    """[{"name", "us_per_call"}] for the six calls, in one run."""
     return [{"name": name, "us_per_call": round(per_call_us(fn), 2)} for name, fn in setup()]
 
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"host cost per call, {CASE_ID} (median of 5 x 2000 calls)",
              f"{'call':<28}{'us/call':>9}{'vs torch SDPA':>15}"]
-    sdpa = next((r["us_per_call"] for r in rows if r["name"] == "torch SDPA"), None)
+    sdpa = {r["name"].endswith(", grad"): r["us_per_call"] for r in rows
+            if r["name"].startswith("torch SDPA")}
     for r in rows:
-        ratio = f"{r['us_per_call'] / sdpa:.2f}x" if sdpa else "-"
+        base = sdpa.get(r["name"].endswith(", grad"))
+        ratio = f"{r['us_per_call'] / base:.2f}x" if base else "-"
         lines.append(f"{r['name']:<28}{r['us_per_call']:>9.1f}{ratio:>15}")
     return "\n".join(lines)

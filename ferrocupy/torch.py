@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .cuda.backend import alignment  # imports no CuPy
 from .dtypes import BFLOAT16
-
 from .engine import AttentionOptions, ComputeEngine, check_kv_lens_values
 from .tensor import UnifiedTensor
 
@@ -113,29 +113,37 @@ def _stream(device: torch.device) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _cuda_call(op: str, named: dict, opts: AttentionOptions, full) -> None:
+def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> None:
     """Run `op` ("forward" / "backward") on CUDA tensors `named` (None for absent ones): through
     `full()` (the engine, every check) the first time this combination is seen, then straight to
-    the backend."""
-    key = (op, tuple(_meta(t) for t in named.values()), opts)  # options: a frozen dataclass
+    the backend's launch plan. `fresh`: outputs this module just made with torch.empty from the
+    shapes of the others (their metadata follows from those, so only their presence is keyed)."""
+    key = (op, opts, tuple(None if t is None else True if n in fresh else
+                           (t.shape, t.stride(), t.dtype, t.device) for n, t in named.items()))
     hit = _CHECKED.get(key)
     if hit is None:
         engine = _engine(named["q"].device)
         _, dims, params = engine._check_call(op, {n: _wrap(t) for n, t in named.items()}, opts)
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
-        hit = _CHECKED[key] = (engine, dims, params)
+        hit = _CHECKED[key] = (engine, dims, params, {})
     elif named.get("kv_lens") is not None:
         check_kv_lens_values(named["kv_lens"].cpu().numpy(), hit[1].seq_k)
-    engine, dims, params = hit
+    engine, dims, params, plans = hit
     if dims.batch * dims.heads * dims.seq_q == 0:
         full()  # the engine's own handling of an empty problem (zero gradients)
         return
-    buffers = {n: None if t is None else _Raw(t) for n, t in named.items()}
+    ptrs = {n: 0 if t is None else t.data_ptr() for n, t in named.items()}
+    backend = engine.backend
+    low = alignment(ptrs)
+    plan = plans.get(low)  # by the addresses' alignment, which picks the copy width
+    if plan is None:
+        plan = plans[low] = backend.plan(
+            op, {n: None if t is None else _Raw(t) for n, t in named.items()}, params, ptrs)
     device = named["q"].device
     # The workspace (decode splits, backward stats) from torch's allocator: ordered on torch's
     # stream, and kept by a CUDA graph that captures the call.
-    getattr(engine.backend, op)(buffers, params, stream=_stream(device), alloc=lambda shape: (
+    backend.run_plan(plan, ptrs, _stream(device), alloc=lambda shape: (
         torch.empty(shape, dtype=torch.float32, device=device)))
 
 
@@ -176,7 +184,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
     if q.device.type == "cuda" and all(x.device == q.device for x in (k, v)):
         named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens}
-        _cuda_call("forward", named, opts, full)
+        _cuda_call("forward", named, opts, full, fresh=("out", "lse"))
     else:
         full()
     return out, lse
@@ -211,7 +219,7 @@ def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if q.device.type == "cuda" and all(x.device == q.device for x in (k, v, out, grad_out, lse)):
         named = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": gq,
                  "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse}
-        _cuda_call("backward", named, opts, full)
+        _cuda_call("backward", named, opts, full, fresh=("grad_q", "grad_k", "grad_v"))
     else:
         full()
     return gq, gk, gv
@@ -296,9 +304,58 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
         raise ValueError("ferrocupy.torch.attention has no backward with kv_lens (per-sequence "
                          "cache lengths are for inference): call it under torch.no_grad() or "
                          "with inputs that do not require grad")
+    if _eager_inference(q, k, v, attn_mask, kv_lens):
+        return _forward_now(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
+                            seed, None if scale is None else float(scale), kv_lens)
     seed_t = _seed_tensor(seed, dropout_p)
     out, _ = _attention_fwd(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
                             seed_t, None if scale is None else float(scale), kv_lens)
+    return out
+
+
+# --- attention without the op: an eager call that needs no gradient ---------------------------
+# The custom op's dispatch and autograd bookkeeping cost about 20 us per call, more than the
+# kernel of a decode step. An eager call on CUDA that no gradient will flow through (inference,
+# or under torch.no_grad()) runs the op's body directly: same checks, same kernels, same
+# stream, no lse. torch.compile, any tensor subclass or functorch transform (fake tensors, vmap),
+# and every call that needs a gradient take the op.
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+_is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                      lambda t: False)
+
+
+def _eager_inference(q, k, v, attn_mask, kv_lens) -> bool:
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda):
+        return False
+    if attn_mask is not None and type(attn_mask) is not Tensor:
+        return False
+    if kv_lens is not None and type(kv_lens) is not Tensor:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return not (_is_compiling() or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v))
+
+
+def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale,
+                 kv_lens) -> Tensor:
+    seed_int = _seed_int(_seed_tensor(seed, dropout_p)) if (dropout_p or seed is not None) else 0
+    opts = _options_of(causal, causal_offset, window, dropout_p, seed_int, scale)
+    if not all(x is None or x.device == q.device for x in (k, v, attn_mask, kv_lens)):
+        # the engine's own error, naming the tensor and its device
+        return _attention_fwd(q, k, v, attn_mask, causal, causal_offset, window, dropout_p,
+                              _seed_tensor(seed, dropout_p), scale, kv_lens)[0]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    mask = None if attn_mask is None else attn_mask.contiguous()
+    lens = None if kv_lens is None else kv_lens.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": None, "kv_lens": lens}
+
+    def full():
+        with _on_torch_stream(q.device):
+            _engine(q.device).flash_attention_v2_with(_wrap(q), _wrap(k), _wrap(v), _wrap(out),
+                                                      opts, _wrap(mask), kv_lens=_wrap(lens))
+
+    _cuda_call("forward", named, opts, full, fresh=("out",))
     return out
 
 

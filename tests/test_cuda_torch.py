@@ -259,3 +259,25 @@ def test_torch_kv_lens_values_are_checked_on_every_call(torch):
         lens[1] = 501
         with pytest.raises(ValueError, match=r"kv_lens\[1\] = 501"):
             ft.attention(q, k, v, kv_lens=lens)
+
+
+@pytest.mark.parametrize("shape", [dict(sq=1, sk=3000), dict(sq=200, sk=200)],
+                         ids=["decode", "forward"])
+def test_eager_inference_path_equals_the_op(torch, shape, monkeypatch):
+    """Inputs that need no gradient skip the custom op (`_forward_now`); the answer is the op's,
+    bit for bit, with and without dropout (the same seed drawn from torch's generator)."""
+    import ferrocupy.torch as ft
+
+    q, k, v = _ft_case(torch, 10, **shape)
+    taken = []
+    real = ft._forward_now
+    monkeypatch.setattr(ft, "_forward_now", lambda *a: taken.append(1) or real(*a))
+    for kw in (dict(causal=True, causal_offset=shape["sk"] - shape["sq"]), dict(dropout_p=0.2)):
+        torch.manual_seed(3)
+        fast = ft.attention(q, k, v, **kw)
+        torch.manual_seed(3)
+        with torch.enable_grad():
+            slow = ft.attention(q.clone().requires_grad_(), k, v, **kw).detach()
+        torch.cuda.synchronize()
+        assert torch.equal(fast, slow), kw
+    assert len(taken) == 2  # the requires-grad calls took the op

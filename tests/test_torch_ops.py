@@ -424,11 +424,16 @@ def test_the_cuda_fast_path_checks_once_and_launches_from_addresses(gen, monkeyp
     monkeypatch.setattr(engine, "_check_call",
                         lambda *a: checks.append(a[0]) or real_check(*a))
 
+    plans = []
+
     class Recorder:
-        def forward(self, buffers, params, stream, alloc):
+        def plan(self, op, buffers, params, ptrs):
+            plans.append((op, {n: b and b.dtype for n, b in buffers.items()}))
+            return op
+
+        def run_plan(self, plan, ptrs, stream, alloc):
             work = alloc((3, 2))
-            launches.append(({n: b and b.data.ptr for n, b in buffers.items()}, stream,
-                             work.dtype, tuple(work.shape)))
+            launches.append((plan, dict(ptrs), stream, work.dtype, tuple(work.shape)))
 
     engine.backend = Recorder()
     engine.backend.name, engine.backend.device, engine.backend.dtypes = \
@@ -442,13 +447,42 @@ def test_the_cuda_fast_path_checks_once_and_launches_from_addresses(gen, monkeyp
         out, lse = torch.empty_like(q), torch.empty(2, 4, 1)
         lens = torch.tensor([9, 4], dtype=torch.int32)
         named = {"q": q, "k": k, "v": v, "out": out, "mask": None, "lse": lse, "kv_lens": lens}
-        ft._cuda_call("forward", named, opts, full=lambda: pytest.fail("not empty"))
-        ptrs, stream, wdtype, wshape = launches[-1]
+        ft._cuda_call("forward", named, opts, full=lambda: pytest.fail("not empty"),
+                      fresh=("out", "lse"))
+        plan, ptrs, stream, wdtype, wshape = launches[-1]
+        assert plan == "forward"
         assert ptrs["q"] == q.data_ptr() and ptrs["out"] == out.data_ptr()
-        assert ptrs["mask"] is None and stream == 77
+        assert ptrs["mask"] == 0 and ptrs["lse"] == lse.data_ptr() and stream == 77
         assert wdtype == torch.float32 and wshape == (3, 2)
     assert checks == ["forward"]  # the second call of the same shape was not checked again
+    # one plan (the second call's addresses share the first's alignment: torch's allocator)
+    assert plans == [("forward", {"q": np.float32, "k": np.float32, "v": np.float32,
+                                  "out": np.float32, "mask": None, "lse": np.float32,
+                                  "kv_lens": np.int32})]
     lens[1] = 10
     with pytest.raises(ValueError, match=r"kv_lens\[1\] = 10 is outside \[0, seq_k = 9\]"):
         ft._cuda_call("forward", named, opts, full=lambda: None)
     assert len(launches) == 2
+
+
+def test_eager_inference_runs_the_ops_body_without_the_op(gen, monkeypatch):
+    """An eager CUDA call that needs no gradient skips the custom op (its dispatch costs more
+    than a decode step's kernel) but not the checks: `_forward_now` goes through `_cuda_call`
+    with a fresh `out`, no lse, and the op's seed. Everything else takes the op."""
+    calls = []
+    monkeypatch.setattr(ft, "_cuda_call", lambda op, named, opts, full, fresh=(): calls.append(
+        (op, {n: t is not None for n, t in named.items()}, opts, fresh)))
+    q, k, v = _qkv(gen, B=1, Sq=2, Sk=5)
+    out = ft._forward_now(q, k, v, None, True, 3, 0, 0.0, None, None, None)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    op, present, opts, fresh = calls[-1]
+    assert op == "forward" and fresh == ("out",)
+    assert present == {"q": True, "k": True, "v": True, "out": True, "mask": False,
+                       "lse": False, "kv_lens": False}
+    assert opts == AttentionOptions(causal=True, causal_offset=3)
+    torch.manual_seed(5)
+    ft._forward_now(q, k, v, None, False, 0, 0, 0.25, None, None, None)
+    torch.manual_seed(5)
+    assert calls[-1][2].seed == ft._seed_int(ft._seed_tensor(None, 0.25))  # the op's draw
+    # CPU tensors, and any call that needs a gradient, take the op
+    assert not ft._eager_inference(q, k, v, None, None)

@@ -100,26 +100,41 @@ class CudaBackend:
         written if one cannot run. Its workspace (the decode splits' partial results, the
         backward's stats) comes from `alloc`, or else is the plan's own for this stream, reused
         by every call on it (stream order keeps those calls apart)."""
-        if self.xp.cuda.runtime.getDevice() != self._id:
+        if self.xp.cuda.runtime.getDevice() != self._id:  # CuPy's current stream is per device
             with self.xp.cuda.Device(self._id):
                 return self._run(op, buffers, params, stream, alloc)
         ptrs = _pointers(buffers)
         if stream is None:
             stream = self.xp.cuda.get_current_stream().ptr
-        low_bits = 0
-        for name, ptr in ptrs.items():
-            if name not in _NOT_ROWS:
-                low_bits |= ptr
+        self.run_plan(self.plan(op, buffers, params, ptrs), ptrs, stream, alloc)
+
+    def plan(self, op: str, buffers: dict, params: np.void, ptrs: dict | None = None) -> Plan:
+        """The plan of `op` for these params, dtypes, absent buffers and addresses' alignment
+        (`ptrs`: the buffers' addresses, if already read), made and checked on first use."""
+        if ptrs is None:
+            ptrs = _pointers(buffers)
         key = (op, params.tobytes(), buffers["q"].dtype, _dtype_or_none(buffers.get("mask")),
-               tuple(n for n, x in buffers.items() if x is None), low_bits & 15)
+               tuple(n for n, x in buffers.items() if x is None), alignment(ptrs))
         plan = self._plans.get(key)
         if plan is None:
+            if self.xp.cuda.runtime.getDevice() != self._id:
+                with self.xp.cuda.Device(self._id):
+                    return self.plan(op, buffers, params, ptrs)
             plan = self._make_plan(op, buffers, params)
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
             self._plans[key] = plan
+        return plan
+
+    def run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc=None) -> None:
+        """Launch `plan` on `stream` with these buffer addresses (name -> int, 0 for an absent
+        one). Its workspace comes from `alloc`, or else is the plan's own for this stream."""
+        if self.xp.cuda.runtime.getDevice() != self._id:
+            with self.xp.cuda.Device(self._id):
+                return self.run_plan(plan, ptrs, stream, alloc)
         keep = None
         if plan.workspace:
+            ptrs = dict(ptrs)
             if alloc is not None:
                 keep = [alloc(shape) for shape in plan.workspace.values()]
                 ptrs.update(zip(plan.workspace, (address(x) for x in keep)))
@@ -261,6 +276,15 @@ def _copy_width(dtype: np.dtype, d: int, arrays) -> int:
         if width and d % width == 0 and all(a.data.ptr % (width * size) == 0 for a in arrays):
             return width
     return 1
+
+
+def alignment(ptrs: dict) -> int:
+    """The low 4 bits shared by the data rows' addresses (which copy widths they allow)."""
+    low = 0
+    for name, ptr in ptrs.items():
+        if name not in _NOT_ROWS:
+            low |= ptr
+    return low & 15
 
 
 def _pointers(buffers: dict) -> dict:
