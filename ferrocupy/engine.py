@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import dtypes as _dt
-from .params import AttentionDims, rope_params
+from .params import LAYOUT_TENSORS, AttentionDims, layout_params, rope_params
 from .tensor import UnifiedTensor, cuda_available
 
 
@@ -178,11 +178,11 @@ class ComputeEngine:
         may hold anything there), and its rows sit at `i + causal_offset + kv_lens[b] - seq_k`.
         Its values are read (one small copy to the host) and checked before any launch."""
         named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": kv_lens}
-        t, dims, params = self._checked("forward", named, opts)
+        t, dims, params, layout = self._checked("forward", named, opts)
         if dims.batch * dims.heads * dims.seq_q == 0:
             return
         self.backend.forward(self._buffers(t, "q", "k", "v", "out", "mask", "lse", "kv_lens"),
-                             params)
+                             params, layout)
 
     # --- backward -------------------------------------------------------------------------------
     def flash_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
@@ -216,7 +216,7 @@ class ComputeEngine:
                              "use an additive mask")
         named = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": grad_q,
                  "grad_k": grad_k, "grad_v": grad_v, "mask": mask, "lse": lse}
-        t, dims, params = self._checked("backward", named, opts)
+        t, dims, params, layout = self._checked("backward", named, opts)
         if dims.batch * dims.heads * dims.seq_q == 0:
             # No query row (seq_q or heads 0): every key gets zero gradient, written, not left
             # as it was.
@@ -224,16 +224,16 @@ class ComputeEngine:
             self.backend.zero(t["grad_v"].buffer())
             return
         self.backend.backward(self._buffers(t, "q", "k", "v", "out", "grad_out", "grad_q",
-                                             "grad_k", "grad_v", "mask", "lse"), params)
+                                             "grad_k", "grad_v", "mask", "lse"), params, layout)
 
     def _check_call(self, op: str, named: dict, opts):
-        """(tensors, dims, packed params) of an attention call ("forward" or "backward"), every
-        check done: the rules of `_OPS[op]`."""
+        """(tensors, dims, packed params, packed layout) of an attention call ("forward" or
+        "backward"), every check done: the rules of `_OPS[op]`."""
         t = self._tensors(**named)
         pack, outputs, kv_outputs, written = _OPS[op]
-        dims, params = self._attention(t, opts, pack, outputs=outputs, kv_outputs=kv_outputs,
-                                       written=written)
-        return t, dims, params
+        dims, params, layout = self._attention(t, opts, pack, outputs=outputs,
+                                               kv_outputs=kv_outputs, written=written)
+        return t, dims, params, layout
 
     def _checked(self, op: str, named: dict, opts):
         """`_check_call`, or what an earlier call on these very tensors and options found."""
@@ -241,9 +241,9 @@ class ComputeEngine:
         hit = self._remembered(key, named)
         if hit is not None:
             return (named, *hit)
-        t, dims, params = self._check_call(op, named, opts)
-        self._remember(key, named, dims, params)
-        return t, dims, params
+        t, dims, params, layout = self._check_call(op, named, opts)
+        self._remember(key, named, (dims, params, layout))
+        return t, dims, params, layout
 
     # --- calls on the same tensor objects ---------------------------------------------------------
     # A loop that calls with the same UnifiedTensors (a decode step, a benchmark) skips the
@@ -269,31 +269,33 @@ class ComputeEngine:
         return key
 
     def _remembered(self, key, named: dict):
-        """(dims, params) of an earlier call on these very tensors and options, with kv_lens'
-        values checked again; None when there was none."""
+        """(dims, params, layout) of an earlier call on these very tensors and options, with
+        kv_lens' values checked again; None when there was none."""
         if key is None:
             return None
         entry = self._seen.get(key)
         if entry is None:
             return None
-        refs, dims, params = entry
+        refs, found = entry
         for ref, x in zip(refs, named.values()):
             if (None if ref is None else ref()) is not x:
                 return None
         if named.get("kv_lens") is not None:
-            _check_kv_lens(named["kv_lens"], dims)
-        return dims, params
+            _check_kv_lens(named["kv_lens"], found[0])
+        return found
 
-    def _remember(self, key, named: dict, dims, params) -> None:
+    def _remember(self, key, named: dict, found: tuple) -> None:
         if key is None:
             return
         if len(self._seen) >= _SEEN_MAX:
             self._seen.clear()
         refs = tuple(None if x is None else weakref.ref(x) for x in named.values())
-        self._seen[key] = (refs, dims, params)
+        self._seen[key] = (refs, found)
 
     # --- validation (every check runs before any kernel) ----------------------------------------
-    def _tensor(self, name: str, x) -> UnifiedTensor:
+    def _tensor(self, name: str, x, contiguous: bool = True) -> UnifiedTensor:
+        """`x` as a UnifiedTensor on this engine's device; C-contiguous unless `contiguous` is
+        False (the attention tensors: `_check_layout` states their rules)."""
         try:
             t = x if isinstance(x, UnifiedTensor) else UnifiedTensor(x)
         except TypeError as e:
@@ -303,13 +305,14 @@ class ComputeEngine:
                 ":" in want and t.device != want):
             raise ValueError(f"{name} (shape {t.shape}) is on {t.device}, but this engine's "
                              f"{self.backend.name} backend runs on {want}")
-        if not t.is_contiguous:
+        if contiguous and not t.is_contiguous:
             raise ValueError(f"{name} (shape {t.shape}) is not C-contiguous (strides "
                              f"{t.buffer().strides}); pass a contiguous copy")
         return t
 
     def _tensors(self, **named) -> dict:
-        return {n: (None if x is None and n in _OPTIONAL else self._tensor(n, x))
+        return {n: (None if x is None and n in _OPTIONAL else
+                    self._tensor(n, x, contiguous=n in _CONTIGUOUS))
                 for n, x in named.items()}
 
     def _check_dtype(self, *named) -> None:
@@ -339,31 +342,32 @@ class ComputeEngine:
 
     def _attention(self, t: dict, opts: AttentionOptions, pack: str, outputs=(), kv_outputs=(),
                    written=()):
-        """(dims, packed params) of an attention call, after every check. What depends only on
-        the shapes, dtypes, devices and options is checked and packed once per such combination
-        and remembered; what can change from call to call (contiguity, in `_tensor`; aliasing and
-        writability of the outputs; the values of kv_lens) is checked on every call."""
+        """(dims, packed params, packed layout) of an attention call, after every check. What
+        depends only on the shapes, strides, dtypes, devices and options is checked and packed
+        once per such combination and remembered; what can change from call to call (lse's and
+        kv_lens' contiguity, in `_tensor`; aliasing and writability of the outputs; the values of
+        kv_lens) is checked on every call."""
         if not isinstance(opts, AttentionOptions):
             raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
         # Option values with their types: True == 1 == 1.0, but only some of them are valid.
         key = (pack, tuple((x.__class__, x) for x in opts.__dict__.values()),
-               tuple(None if x is None else (x.shape, x.dtype, x.device) for x in t.values()))
+               tuple(None if x is None else (x.shape, x.strides, x.dtype, x.device)
+                     for x in t.values()))
         try:
             hit = self._validated.get(key)
         except TypeError:  # an unhashable option value: no caching (validate() will say why)
             hit, key = None, None
         if hit is not None:
-            dims, params = hit
             if t.get("kv_lens") is not None:
-                _check_kv_lens(t["kv_lens"], dims)
+                _check_kv_lens(t["kv_lens"], hit[0])
             _check_outputs(t, tuple(n for n in written if t.get(n) is not None))
-            return dims, params
-        dims, params = self._attention_checked(t, opts, pack, outputs, kv_outputs, written)
+            return hit
+        found = self._attention_checked(t, opts, pack, outputs, kv_outputs, written)
         if key is not None:
             if len(self._validated) >= _VALIDATED_MAX:
                 self._validated.clear()
-            self._validated[key] = (dims, params)
-        return dims, params
+            self._validated[key] = found
+        return found
 
     def _attention_checked(self, t: dict, opts, pack: str, outputs, kv_outputs, written):
         opts.validate()
@@ -385,8 +389,10 @@ class ComputeEngine:
             if t["lse"].shape != want:
                 raise ValueError(f"lse shape {t['lse'].shape} must be [batch, heads, seq_q] = "
                                  f"{list(want)} (q shape {q.shape})")
-        _check_outputs(t, tuple(n for n in written if t.get(n) is not None))
-        return dims, getattr(dims, pack)(opts, t["mask"])
+        present = tuple(n for n in written if t.get(n) is not None)
+        _check_layout(t, present)
+        _check_outputs(t, present)
+        return dims, getattr(dims, pack)(opts, t["mask"]), layout_params(t)
 
     @staticmethod
     def _buffers(t: dict, *names) -> dict:
@@ -394,6 +400,7 @@ class ComputeEngine:
 
 
 _OPTIONAL = ("mask", "lse", "kv_lens")  # None is allowed; none takes the data dtype
+_CONTIGUOUS = ("lse", "kv_lens")  # C-contiguous; the others as `_check_layout` says
 # Per operation: the params it packs, the tensors shaped like q, those shaped like k, those written.
 _OPS = {
     "forward": ("params", ("out",), (), ("out", "lse")),
@@ -424,9 +431,46 @@ def check_kv_lens_values(values: np.ndarray, seq_k: int) -> None:
 
 
 def _memory_range(a) -> tuple[int, int]:
+    """[first byte, last byte + 1) that a view with non-negative strides can touch (a strided
+    view's span, not its size: two views interleaved in one buffer count as sharing it)."""
     # (NumPy's `a.data` is a memoryview, which refuses bfloat16; the array interface does not)
     start = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
-    return start, start + a.nbytes
+    if a.size == 0:
+        return start, start
+    return start, start + sum((n - 1) * st for n, st in zip(a.shape, a.strides)) + a.itemsize
+
+
+def _check_layout(t: dict, written) -> None:
+    """Strides: whole elements, none negative. The rank-4 tensors (q, k, v, out and the
+    gradients) need only a contiguous last dimension (head_dim stride 1: rows are copied in
+    16-byte pieces); their other dimensions, and the mask's, may have any stride (a transposed
+    or sliced view, a broadcast input). An output must not overlap itself."""
+    for name, x in t.items():
+        if x is None:
+            continue
+        st, shape = x.strides, x.shape
+        if any(not isinstance(s, int) or s < 0 for s in st):
+            raise ValueError(f"{name} (shape {shape}) has strides {st} (in elements): each must "
+                             f"be a non-negative whole number of elements")
+        if name in LAYOUT_TENSORS and shape[-1] > 1 and st[-1] != 1:
+            raise ValueError(f"{name} (shape {shape}, element strides {st}) must have a "
+                             f"contiguous last dimension (head_dim stride 1); its other "
+                             f"dimensions may have any stride")
+        if name in written and _overlaps_itself(shape, st):
+            raise ValueError(f"{name} (shape {shape}, element strides {st}) has elements that "
+                             f"share memory; an output needs one place per element")
+
+
+def _overlaps_itself(shape, strides) -> bool:
+    """Whether two indices of a view can reach one element: sorted by stride, each dimension
+    must step past everything the smaller ones reach (sufficient, and what dense layouts and
+    their transposes and slices satisfy)."""
+    reach = 0
+    for st, n in sorted((st, n) for n, st in zip(shape, strides) if n > 1):
+        if st <= reach:
+            return True
+        reach += (n - 1) * st
+    return False
 
 
 def _check_outputs(t: dict, written) -> None:

@@ -44,6 +44,42 @@ assert ROPE_PARAMS.itemsize == 32 and FLASH_V2_PARAMS.itemsize == 80
 assert FLASH_BWD_PARAMS.itemsize == 80
 
 
+# The second struct beside the seed's (ferro_params.cuh's AttnLayout): element strides (batch,
+# row, head) of each [batch, seq, heads, head_dim] tensor of an attention call, whose last
+# dimension is contiguous; zeros for a tensor the call does not have. The seed's structs stay as
+# they are; the kernels and the reference address every tensor through this one.
+LAYOUT_TENSORS = ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v")
+ATTN_LAYOUT = _struct([(f"{t}_{c}", "u8") for t in LAYOUT_TENSORS for c in "bsh"])
+assert ATTN_LAYOUT.itemsize == 192
+
+
+def layout_params(tensors: dict) -> np.void:
+    """`AttnLayout` from the element strides of the rank-4 tensors in `tensors` (name -> tensor
+    with `.shape` and `.strides`, or None). A dimension of size 1 takes stride 0 (never
+    stepped over, so whatever stride it had is irrelevant)."""
+    p = np.zeros((), ATTN_LAYOUT)
+    for name in LAYOUT_TENSORS:
+        t = tensors.get(name)
+        if t is None:
+            continue
+        shape, strides = t.shape, t.strides
+        for c, n, st in zip("bsh", shape[:3], strides[:3]):
+            p[f"{name}_{c}"] = int(st) if n > 1 else 0
+    return p[()]
+
+
+def contiguous_layout(params: np.void) -> np.void:
+    """`AttnLayout` of C-contiguous tensors of the call `params` (a FlashV2Params or
+    FlashBwdParams): q-shaped ones `[B, Sq, H, D]`, k-shaped ones `[B, Sk, Hkv, D]`."""
+    sq, sk, h, hkv, d = (int(params[n]) for n in ("seq_q", "seq_k", "heads", "kv_heads",
+                                                   "head_dim"))
+    p = np.zeros((), ATTN_LAYOUT)
+    for name in LAYOUT_TENSORS:
+        rows, heads = (sk, hkv) if name in ("k", "v", "grad_k", "grad_v") else (sq, h)
+        p[f"{name}_b"], p[f"{name}_s"], p[f"{name}_h"] = rows * heads * d, heads * d, d
+    return p[()]
+
+
 def words(params: np.void) -> np.ndarray:
     """The struct's bytes as little-endian uint32 words (what the seed's uniform held)."""
     return np.frombuffer(params.tobytes(), dtype="<u4")
@@ -76,12 +112,17 @@ def rope_params(shape, head_dim: int, pos: int, theta: float) -> np.void:
 
 
 def mask_strides(mask) -> tuple[int, tuple[int, int, int, int]]:
-    """`(has_mask, (b, h, q, k))` element strides of a broadcast `[mb, mh, mq, mk]` mask."""
+    """`(has_mask, (b, h, q, k))` element strides of a broadcast `[mb, mh, mq, mk]` mask: the
+    seed's for a contiguous one, its own for a strided view (a `strides` attribute in
+    elements); 0 for a dimension of size 1 (broadcast)."""
     if mask is None:
         return 0, (0, 0, 0, 0)
     mb, mh, mq, mk = (int(d) for d in mask.shape)
-    s = lambda dim, stride: stride if dim > 1 else 0  # noqa: E731 - the seed's closure
-    return 1, (s(mb, mk * mq * mh), s(mh, mk * mq), s(mq, mk), s(mk, 1))
+    strides = getattr(mask, "strides", None)
+    if strides is None or isinstance(mask, np.ndarray):  # the seed's rule (and byte strides)
+        strides = (mk * mq * mh, mk * mq, mk, 1)
+    s = lambda dim, stride: int(stride) if dim > 1 else 0  # noqa: E731 - the seed's closure
+    return 1, (s(mb, strides[0]), s(mh, strides[1]), s(mq, strides[2]), s(mk, strides[3]))
 
 
 @dataclass(frozen=True)

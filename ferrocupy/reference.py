@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .dtypes import ATTENTION_DTYPES
+from .params import contiguous_layout
 
 _CHUNK_ELEMS = 1 << 21  # scores per temporary: 16 MB of float64
 _BLOCK_ROWS = 256  # query rows per block: small blocks let causal/window skip unseen keys
@@ -137,9 +138,15 @@ def mask_block(mask, p, b: int, h: int, rows, cols):
     if mask is None or not int(p["has_mask"]):
         return None
     sb, sh, sq, sk = (int(p[f"mask_stride_{c}"]) for c in "bhqk")
-    idx = (b * sb + h * sh + np.asarray(rows, dtype=np.int64)[:, None] * sq
-           + np.asarray(cols, dtype=np.int64)[None, :] * sk)
-    return np.asarray(mask).reshape(-1)[idx].astype(np.float64)
+    rows, cols = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+    mask = np.asarray(mask)
+    if rows.size == 0 or cols.size == 0:
+        return np.zeros((rows.size, cols.size))
+    size = mask.dtype.itemsize  # memory addressed through the struct's strides, as a kernel does
+    m = np.lib.stride_tricks.as_strided(
+        mask, shape=(b + 1, h + 1, int(rows.max()) + 1, int(cols.max()) + 1),
+        strides=(sb * size, sh * size, sq * size, sk * size), writeable=False)
+    return m[b, h][rows[:, None], cols[None, :]].astype(np.float64)
 
 
 def _scores(qh, kh, p, mask, b, h, rows, cols):
@@ -232,14 +239,27 @@ class _Batch:
         return self._over[name] if name in self._over else self._p[name]
 
 
-def flash_attn_v2(q, k, v, out, mask, p, lse=None, kv_lens=None) -> None:
+def _views(p, lay, **named):
+    """The named buffers as rank-4 views through `lay` (None: C-contiguous)."""
+    B, H, Hkv, Sq, Sk, D = _dims(p)
+    if lay is None:
+        lay = contiguous_layout(p)
+    out = []
+    for name, x in named.items():
+        seq, heads = (Sk, Hkv) if name in ("k", "v", "grad_k", "grad_v") else (Sq, H)
+        size = x.dtype.itemsize
+        strides = tuple(int(lay[f"{name}_{c}"]) * size for c in "bsh") + (size,)
+        out.append(np.lib.stride_tricks.as_strided(x, shape=(B, seq, heads, D), strides=strides))
+    return out
+
+
+def flash_attn_v2(q, k, v, out, mask, p, lse=None, kv_lens=None, layout=None) -> None:
     """Forward (SPEC "Attention forward"): writes `out` [B, Sq, H, D] and, when given, `lse`
     [B, H, Sq] (float32: each row's log-sum-exp, -inf for a row that sees no key). With
     `kv_lens` [B], batch b has kv_lens[b] keys (the rest are never read) and its rows sit
     kv_lens[b] - Sk positions earlier."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
-    q4, o4 = q.reshape(B, Sq, H, D), out.reshape(B, Sq, H, D)
-    k4, v4 = k.reshape(B, Sk, Hkv, D), v.reshape(B, Sk, Hkv, D)
+    q4, o4, k4, v4 = _views(p, layout, q=q, out=out, k=k, v=v)
     group = H // Hkv
     with np.errstate(all="ignore"):  # inf/NaN are meant to flow through
         for b in range(B):
@@ -257,14 +277,14 @@ def flash_attn_v2(q, k, v, out, mask, p, lse=None, kv_lens=None) -> None:
                         lse.reshape(B, H, Sq)[b, h, rows] = row_lse
 
 
-def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p, lse=None) -> None:
+def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p, lse=None,
+                        layout=None) -> None:
     """Backward, first kernel: writes `stats` [B*H*Sq, 2] = [Delta, LSE] per row
     (row `(b*H + h)*Sq + i`) and `grad_q`. With `lse` [B, H, Sq] given (the forward's), P is
     `exp(s - lse)` and that LSE is what `stats` passes on, as the CUDA kernel does."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
-    q4, o4 = q.reshape(B, Sq, H, D), out.reshape(B, Sq, H, D)
-    do4, dq4 = grad_out.reshape(B, Sq, H, D), grad_q.reshape(B, Sq, H, D)
-    k4, v4 = k.reshape(B, Sk, Hkv, D), v.reshape(B, Sk, Hkv, D)
+    q4, o4, do4, dq4, k4, v4 = _views(p, layout, q=q, out=out, grad_out=grad_out,
+                                      grad_q=grad_q, k=k, v=v)
     st = stats.reshape(B, H, Sq, 2)
     group, scale = H // Hkv, np.float64(np.float32(p["scale"]))
     with np.errstate(all="ignore"):
@@ -288,13 +308,13 @@ def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p, lse=None
                     dq4[b, rows, h] = scale * _masked_matmul(ds, kh[keys], live)
 
 
-def flash_attn_v2_bw_dkdv(q, k, v, grad_out, grad_k, grad_v, mask, stats, p) -> None:
+def flash_attn_v2_bw_dkdv(q, k, v, grad_out, grad_k, grad_v, mask, stats, p,
+                          layout=None) -> None:
     """Backward, second kernel: reads `stats`, recomputes `P = exp(s - LSE)` (0 where not
     visible or LSE = −inf) and writes `grad_k`, `grad_v` summed over each KV head's group."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
-    q4, do4 = q.reshape(B, Sq, H, D), grad_out.reshape(B, Sq, H, D)
-    k4, v4 = k.reshape(B, Sk, Hkv, D), v.reshape(B, Sk, Hkv, D)
-    dk4, dv4 = grad_k.reshape(B, Sk, Hkv, D), grad_v.reshape(B, Sk, Hkv, D)
+    q4, do4, k4, v4, dk4, dv4 = _views(p, layout, q=q, grad_out=grad_out, k=k, v=v,
+                                       grad_k=grad_k, grad_v=grad_v)
     st = stats.reshape(B, H, Sq, 2)
     group, scale = H // Hkv, np.float64(np.float32(p["scale"]))
     with np.errstate(all="ignore"):
@@ -342,18 +362,20 @@ class ReferenceBackend:
     def rope(self, x, params: np.void) -> None:
         KERNELS["rope"](x, params)
 
-    def forward(self, buffers: dict, params: np.void) -> None:
-        """buffers: q, k, v, out, mask (or None), lse (or None)."""
-        KERNELS["flash_attn_v2"](**buffers, p=params)
+    def forward(self, buffers: dict, params: np.void, layout: np.void | None = None) -> None:
+        """buffers: q, k, v, out, mask (or None), lse (or None), kv_lens (or None); `layout`:
+        their strides (None: C-contiguous)."""
+        KERNELS["flash_attn_v2"](**buffers, p=params, layout=layout)
 
-    def backward(self, buffers: dict, params: np.void) -> None:
+    def backward(self, buffers: dict, params: np.void, layout: np.void | None = None) -> None:
         """buffers: q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse (None: computed
         again). The dQ kernel writes each row's [Delta, LSE] for the dK/dV kernel."""
         b = buffers
         stats = np.empty((int(params["batch"]) * int(params["heads"]) * int(params["seq_q"]), 2),
                          np.float32)
         KERNELS["flash_attn_v2_bw_dq"](b["q"], b["k"], b["v"], b["out"], b["grad_out"],
-                                       b["grad_q"], b["mask"], stats, params, lse=b["lse"])
+                                       b["grad_q"], b["mask"], stats, params, lse=b["lse"],
+                                       layout=layout)
         if int(params["seq_k"]):
             KERNELS["flash_attn_v2_bw_dkdv"](b["q"], b["k"], b["v"], b["grad_out"], b["grad_k"],
-                                             b["grad_v"], b["mask"], stats, params)
+                                             b["grad_v"], b["mask"], stats, params, layout=layout)

@@ -145,6 +145,13 @@ class UnifiedTensor:
         return math.prod(self.shape)
 
     @property
+    def strides(self) -> tuple:
+        """Element strides (byte strides over the item size; a byte stride that is not a whole
+        number of elements stays a fraction, which the engine refuses)."""
+        size = self._array.dtype.itemsize
+        return tuple(st // size if st % size == 0 else st / size for st in self._array.strides)
+
+    @property
     def is_contiguous(self) -> bool:
         return bool(self._array.flags.c_contiguous)
 

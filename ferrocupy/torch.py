@@ -10,8 +10,9 @@ current stream. The forward and the backward are each a `torch.library.custom_op
 (`ferrocupy::attention_fwd`, `ferrocupy::attention_bwd`, with fake kernels for `torch.compile`);
 the forward saves its log-sum-exp and the backward takes it, so the forward is never recomputed.
 
-Inputs need not be contiguous: the ops take a contiguous copy of any that is not (the kernels need
-C-contiguous data today; accepting strided views without a copy is planned).
+Inputs need not be contiguous: any view whose last dimension is contiguous (`x.transpose(1, 2)` of
+SDPA's `[B, H, S, D]`, one part of a packed QKV tensor) is read where it lies, through its
+strides; only a tensor whose last dimension is strided (or broadcast) is copied first.
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ def _on_torch_stream(device: torch.device):
         yield
 
 
+def _rows(t: Optional[Tensor]) -> Optional[Tensor]:
+    """`t` itself when the kernels can read it through its strides (a contiguous last
+    dimension), else a contiguous copy (a broadcast gradient, every other element)."""
+    if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
 def _wrap(t: Optional[Tensor]) -> Optional[UnifiedTensor]:
     # detach(): DLPack refuses a tensor that requires grad, as the op's inputs may (no copy).
     return None if t is None else UnifiedTensor(t.detach())
@@ -123,13 +132,14 @@ def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> 
     hit = _CHECKED.get(key)
     if hit is None:
         engine = _engine(named["q"].device)
-        _, dims, params = engine._check_call(op, {n: _wrap(t) for n, t in named.items()}, opts)
+        _, dims, params, layout = engine._check_call(
+            op, {n: _wrap(t) for n, t in named.items()}, opts)
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
-        hit = _CHECKED[key] = (engine, dims, params, {})
+        hit = _CHECKED[key] = (engine, dims, params, layout, {})
     elif named.get("kv_lens") is not None:
         check_kv_lens_values(named["kv_lens"].cpu().numpy(), hit[1].seq_k)
-    engine, dims, params, plans = hit
+    engine, dims, params, layout, plans = hit
     if dims.batch * dims.heads * dims.seq_q == 0:
         full()  # the engine's own handling of an empty problem (zero gradients)
         return
@@ -139,7 +149,8 @@ def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> 
     plan = plans.get(low)  # by the addresses' alignment, which picks the copy width
     if plan is None:
         plan = plans[low] = backend.plan(
-            op, {n: None if t is None else _Raw(t) for n, t in named.items()}, params, ptrs)
+            op, {n: None if t is None else _Raw(t) for n, t in named.items()}, params, layout,
+            ptrs)
     device = named["q"].device
     # The workspace (decode splits, backward stats) from torch's allocator: ordered on torch's
     # stream, and kept by a CUDA graph that captures the call.
@@ -168,8 +179,8 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                    causal_offset: int, window: int, dropout_p: float, seed: Tensor,
                    scale: Optional[float], kv_lens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq])."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    mask = None if attn_mask is None else attn_mask.contiguous()
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    mask = attn_mask  # any strides: the kernels gather it through them
     lens = None if kv_lens is None else kv_lens.contiguous()
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
     B, Sq, H, _ = q.shape
@@ -203,9 +214,10 @@ def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                    dropout_p: float, seed: Tensor,
                    scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_q, grad_k, grad_v), given the forward's `out` and `lse` (never recomputed)."""
-    q, k, v, out, lse = (x.contiguous() for x in (q, k, v, out, lse))
-    grad_out = grad_out.contiguous().to(q.dtype)
-    mask = None if attn_mask is None else attn_mask.contiguous()
+    q, k, v, out = _rows(q), _rows(k), _rows(v), _rows(out)
+    lse = lse.contiguous()
+    grad_out = _rows(grad_out.to(q.dtype))
+    mask = attn_mask
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
     gq, gk, gv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     engine = _engine(q.device)
@@ -279,7 +291,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
     - `q`: `[B, Sq, H, D]`; `k`, `v`: `[B, Sk, Hkv, D]` (ferrocupy's layout, not SDPA's
       `[B, H, S, D]`: pass `x.transpose(1, 2)` to convert). float32, float16 or bfloat16, all
       one dtype, all on one device (CPU: the NumPy reference backend; CUDA: the kernels, on
-      torch's current stream). Non-contiguous inputs are copied to contiguous ones first.
+      torch's current stream). Any view with a contiguous last dimension is read in place
+      (`x.transpose(1, 2)` of SDPA's layout costs no copy); others are copied first.
     - `causal`, `causal_offset`, `window`: query `i` sits at position `i + causal_offset` and sees
       key `j` iff (`not causal` or `j <= i + causal_offset`) and (`window == 0` or
       `|i + causal_offset - j| < window`).
@@ -344,16 +357,17 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
         # the engine's own error, naming the tensor and its device
         return _attention_fwd(q, k, v, attn_mask, causal, causal_offset, window, dropout_p,
                               _seed_tensor(seed, dropout_p), scale, kv_lens)[0]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    mask = None if attn_mask is None else attn_mask.contiguous()
+    q, k, v = _rows(q), _rows(k), _rows(v)
     lens = None if kv_lens is None else kv_lens.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": None, "kv_lens": lens}
+    named = {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "lse": None,
+             "kv_lens": lens}
 
     def full():
         with _on_torch_stream(q.device):
             _engine(q.device).flash_attention_v2_with(_wrap(q), _wrap(k), _wrap(v), _wrap(out),
-                                                      opts, _wrap(mask), kv_lens=_wrap(lens))
+                                                      opts, _wrap(attn_mask),
+                                                      kv_lens=_wrap(lens))
 
     _cuda_call("forward", named, opts, full, fresh=("out",))
     return out

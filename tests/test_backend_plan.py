@@ -59,7 +59,7 @@ def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
     assert blocks == -(-4096 // v.block_rows) * 4 * 16
     assert threads == v.threads == 32 * v.warps + 128  # and a loading warpgroup
     assert smem == v.shared_bytes == fn.max_dynamic_shared_size_bytes
-    assert len(args) == len(v.args) + 2 and args[-2] == 8  # 16-byte copies
+    assert len(args) == len(v.args) + 3 and args[-3] == 8  # 16-byte copies (then mask kind, layout)
     b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     assert len(b.loader.compiled) == 1  # the second call reused the chosen kernel
     assert b.loader.compiled[0][3] == ("-arch=sm_90a",)
@@ -70,7 +70,7 @@ def test_unaligned_rows_or_another_gpu_take_the_mma_kernel():
     p = params(q, k)
     b = backend()
     fn, *_ , args = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16, offset=2), p)
-    assert fn.name == "flash_fwd_half" and args[-2] == 1  # element-wise copies
+    assert fn.name == "flash_fwd_half" and args[-3] == 1  # element-wise copies
     fn, *_ = backend(capability=80)._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     assert fn.name == "flash_fwd_half"
 

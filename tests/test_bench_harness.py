@@ -360,8 +360,8 @@ def test_pipeline_half_precision(cpu_pipeline, monkeypatch, case):
     backend = peers._ENGINE["engine"].backend
     seen = {"fwd": [], "bwd": []}
     fwd, bwd = backend.forward, backend.backward
-    monkeypatch.setattr(backend, "forward", lambda b, p: (seen["fwd"].append(b), fwd(b, p)))
-    monkeypatch.setattr(backend, "backward", lambda b, p: (seen["bwd"].append(b), bwd(b, p)))
+    monkeypatch.setattr(backend, "forward", lambda b, p, lay=None: (seen["fwd"].append(b), fwd(b, p, lay)))
+    monkeypatch.setattr(backend, "backward", lambda b, p, lay=None: (seen["bwd"].append(b), bwd(b, p, lay)))
     run = peers.CaseRun(case, l2_bytes=case.bytes)
     assert run.n_sets == 3
     assert all(str(x.dtype) == case.dtype for st in run.sets for x in st.values())

@@ -148,18 +148,27 @@ def test_torch_rope_in_place(torch, dev, rng):
     np.testing.assert_array_equal(x.cpu().numpy(), dev.get(want))
 
 
-def test_torch_non_contiguous_layout_is_an_error(torch, dev, rng):
-    """Torch's [B, H, S, D] transposed to [B, S, H, D] is a strided view: an error, not a wrong
-    answer (the engine needs C-contiguous data)."""
+def test_torch_sdpa_layout_is_read_in_place(torch, dev, rng):
+    """Torch's [B, H, S, D] transposed to [B, S, H, D] is a strided view: the engine reads it
+    through its strides (no copy) and writes a transposed output view in place, equal to the
+    contiguous call; a view whose last dimension is strided stays an error, nothing written."""
     g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**62)))
     q = torch.randn(2, 8, 33, 64, device="cuda", generator=g).transpose(1, 2)
-    k = torch.randn(2, 33, 8, 64, device="cuda", generator=g)
-    out = torch.full((2, 33, 8, 64), 7.0, device="cuda")
-    with pytest.raises(ValueError, match="contiguous"):
-        dev.engine.flash_attention_v2_with(UnifiedTensor(q), UnifiedTensor(k), UnifiedTensor(k),
-                                           UnifiedTensor(out))
+    k = torch.randn(2, 8, 33, 64, device="cuda", generator=g).transpose(1, 2)
+    out = torch.full((2, 8, 33, 64), float("nan"), device="cuda").transpose(1, 2)
+    dev.engine.flash_attention_v2_with(UnifiedTensor(q), UnifiedTensor(k), UnifiedTensor(k),
+                                       UnifiedTensor(out))
+    want = torch.full((2, 33, 8, 64), float("nan"), device="cuda")
+    dev.engine.flash_attention_v2_with(*(UnifiedTensor(x.contiguous()) for x in (q, k, k)),
+                                       UnifiedTensor(want))
     torch.cuda.synchronize()
-    assert bool((out == 7.0).all())
+    assert torch.equal(out, want)
+    bad = torch.full((2, 33, 8, 128), 7.0, device="cuda")[..., ::2]
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        dev.engine.flash_attention_v2_with(UnifiedTensor(q), UnifiedTensor(k), UnifiedTensor(k),
+                                           UnifiedTensor(bad))
+    torch.cuda.synchronize()
+    assert bool((bad == 7.0).all())
 
 
 # --- ferrocupy.torch on CUDA: the launch plans, streams, torch.compile, CUDA graphs ---------------

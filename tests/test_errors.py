@@ -415,20 +415,47 @@ def test_bad_mask_shape(eng, rng, mshape):
     assert untouched(*args[5:])
 
 
-# --- contiguity -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("which", ["q", "k", "out", "mask"])
-def test_non_contiguous(eng, rng, which):
+# --- layout: a contiguous last dimension, any other strides; outputs one place per element -------
+@pytest.mark.parametrize("which", ["q", "k", "out"])
+def test_strided_last_dimension(eng, rng, which):
     q, k, v, out = fwd_args(rng)
-    mask = np.zeros((1, 1, SQ, SK), np.float32)
-    args = dict(q=q, k=k, v=v, out=out, mask=mask)
-    wide = np.zeros(args[which].shape[:-1] + (2 * args[which].shape[-1],), np.float32)
+    args = dict(q=q, k=k, v=v, out=out)
+    wide = sentinel(args[which].shape[:-1] + (2 * args[which].shape[-1],))
     view = wide[..., ::2]
-    view[...] = args[which]
+    view[...] = args[which] if which != "out" else SENTINEL
     args[which] = view
-    with pytest.raises(ValueError, match=rf"{which} \(shape {esc(view.shape)}\) is not "
-                                         r"C-contiguous \(strides"):
-        eng.flash_attention_v2(args["q"], args["k"], args["v"], args["out"], mask=args["mask"])
-    assert untouched(out) and (which != "out" or untouched(wide[..., ::2]))
+    with pytest.raises(ValueError, match=rf"{which} \(shape {esc(view.shape)}, element strides "
+                                         r"\(\d+, \d+, \d+, 2\)\) must have a contiguous last "
+                                         r"dimension"):
+        eng.flash_attention_v2(args["q"], args["k"], args["v"], args["out"])
+    assert untouched(out) and (which != "out" or untouched(wide))
+
+
+@pytest.mark.parametrize("which", ["out", "grad_q", "grad_k"])
+def test_output_that_overlaps_itself(eng, rng, which):
+    """A broadcast (stride 0) output would have two elements in one place."""
+    args = dict(zip(("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v"),
+                    bwd_args(rng)))
+    one = sentinel((1,) + args[which].shape[1:])
+    view = np.lib.stride_tricks.as_strided(one, shape=args[which].shape,
+                                           strides=(0,) + one.strides[1:])
+    args[which] = view
+    with pytest.raises(ValueError, match=rf"{which} \(shape {esc(view.shape)}, element strides "
+                                         r"\(0, \d+, \d+, 1\)\) has elements that share memory"):
+        if which == "out":
+            eng.flash_attention_v2(args["q"], args["k"], args["v"], args["out"])
+        else:
+            eng.flash_attention_v2_backward(*(args[n] for n in (
+                "q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v")))
+    assert untouched(one)
+
+
+def test_lse_must_be_contiguous(eng, rng):
+    q, k, v, out = fwd_args(rng)
+    wide = sentinel((B, H, 2 * SQ))
+    with pytest.raises(ValueError, match=r"lse \(shape .*\) is not C-contiguous"):
+        eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(), lse=wide[..., ::2])
+    assert untouched(out, wide)
 
 
 def test_rope_non_contiguous(eng):

@@ -176,3 +176,31 @@ def test_scale_option_word(scale, d):
         assert w[:6] + w[7:] == seed[:6] + seed[7:]
         if scale is None:
             assert w == seed
+
+
+def test_layout_struct_is_the_headers_and_contiguous_layout_is_c_order():
+    """AttnLayout: 24 u64 words, (b, s, h) of q, k, v, out, grad_out, grad_q, grad_k, grad_v,
+    in ferro_params.cuh's order; a C-contiguous call's layout from the params alone equals the
+    one read off the tensors' strides (size-1 dims aside, which take 0)."""
+    from pathlib import Path
+
+    from ferrocupy import UnifiedTensor
+    from ferrocupy.params import ATTN_LAYOUT, LAYOUT_TENSORS, AttentionDims, contiguous_layout, \
+        layout_params
+
+    header = (Path(__file__).parents[1] / "ferrocupy/cuda/ferro_params.cuh").read_text()
+    assert "struct AttnLayout { Strides " + ", ".join(LAYOUT_TENSORS) + "; };" in header
+    assert ATTN_LAYOUT.itemsize == 192 and ATTN_LAYOUT.names[:3] == ("q_b", "q_s", "q_h")
+    B, Sq, Sk, H, Hkv, D = 2, 5, 7, 6, 3, 16
+    q = UnifiedTensor(np.zeros((B, Sq, H, D), np.float32))
+    k = UnifiedTensor(np.zeros((B, Sk, Hkv, D), np.float32))
+    tensors = dict(q=q, k=k, v=k, out=q, grad_out=q, grad_q=q, grad_k=k, grad_v=k)
+    dims = AttentionDims.new(q, k)
+    from ferrocupy import AttentionOptions
+
+    for p in (dims.params(AttentionOptions()), dims.params_bwd(AttentionOptions())):
+        assert contiguous_layout(p).tobytes() == layout_params(tensors).tobytes()
+    t = UnifiedTensor(np.zeros((B, H, Sq, D), np.float32).transpose(0, 2, 1, 3))
+    lay = layout_params({"q": t})
+    assert (int(lay["q_b"]), int(lay["q_s"]), int(lay["q_h"])) == (H * Sq * D, D, Sq * D)
+    assert int(lay["k_b"]) == 0  # absent

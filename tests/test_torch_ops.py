@@ -167,11 +167,17 @@ def test_bool_mask_is_sdpa_convention(gen):
                        ft.attention(q, k, v, attn_mask=additive))
 
 
-def test_non_contiguous_inputs_are_copied(gen):
-    """Torch-layout [B, H, S, D] tensors passed as transposed views, and a non-contiguous grad."""
+def test_non_contiguous_inputs(gen, monkeypatch):
+    """Torch-layout [B, H, S, D] tensors passed as transposed views (read in place, through
+    their strides: no copy), and a non-contiguous grad."""
     q, k, v = _qkv(gen)
     qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+    wrapped = []
+    real_wrap = ft._wrap
+    monkeypatch.setattr(ft, "_wrap", lambda t: wrapped.append(t) or real_wrap(t))
     out = ft.attention(qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2), causal=True)
+    assert [t.data_ptr() for t in wrapped[:3]] == [x.data_ptr() for x in (qt, kt, vt)]
+    assert not wrapped[0].is_contiguous()  # the view itself went to the engine
     go = _randn(gen, 2, 4, 7, 16)
     out.backward(go.transpose(1, 2))
     want, grads = _grads(lambda q, k, v: ft.attention(q, k, v, causal=True), (q, k, v),
@@ -179,6 +185,15 @@ def test_non_contiguous_inputs_are_copied(gen):
     assert torch.equal(out, want)
     for x, g in zip((qt, kt, vt), grads):
         assert torch.equal(x.grad.transpose(1, 2), g)
+
+
+def test_a_strided_last_dimension_is_copied_first(gen):
+    """Every other element of a wider tensor: the kernels need a contiguous last dimension, so
+    the op copies it (and the answer is the contiguous one's)."""
+    q, k, v = _qkv(gen)
+    wide = torch.zeros(q.shape[:-1] + (2 * q.shape[-1],))
+    wide[..., ::2] = q
+    assert torch.equal(ft.attention(wide[..., ::2], k, v), ft.attention(q, k, v))
 
 
 def test_bfloat16_close_to_float32(gen):
@@ -427,7 +442,7 @@ def test_the_cuda_fast_path_checks_once_and_launches_from_addresses(gen, monkeyp
     plans = []
 
     class Recorder:
-        def plan(self, op, buffers, params, ptrs):
+        def plan(self, op, buffers, params, layout, ptrs):
             plans.append((op, {n: b and b.dtype for n, b in buffers.items()}))
             return op
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
+from ..params import LAYOUT_TENSORS, contiguous_layout
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
 from .loader import KernelLoader
@@ -80,21 +81,22 @@ class CudaBackend:
                                       configs.rope_defines(x.dtype))
             fn((blocks,), (threads,), (x, np.uint64(tokens), params))
 
-    def forward(self, buffers: dict, params: np.void, stream: int | None = None,
-                alloc=None) -> None:
+    def forward(self, buffers: dict, params: np.void, layout: np.void | None = None,
+                stream: int | None = None, alloc=None) -> None:
         """The attention forward (or the decode kernels) on `stream` (a CUstream handle; default
-        CuPy's current stream). `buffers` need only `.dtype` and `.data.ptr`. `alloc(shape)`, if
-        given, makes each call's float32 workspace (a torch tensor, say: the caller's allocator
-        then orders it by stream, and a CUDA graph capture keeps it)."""
-        self._run("forward", buffers, params, stream, alloc)
+        CuPy's current stream). `buffers` need only `.dtype` and `.data.ptr`; `layout` (the
+        packed AttnLayout) gives their strides (None: C-contiguous). `alloc(shape)`, if given,
+        makes each call's float32 workspace (a torch tensor, say: the caller's allocator then
+        orders it by stream, and a CUDA graph capture keeps it)."""
+        self._run("forward", buffers, params, layout, stream, alloc)
 
-    def backward(self, buffers: dict, params: np.void, stream: int | None = None,
-                 alloc=None) -> None:
+    def backward(self, buffers: dict, params: np.void, layout: np.void | None = None,
+                 stream: int | None = None, alloc=None) -> None:
         """dQ (and each row's [Delta, LSE] into the stats workspace), then dK/dV from the
         stats."""
-        self._run("backward", buffers, params, stream, alloc)
+        self._run("backward", buffers, params, layout, stream, alloc)
 
-    def _run(self, op: str, buffers: dict, params: np.void, stream, alloc) -> None:
+    def _run(self, op: str, buffers: dict, params: np.void, layout, stream, alloc) -> None:
         """Run the plan of (op, params, dtypes, which buffers are given, their alignment), made
         on first use: every launch of it is compiled and checked before any runs, so nothing is
         written if one cannot run. Its workspace (the decode splits' partial results, the
@@ -102,25 +104,30 @@ class CudaBackend:
         by every call on it (stream order keeps those calls apart)."""
         if self.xp.cuda.runtime.getDevice() != self._id:  # CuPy's current stream is per device
             with self.xp.cuda.Device(self._id):
-                return self._run(op, buffers, params, stream, alloc)
+                return self._run(op, buffers, params, layout, stream, alloc)
         ptrs = _pointers(buffers)
         if stream is None:
             stream = self.xp.cuda.get_current_stream().ptr
-        self.run_plan(self.plan(op, buffers, params, ptrs), ptrs, stream, alloc)
+        self.run_plan(self.plan(op, buffers, params, layout, ptrs), ptrs, stream, alloc)
 
-    def plan(self, op: str, buffers: dict, params: np.void, ptrs: dict | None = None) -> Plan:
-        """The plan of `op` for these params, dtypes, absent buffers and addresses' alignment
-        (`ptrs`: the buffers' addresses, if already read), made and checked on first use."""
+    def plan(self, op: str, buffers: dict, params: np.void, layout: np.void | None = None,
+             ptrs: dict | None = None) -> Plan:
+        """The plan of `op` for these params, layout, dtypes, absent buffers and addresses'
+        alignment (`ptrs`: the buffers' addresses, if already read), made and checked on first
+        use."""
         if ptrs is None:
             ptrs = _pointers(buffers)
-        key = (op, params.tobytes(), buffers["q"].dtype, _dtype_or_none(buffers.get("mask")),
+        if layout is None:
+            layout = contiguous_layout(params)
+        key = (op, params.tobytes(), layout.tobytes(), buffers["q"].dtype,
+               _dtype_or_none(buffers.get("mask")),
                tuple(n for n, x in buffers.items() if x is None), alignment(ptrs))
         plan = self._plans.get(key)
         if plan is None:
             if self.xp.cuda.runtime.getDevice() != self._id:
                 with self.xp.cuda.Device(self._id):
-                    return self.plan(op, buffers, params, ptrs)
-            plan = self._make_plan(op, buffers, params)
+                    return self.plan(op, buffers, params, layout, ptrs)
+            plan = self._make_plan(op, buffers, params, layout)
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
             self._plans[key] = plan
@@ -149,21 +156,22 @@ class CudaBackend:
         plan.run(ptrs, stream)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
-    def _make_plan(self, op: str, buffers: dict, params: np.void) -> Plan:
+    def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void) -> Plan:
         slots = set(buffers)
         if op == "forward":
             if configs.decode_wanted(params):
-                launches, workspace = self._plan_decode(buffers, params, slots)
+                launches, workspace = self._plan_decode(buffers, params, slots, layout)
             else:
-                launches, workspace = [self._plan(configs.FORWARD, buffers, params, slots)], {}
+                launches = [self._plan(configs.FORWARD, buffers, params, slots, layout)]
+                workspace = {}
         else:
             rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
             workspace = {"stats": (rows, 2)}
             bufs = dict(buffers, stats=Slot("stats"))
-            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, slots | {"stats"})]
+            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, slots | {"stats"}, layout)]
             if int(params["seq_k"]):
                 launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params,
-                                           slots | {"stats"}))
+                                           slots | {"stats"}, layout))
         return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params,))
                      for fn, blocks, threads, smem, args in launches], workspace)
 
@@ -173,14 +181,16 @@ class CudaBackend:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
                               self.capability, copy_bytes, rows)
 
-    def _plan(self, op: str, buffers: dict, params, slots=()):
+    def _plan(self, op: str, buffers: dict, params, slots=(), layout=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; the
         buffers named in `slots` become `Slot`s (filled in on each run), the others are passed
-        as they are."""
+        as they are. `layout`: the buffers' strides (None: C-contiguous)."""
+        if layout is None:
+            layout = contiguous_layout(params)
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
-        data = [buffers[a] for a in configs.ARGS[op] if a not in _NOT_ROWS]
-        vec = _copy_width(dtype, d, data)
+        names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
+        vec = _copy_width(dtype, d, [buffers[a] for a in names], _strides(layout, names))
         v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize)
         smem = v.shared_bytes
         blocks = v.blocks(params)
@@ -190,15 +200,17 @@ class CudaBackend:
         args = tuple(NULL if buffers.get(a) is None else Slot(a) if a in slots else buffers[a]
                      for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
-        return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind)
+        return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
 
-    def _plan_decode(self, buffers: dict, params, slots=()) -> tuple[list, dict]:
+    def _plan_decode(self, buffers: dict, params, slots=(), layout=None) -> tuple[list, dict]:
         """The decode kernel over (batch, KV head, split) blocks, then (with more than one split,
         or the tiles design, which always leaves its result in the workspace) the combine. Every
         launch is planned (compiled, checked) before any runs."""
+        if layout is None:
+            layout = contiguous_layout(params)
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
-        vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]])
+        vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]], _strides(layout, ("k", "v")))
         group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows)
         pairs = int(params["batch"]) * int(params["kv_heads"])
@@ -228,7 +240,7 @@ class CudaBackend:
 
         args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, opt("out"),
                 opt("lse"), opt("mask"), opt("kv_lens"), np.uint32(splits),
-                np.uint32(split_keys), np.uint32(vec), mask_kind)
+                np.uint32(split_keys), np.uint32(vec), mask_kind, layout)
         launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
         if combined:
             combine = self._kernels.get(v)
@@ -236,7 +248,7 @@ class CudaBackend:
                 combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
                                                                   v.defines, v.options)
             launches.append((combine, rows, configs.COMBINE_THREADS, 0,
-                             (part_o, part_ml, opt("out"), opt("lse"), np.uint32(splits))))
+                             (part_o, part_ml, opt("out"), opt("lse"), np.uint32(splits), layout)))
         return launches, workspace
 
     def _resident(self, fn, v: configs.Variant) -> int:
@@ -268,14 +280,21 @@ class CudaBackend:
             fn((blocks,), (threads,), args + (params,), shared_mem=smem)
 
 
-def _copy_width(dtype: np.dtype, d: int, arrays) -> int:
-    """Elements per global load of a tile row: 16 bytes when head_dim and every row allow it,
+def _copy_width(dtype: np.dtype, d: int, arrays, strides=()) -> int:
+    """Elements per global load of a tile row: 16 bytes when head_dim and every row allow it
+    (each array's address and every row stride in `strides`, in elements, a multiple of it),
     else 4 bytes, else one element (a half-precision head_dim that is odd)."""
     size = dtype.itemsize
     for width in (16 // size, 4 // size):
-        if width and d % width == 0 and all(a.data.ptr % (width * size) == 0 for a in arrays):
+        if width and d % width == 0 and all(a.data.ptr % (width * size) == 0 for a in arrays) \
+                and all(st % width == 0 for st in strides):
             return width
     return 1
+
+
+def _strides(layout: np.void, names) -> list:
+    """The row strides (batch, seq, head) of the named buffers that `layout` describes."""
+    return [int(layout[f"{n}_{c}"]) for n in names if n in LAYOUT_TENSORS for c in "bsh"]
 
 
 def alignment(ptrs: dict) -> int:

@@ -6,6 +6,7 @@
 #pragma once
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
+#include "ferro_visibility.cuh"
 
 #ifdef FERRO_BF16
 #include "ferro_mma_f16.cuh"  // widen, round1
@@ -32,6 +33,17 @@ __device__ __forceinline__ void load16(const T* src, float (&f)[4]) {
 }
 #endif
 
+// A split's keys [j_lo, j_hi): split * split_keys on, clipped to what some row of the call can
+// see and to the reach (past it nothing is read).
+__device__ __forceinline__ void split_keys_range(const AttnShape& s, u32 split, u32 split_keys,
+                                                 long long& j_lo, long long& j_hi) {
+    long long lo, hi;
+    visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, lo, hi);
+    if (hi > s.kv_reach) hi = s.kv_reach;
+    j_lo = max(lo, (long long)split * split_keys);
+    j_hi = min(hi, (long long)(split + 1) * split_keys);
+}
+
 // One block of COMBINE_THREADS per output row (b, h, i): the splits' weights exp(m_s - M) once,
 // into shared memory (threads across splits), then each thread a column of O over every split
 // (independent loads, coalesced across the row); writes out (rounded once) and lse. At most
@@ -56,7 +68,7 @@ __device__ __forceinline__ float block_reduce(float x, bool is_max, float* scrat
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                      T* __restrict__ out, float* __restrict__ lse, const u32 splits,
-                     const FlashV2Params p) {
+                     const AttnLayout lay, const FlashV2Params p) {
     __shared__ float weight[FERRO_MAX_SPLITS];
     __shared__ float scratch[COMBINE_THREADS / 32];
     const u64 rows_total = (u64)p.batch * p.heads * p.seq_q, row = blockIdx.x;
@@ -77,7 +89,7 @@ flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__
     const float keep_scale = p.dropout_prob > 0.f ? 1.f / (1.f - p.dropout_prob) : 1.f;
     const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
     const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
-    T* orow = out + ((u64)b * p.seq_q + i) * p.heads * D + (u64)h * D;
+    T* orow = out + (u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h;
     for (int d = tid; d < D; d += COMBINE_THREADS) {
         const float* col = part_o + row * FERRO_HEAD_DIM + d;
         float acc = 0.f;

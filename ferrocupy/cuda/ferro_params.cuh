@@ -36,7 +36,20 @@ struct FlashBwdParams {
     u32 window, pad0, pad1, pad2;
 };
 
+// The second struct beside the seed's (params.py's ATTN_LAYOUT): element strides of every
+// [batch, seq, heads, head_dim] tensor of a call, whose last dimension is contiguous (a
+// transposed or sliced view is addressed as it is, never copied). Absent tensors: zeros.
+struct Strides { u64 b, s, h; };
+struct AttnLayout { Strides q, k, v, out, grad_out, grad_q, grad_k, grad_v; };
+
+// Where one (batch, head)'s rows start in a tensor, and the elements from one row to the next.
+struct Rows { u64 off, stride; };
+__device__ __forceinline__ Rows rows_of(const Strides& t, u32 b, u32 h) {
+    return Rows{(u64)b * t.b + (u64)h * t.h, t.s};
+}
+
 static_assert(sizeof(RopeParams) == 32, "RopeParams is 8 words");
+static_assert(sizeof(AttnLayout) == 192, "AttnLayout is 24 u64 strides");
 static_assert(sizeof(FlashV2Params) == 80, "FlashV2Params is 20 words");
 static_assert(sizeof(FlashBwdParams) == 80, "FlashBwdParams is 20 words");
 

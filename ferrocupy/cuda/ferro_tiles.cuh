@@ -21,8 +21,7 @@ struct QueryTile {
     u32 bh, b, h, hk;
     long long m0, m_last;     // first row, last valid row
     long long row0;           // this thread's first row: its warp's first row + g
-    u64 q_stride, kv_stride;  // elements between consecutive rows of q/out and of k/v
-    u64 q_off, kv_off;        // where (b, h, row 0) starts in q/out, (b, hk, row 0) in k/v
+    Rows q, o, k, v;          // (b, h)'s rows of q and out, (b, hk)'s of k and v
 
     // Row of accumulator element (m-tile mt, half rr: c0/c1 or c2/c3).
     __device__ __forceinline__ long long row(int mt, int rr) const {
@@ -33,7 +32,7 @@ struct QueryTile {
 // A 1-D grid over (batch*heads) x query tiles of BM rows in block_coords order, the last tiles
 // (under causal masking, those that see the most keys) first. Each warp owns 16*MT rows.
 template <int BM, int MT>
-__device__ __forceinline__ QueryTile query_tile(const AttnShape& s, Lane L) {
+__device__ __forceinline__ QueryTile query_tile(const AttnShape& s, const AttnLayout& lay, Lane L) {
     QueryTile t;
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
     u32 rank;
@@ -44,10 +43,10 @@ __device__ __forceinline__ QueryTile query_tile(const AttnShape& s, Lane L) {
     t.m0 = (long long)(q_tiles - 1 - rank) * BM;
     t.m_last = min((long long)s.seq_q, t.m0 + BM) - 1;
     t.row0 = t.m0 + (threadIdx.x >> 5) * 16 * MT + L.g;
-    t.q_stride = (u64)s.heads * s.head_dim;
-    t.kv_stride = (u64)s.kv_heads * s.head_dim;
-    t.q_off = ((u64)t.b * s.seq_q * s.heads + t.h) * s.head_dim;
-    t.kv_off = ((u64)t.b * s.seq_k * s.kv_heads + t.hk) * s.head_dim;
+    t.q = rows_of(lay.q, t.b, t.h);
+    t.o = rows_of(lay.out, t.b, t.h);
+    t.k = rows_of(lay.k, t.b, t.hk);
+    t.v = rows_of(lay.v, t.b, t.hk);
     return t;
 }
 

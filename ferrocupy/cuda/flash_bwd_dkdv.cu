@@ -24,7 +24,7 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
                       const float* __restrict__ v, const float* __restrict__ grad_out,
                       float* __restrict__ grad_k, float* __restrict__ grad_v,
                       const void* __restrict__ mask, const float* __restrict__ stats,
-                      const u32 vec, const u32 mask_kind, const FlashBwdParams p) {
+                      const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
     extern __shared__ __align__(16) float smem[];
     float* sK = smem;               // [BK][PITCH]
     float* sV = sK + BK * PITCH;    // [BK][PITCH]
@@ -41,10 +41,10 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
     const long long k0 = (long long)tile * BK;
     const long long keys[2] = {k0 + warp * 16 + L.g, k0 + warp * 16 + L.g + 8};
 
-    const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
-    const u64 kv_off = ((u64)b * s.seq_k * s.kv_heads + hk) * D;
-    load_tile<float, BK, DP, PITCH, THREADS>(sK, k + kv_off, kv_stride, k0, s.kv_reach, D, vec);
-    load_tile<float, BK, DP, PITCH, THREADS>(sV, v + kv_off, kv_stride, k0, s.kv_reach, D, vec);
+    const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
+    const Rows gk_rows = rows_of(lay.grad_k, b, hk), gv_rows = rows_of(lay.grad_v, b, hk);
+    load_tile<float, BK, DP, PITCH, THREADS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D, vec);
+    load_tile<float, BK, DP, PITCH, THREADS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D, vec);
     const float* sKw = sK + warp * 16 * PITCH;
     const float* sVw = sV + warp * 16 * PITCH;
 
@@ -70,14 +70,14 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
     auto load_q = [&](int t) {
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
-        const float* qh = q + ((u64)b * s.seq_q * s.heads + h) * D;
-        load_tile<float, BQ, DP, PITCH, THREADS>(sQ, qh, q_stride, i0, s.seq_q, D, vec);
+        const Rows rq = rows_of(lay.q, b, h);
+        load_tile<float, BQ, DP, PITCH, THREADS>(sQ, q + rq.off, rq.stride, i0, s.seq_q, D, vec);
     };
     auto load_do = [&](int t) {
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
-        const float* gh = grad_out + ((u64)b * s.seq_q * s.heads + h) * D;
-        load_tile<float, BQ, DP, PITCH, THREADS>(sdO, gh, q_stride, i0, s.seq_q, D, vec);
+        const Rows rdo = rows_of(lay.grad_out, b, h);
+        load_tile<float, BQ, DP, PITCH, THREADS>(sdO, grad_out + rdo.off, rdo.stride, i0, s.seq_q, D, vec);
         const float* st = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
         for (int idx = threadIdx.x; idx < 2 * BQ; idx += THREADS) {
             const bool ok = i0 + idx / 2 < s.seq_q;  // rows past the end: never visible
@@ -136,8 +136,8 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
     for (int rr = 0; rr < 2; ++rr) {
         const long long j = keys[rr];
         if (j >= s.seq_k) continue;
-        float* gk = grad_k + kv_off + (u64)j * kv_stride;
-        float* gv = grad_v + kv_off + (u64)j * kv_stride;
+        float* gk = grad_k + gk_rows.off + (u64)j * gk_rows.stride;
+        float* gv = grad_v + gv_rows.off + (u64)j * gv_rows.stride;
 #pragma unroll
         for (int nd = 0; nd < KS; ++nd)
 #pragma unroll

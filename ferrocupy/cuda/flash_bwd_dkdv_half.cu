@@ -26,7 +26,7 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
                     const u16* __restrict__ v, const u16* __restrict__ grad_out,
                     u16* __restrict__ grad_k, u16* __restrict__ grad_v,
                     const void* __restrict__ mask, const float* __restrict__ stats,
-                    const u32 vec, const u32 mask_kind, const FlashBwdParams p) {
+                    const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
     extern __shared__ __align__(16) u16 smem_h[];
     u16* sK = smem_h;              // [BK][PITCH]
     u16* sV = sK + BK * PITCH;     // [BK][PITCH]
@@ -44,10 +44,10 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
     const long long k0 = (long long)tile * BK;
     const long long key0 = k0 + warp * 16 * MT + L.g;  // + 16 mt + 8 rr
 
-    const u64 q_stride = (u64)s.heads * D, kv_stride = (u64)s.kv_heads * D;
-    const u64 kv_off = ((u64)b * s.seq_k * s.kv_heads + hk) * D;
-    load_tile<u16, BK, DP, PITCH, THREADS>(sK, k + kv_off, kv_stride, k0, s.kv_reach, D, vec);
-    load_tile<u16, BK, DP, PITCH, THREADS>(sV, v + kv_off, kv_stride, k0, s.kv_reach, D, vec);
+    const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
+    const Rows gk_rows = rows_of(lay.grad_k, b, hk), gv_rows = rows_of(lay.grad_v, b, hk);
+    load_tile<u16, BK, DP, PITCH, THREADS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D, vec);
+    load_tile<u16, BK, DP, PITCH, THREADS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D, vec);
     const u16* sKw = sK + warp * 16 * MT * PITCH;
     const u16* sVw = sV + warp * 16 * MT * PITCH;
 
@@ -75,14 +75,14 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
     auto load_q = [&](int t) {
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
-        const u16* qh = q + ((u64)b * s.seq_q * s.heads + h) * D;
-        load_tile<u16, BQ, DP, PITCH, THREADS>(sQ, qh, q_stride, i0, s.seq_q, D, vec);
+        const Rows rq = rows_of(lay.q, b, h);
+        load_tile<u16, BQ, DP, PITCH, THREADS>(sQ, q + rq.off, rq.stride, i0, s.seq_q, D, vec);
     };
     auto load_do = [&](int t) {
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
-        const u16* gh = grad_out + ((u64)b * s.seq_q * s.heads + h) * D;
-        load_tile<u16, BQ, DP, PITCH, THREADS>(sdO, gh, q_stride, i0, s.seq_q, D, vec);
+        const Rows rdo = rows_of(lay.grad_out, b, h);
+        load_tile<u16, BQ, DP, PITCH, THREADS>(sdO, grad_out + rdo.off, rdo.stride, i0, s.seq_q, D, vec);
         const float* st = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
         for (int idx = threadIdx.x; idx < 2 * BQ; idx += THREADS) {
             const bool ok = i0 + idx / 2 < s.seq_q;  // rows past the end: never visible
@@ -157,8 +157,8 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
         for (int rr = 0; rr < 2; ++rr) {
             const long long j = key0 + 16 * mt + 8 * rr;
             if (j >= s.seq_k) continue;
-            u16* gk = grad_k + kv_off + (u64)j * kv_stride;
-            u16* gv = grad_v + kv_off + (u64)j * kv_stride;
+            u16* gk = grad_k + gk_rows.off + (u64)j * gk_rows.stride;
+            u16* gv = grad_v + gv_rows.off + (u64)j * gv_rows.stride;
 #pragma unroll
             for (int nd = 0; nd < DT; ++nd) {
                 const int d = nd * 8 + 2 * L.t;

@@ -25,7 +25,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                     const float* __restrict__ grad_out, float* __restrict__ grad_q,
                     const void* __restrict__ mask, float* __restrict__ stats,
                     const float* __restrict__ lse_in, const u32 vec, const u32 mask_kind,
-                    const FlashBwdParams p) {
+                    const AttnLayout lay, const FlashBwdParams p) {
     extern __shared__ __align__(16) float smem[];
     float* sQ = smem;               // [BM][PITCH]
     float* sdO = sQ + BM * PITCH;   // [BM][PITCH]
@@ -35,16 +35,16 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    const QueryTile T = query_tile<BM, 1>(s, L);
+    const QueryTile T = query_tile<BM, 1>(s, lay, L);
     const u32 bh = T.bh;
     const long long m0 = T.m0;
     const long long rows[2] = {T.row(0, 0), T.row(0, 1)};
-    const u64 q_stride = T.q_stride, kv_stride = T.kv_stride, q_off = T.q_off;
-    const float* kb = k + T.kv_off;
-    const float* vb = v + T.kv_off;
+    const Rows dO = rows_of(lay.grad_out, T.b, T.h), dQ = rows_of(lay.grad_q, T.b, T.h);
+    const float* kb = k + T.k.off;
+    const float* vb = v + T.v.off;
 
-    load_tile<float, BM, DP, PITCH, THREADS>(sQ, q + q_off, q_stride, m0, s.seq_q, D, vec);
-    load_tile<float, BM, DP, PITCH, THREADS>(sdO, grad_out + q_off, q_stride, m0, s.seq_q, D, vec);
+    load_tile<float, BM, DP, PITCH, THREADS>(sQ, q + T.q.off, T.q.stride, m0, s.seq_q, D, vec);
+    load_tile<float, BM, DP, PITCH, THREADS>(sdO, grad_out + dO.off, dO.stride, m0, s.seq_q, D, vec);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -58,7 +58,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         float acc = 0.f;
         const long long i = rows[rr];
         if (i < s.seq_q) {
-            const float* orow = out + q_off + (u64)i * q_stride;
+            const float* orow = out + T.o.off + (u64)i * T.o.stride;
             for (int d = L.t; d < D; d += 4) acc += sdOw[(L.g + 8 * rr) * PITCH + d] * orow[d];
         }
         delta[rr] = quad_sum(acc);
@@ -77,14 +77,14 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         // sV double-buffer it: tile j+1 loads while tile j is multiplied.
         float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
         if (n_tiles > 0)
-            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
+            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j_first, s.kv_reach, D, vec);
         cp_async_commit();
         for (int it = 0; it < n_tiles; ++it) {
             const long long j0 = j_first + (long long)it * BN;
             cp_async_wait<0>();
             __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
             if (it + 1 < n_tiles)
-                load_tile<float, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, kv_stride,
+                load_tile<float, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, T.k.stride,
                                                              j0 + BN, s.kv_reach, D, vec);
             cp_async_commit();
             float sc[NT][4];
@@ -117,10 +117,10 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
 
     // V_{j+1} loads while S, dS and dQ use K_j; K_{j+1} loads while dP uses V_{j+1}.
     if (n_tiles > 0)
-        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_first, s.kv_reach, D, vec);
+        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, T.v.stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
     if (n_tiles > 0)
-        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
+        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
@@ -130,7 +130,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         float sc[NT][4], dp[NT][4];
         gemm_abt<NT, KS, PITCH>(sdOw, sV, L, dp);
         __syncthreads();  // every warp is done with V_j
-        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0 + BN, s.kv_reach, D, vec);
+        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, T.v.stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed
@@ -156,7 +156,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
         }
         gemm_acc_ab<NT, KS, PITCH>(sc, sK, L, dq);
         __syncthreads();  // every warp is done with K_j
-        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.kv_reach, D, vec);
+        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
     }
 
@@ -164,7 +164,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
     for (int rr = 0; rr < 2; ++rr) {
         const long long i = rows[rr];
         if (i >= s.seq_q) continue;
-        float* grow = grad_q + q_off + (u64)i * q_stride;
+        float* grow = grad_q + dQ.off + (u64)i * dQ.stride;
 #pragma unroll
         for (int nd = 0; nd < KS; ++nd)
 #pragma unroll

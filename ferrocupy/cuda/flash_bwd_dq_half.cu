@@ -24,7 +24,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   const u16* __restrict__ out, const u16* __restrict__ grad_out,
                   u16* __restrict__ grad_q, const void* __restrict__ mask,
                   float* __restrict__ stats, const float* __restrict__ lse_in, const u32 vec,
-                  const u32 mask_kind, const FlashBwdParams p) {
+                  const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
     extern __shared__ __align__(16) u16 smem_h[];
     u16* sQ = smem_h;              // [BM][PITCH]
     u16* sdO = sQ + BM * PITCH;    // [BM][PITCH]
@@ -34,13 +34,13 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    const QueryTile T = query_tile<BM, MT>(s, L);
-    const u64 kv_stride = T.kv_stride;
-    const u16* kb = k + T.kv_off;
-    const u16* vb = v + T.kv_off;
+    const QueryTile T = query_tile<BM, MT>(s, lay, L);
+    const Rows dO = rows_of(lay.grad_out, T.b, T.h), dQ = rows_of(lay.grad_q, T.b, T.h);
+    const u16* kb = k + T.k.off;
+    const u16* vb = v + T.v.off;
 
-    load_tile<u16, BM, DP, PITCH, THREADS>(sQ, q + T.q_off, T.q_stride, T.m0, s.seq_q, D, vec);
-    load_tile<u16, BM, DP, PITCH, THREADS>(sdO, grad_out + T.q_off, T.q_stride, T.m0, s.seq_q, D, vec);
+    load_tile<u16, BM, DP, PITCH, THREADS>(sQ, q + T.q.off, T.q.stride, T.m0, s.seq_q, D, vec);
+    load_tile<u16, BM, DP, PITCH, THREADS>(sdO, grad_out + dO.off, dO.stride, T.m0, s.seq_q, D, vec);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -56,7 +56,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
             float acc = 0.f;
             const long long i = T.row(mt, rr);
             if (i < s.seq_q) {
-                const u16* orow = out + T.q_off + (u64)i * T.q_stride;
+                const u16* orow = out + T.o.off + (u64)i * T.o.stride;
                 const u16* drow = sdOw + (16 * mt + 8 * rr + L.g) * PITCH;
                 for (int d = L.t; d < D; d += 4) acc += widen(drow[d]) * widen(orow[d]);
             }
@@ -81,14 +81,14 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         float m_run[MT][2], l_run[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf(), l_run[mt][0] = l_run[mt][1] = 0.f;
-        if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
+        if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j_first, s.kv_reach, D, vec);
         cp_async_commit();
         for (int it = 0; it < n_tiles; ++it) {
             const long long j0 = j_first + (long long)it * BN;
             cp_async_wait<0>();
             __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
             if (it + 1 < n_tiles)
-                load_tile<u16, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, kv_stride, j0 + BN,
+                load_tile<u16, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, T.k.stride, j0 + BN,
                                                        s.kv_reach, D, vec);
             cp_async_commit();
             float sc[MT][NT][4];
@@ -130,9 +130,9 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         for (int nd = 0; nd < DT; ++nd) dq[mt][nd][0] = dq[mt][nd][1] = dq[mt][nd][2] = dq[mt][nd][3] = 0.f;
 
     // V_{j+1} loads while S, dS and dQ use K_j; K_{j+1} loads while dP uses V_{j+1}.
-    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j_first, s.kv_reach, D, vec);
+    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, T.v.stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
-    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
+    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
@@ -142,7 +142,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         float sc[MT][NT][4], dpr[MT][NT][4];
         gemm_abt<MT, NT, DP, PITCH>(sdOw, sV, dpr);
         __syncthreads();  // every warp is done with V_j
-        if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0 + BN, s.kv_reach, D, vec);
+        if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, T.v.stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed
@@ -174,7 +174,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         }
         gemm_acc_ab<MT, NT, DP, PITCH>(sc, sK, dq);  // sc holds dS
         __syncthreads();  // every warp is done with K_j
-        if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.kv_reach, D, vec);
+        if (more) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
     }
 
@@ -184,7 +184,7 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
         for (int rr = 0; rr < 2; ++rr) {
             const long long i = T.row(mt, rr);
             if (i >= s.seq_q) continue;
-            u16* grow = grad_q + T.q_off + (u64)i * T.q_stride;
+            u16* grow = grad_q + dQ.off + (u64)i * dQ.stride;
 #pragma unroll
             for (int nd = 0; nd < DT; ++nd) {
                 const int d = nd * 8 + 2 * L.t;

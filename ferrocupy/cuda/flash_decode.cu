@@ -37,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
              float* __restrict__ lse, const void* __restrict__ mask, const int* __restrict__ kv_lens, const u32 splits,
-             const u32 split_keys, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+             const u32 split_keys, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     T* sK = reinterpret_cast<T*>(smem_d);      // [STAGES][BN][PITCH]
     T* sV = sK + STAGES * KV_ELEMS;            // [STAGES][BN][PITCH]
@@ -57,16 +57,12 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     const u32 G = s.heads / s.kv_heads;
     const int R = (int)(G * s.seq_q);  // row r: head hk * G + r / seq_q, query r % seq_q
     const int D = s.head_dim, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const u64 kv_stride = (u64)s.kv_heads * D;
-    const T* kb = k + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
-    const T* vb = v + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+    const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
+    const T* kb = k + rk.off;
+    const T* vb = v + rv.off;
 
-    // This split's keys, clipped to what some row can see.
-    long long lo, hi;
-    visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, lo, hi);
-    if (hi > s.kv_reach) hi = s.kv_reach;
-    const long long j_lo = max(lo, (long long)split * split_keys);
-    const long long j_hi = min(hi, (long long)(split + 1) * split_keys);
+    long long j_lo, j_hi;
+    split_keys_range(s, split, split_keys, j_lo, j_hi);
     const int n_tiles = j_hi > j_lo ? (int)((j_hi - j_lo + BN - 1) / BN) : 0;
 
     for (int idx = tid; idx < ROWS * DP; idx += THREADS) {  // Q, scaled, zero past D and R
@@ -74,7 +70,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         float x = 0.f;
         if (r < R && d < D) {
             const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
-            x = to_f(q[((u64)b * s.seq_q + i) * s.heads * D + (u64)h * D + d]) * s.scale;
+            x = to_f(q[(u64)b * lay.q.b + (u64)i * lay.q.s + (u64)h * lay.q.h + d]) * s.scale;
         }
         sQ[idx] = x;
     }
@@ -92,9 +88,9 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     auto load_kv = [&](int t) {
         if (t < n_tiles) {
             const long long j = j_lo + (long long)t * BN;
-            load_tile<T, BN, DP, PITCH, THREADS>(sK + (t % STAGES) * KV_ELEMS, kb, kv_stride, j,
+            load_tile<T, BN, DP, PITCH, THREADS>(sK + (t % STAGES) * KV_ELEMS, kb, rk.stride, j,
                                                  j_hi, D, vec);
-            load_tile<T, BN, DP, PITCH, THREADS>(sV + (t % STAGES) * KV_ELEMS, vb, kv_stride, j,
+            load_tile<T, BN, DP, PITCH, THREADS>(sV + (t % STAGES) * KV_ELEMS, vb, rv.stride, j,
                                                  j_hi, D, vec);
         }
         cp_async_commit();

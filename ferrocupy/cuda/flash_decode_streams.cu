@@ -50,7 +50,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
                      float* __restrict__ lse, const void* __restrict__ mask,
                      const int* __restrict__ kv_lens, const u32 splits, const u32 split_keys,
-                     const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+                     const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane / TX, x = lane % TX;  // lane group (its key), lane within the group
@@ -66,16 +66,13 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const u32 G = s.heads / s.kv_heads;
     const int R = (int)(G * s.seq_q);  // row r: head hk * G + r / seq_q, query r % seq_q
     const int D = s.head_dim;
-    const u64 kv_stride = (u64)s.kv_heads * D;
-    const T* kb = k + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
-    const T* vb = v + ((u64)b * s.seq_k * s.kv_heads + hk) * D;
+    const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
+    const T* kb = k + rk.off;
+    const T* vb = v + rv.off;
 
-    // This split's keys, clipped to what some row can see; the warp's share of its tiles.
-    long long lo, hi;
-    visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, lo, hi);
-    if (hi > s.kv_reach) hi = s.kv_reach;
-    const long long j_lo = max(lo, (long long)split * split_keys);
-    const long long j_hi = min(hi, (long long)(split + 1) * split_keys);
+    // This split's keys; the warp's share of its tiles.
+    long long j_lo, j_hi;
+    split_keys_range(s, split, split_keys, j_lo, j_hi);
     const int n_tiles = j_hi > j_lo ? (int)((j_hi - j_lo + TK - 1) / TK) : 0;
     const int n_mine = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
 
@@ -91,7 +88,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         r_lo = max(r_lo, j_lo), r_hi = min(r_hi, j_hi);
         see_lo[r] = (u32)(r_lo - j_lo);
         see_n[r] = r < R && r_hi > r_lo ? (u32)(r_hi - r_lo) : 0u;
-        const T* qr = q + ((u64)b * s.seq_q + qi) * s.heads * D + (u64)head * D;
+        const T* qr = q + (u64)b * lay.q.b + (u64)qi * lay.q.s + (u64)head * lay.q.h;
 #pragma unroll
         for (int cc = 0; cc < CH; ++cc) {
             const int ch = x + TX * cc;
@@ -113,16 +110,16 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
             for (int c = 0; c < C; ++c) {
                 const long long j = jt + c * KW + g;
                 const bool key_ok = j < j_hi;
-                const u64 row = (u64)(key_ok ? j : 0) * kv_stride;
+                const u64 jj = key_ok ? (u64)j : 0;
 #pragma unroll
                 for (int cc = 0; cc < CH; ++cc) {
                     const int ch = x + TX * cc;
                     if (ch < ROW_CHUNKS) {
                         const int off = ((c * KW + g) * ROW_CHUNKS + ch) * 16;
                         const bool ok = key_ok && ch * VEC < D;
-                        const u64 at = ok ? row + ch * VEC : 0;
-                        cp_async<16>(buf + off, kb + at, ok);
-                        cp_async<16>(buf + TK * ROW_BYTES + off, vb + at, ok);
+                        const u64 d0 = ok ? ch * VEC : 0;
+                        cp_async<16>(buf + off, kb + (ok ? jj * rk.stride + d0 : 0), ok);
+                        cp_async<16>(buf + TK * ROW_BYTES + off, vb + (ok ? jj * rv.stride + d0 : 0), ok);
                     }
                 }
             }
@@ -312,7 +309,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const u64 row = ((u64)b * s.heads + h) * s.seq_q + i;
         if (splits == 1) {  // the only split: this block writes the answer
             const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
-            if (d < D) out[((u64)b * s.seq_q + i) * s.heads * D + (u64)h * D + d] = from_f(O * inv);
+            if (d < D) out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = from_f(O * inv);
             if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
         } else {
             part_o[((u64)split * rows_total + row) * DP + d] = O;

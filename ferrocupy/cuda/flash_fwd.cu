@@ -26,7 +26,7 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
               const float* __restrict__ v, float* __restrict__ out,
               const void* __restrict__ mask, float* __restrict__ lse,
               const int* __restrict__ kv_lens, const u32 vec,
-              const u32 mask_kind, const FlashV2Params p) {
+              const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(16) float smem[];
     float* sQ = smem;  // [BM][PITCH]
     float* sK = sQ + BM * PITCH;  // [BN][PITCH]
@@ -35,22 +35,21 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    const QueryTile T = query_tile<BM, 1>(s, L);
+    const QueryTile T = query_tile<BM, 1>(s, lay, L);
 
     for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
     const long long rows[2] = {T.row(0, 0), T.row(0, 1)};
     const u32 bh = T.bh;
     const long long m0 = T.m0;
-    const float* kb = k + T.kv_off;
-    const float* vb = v + T.kv_off;
+    const float* kb = k + T.k.off;
+    const float* vb = v + T.v.off;
 
     // This block's query rows, staged once in shared memory (A fragments are read per k-step:
     // holding them in registers as well as O and S spills at head_dim 128).
-    load_tile<float, BM, DP, PITCH, THREADS>(sQ, q + T.q_off, T.q_stride, m0, s.seq_q, D, vec);
+    load_tile<float, BM, DP, PITCH, THREADS>(sQ, q + T.q.off, T.q.stride, m0, s.seq_q, D, vec);
     const float* sQw = sQ + warp * 16 * PITCH;
     long long j_first;
     const int n_tiles = key_tiles<BN>(s, T, j_first);
-    const u64 kv_stride = T.kv_stride;
 
     const bool dropout = s.dropout_prob > 0.f;
     const u32 thr = dropout_threshold(s.dropout_prob);
@@ -61,21 +60,21 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
 
     if (n_tiles > 0)
-        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
+        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
 
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
         cp_async_wait<0>();
         __syncthreads();  // K_j landed; every warp is done with V_{j-1}
-        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0, s.kv_reach, D, vec);
+        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, T.v.stride, j0, s.kv_reach, D, vec);
         cp_async_commit();
 
         float sc[NT][4];
         gemm_abt<NT, KS, PITCH>(sQw, sK, L, sc);
         __syncthreads();  // every warp is done with K_j
         if (it + 1 < n_tiles)
-            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.kv_reach, D, vec);
+            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
 
         score_tile<NT>(s, mask, T.b, T.h, rows[0], rows[1], j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
@@ -111,7 +110,6 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
     }
 
     const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
-    const u64 ob = T.q_off;
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const float l = quad_sum(l_run[rr]);
@@ -119,7 +117,7 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
         const long long i = rows[rr];
         if (i >= s.seq_q) continue;
         if (lse && L.t == 0) lse[(u64)bh * s.seq_q + i] = row_lse(m_run[rr], l);
-        float* orow = out + ob + (u64)i * T.q_stride;
+        float* orow = out + T.o.off + (u64)i * T.o.stride;
 #pragma unroll
         for (int nd = 0; nd < KS; ++nd)
 #pragma unroll

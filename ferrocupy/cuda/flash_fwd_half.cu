@@ -23,7 +23,7 @@ static_assert(2 * (BM + 2 * BN) * PITCH == FERRO_SMEM_BYTES, "shared memory = co
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
-               const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+               const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(16) u16 smem_h[];
     u16* sQ = smem_h;             // [BM][PITCH]
     u16* sK = sQ + BM * PITCH;    // [BN][PITCH]
@@ -32,14 +32,13 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    const QueryTile T = query_tile<BM, MT>(s, L);
+    const QueryTile T = query_tile<BM, MT>(s, lay, L);
 
     for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
-    const u16* kb = k + T.kv_off;
-    const u16* vb = v + T.kv_off;
-    const u64 kv_stride = T.kv_stride;
+    const u16* kb = k + T.k.off;
+    const u16* vb = v + T.v.off;
 
-    load_tile<u16, BM, DP, PITCH, THREADS>(sQ, q + T.q_off, T.q_stride, T.m0, s.seq_q, D, vec);
+    load_tile<u16, BM, DP, PITCH, THREADS>(sQ, q + T.q.off, T.q.stride, T.m0, s.seq_q, D, vec);
     const u16* sQw = sQ + warp * 16 * MT * PITCH;
     long long j_first;
     const int n_tiles = key_tiles<BN>(s, T, j_first);
@@ -57,21 +56,21 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf(), l_run[mt][0] = l_run[mt][1] = 0.f;
 
-    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j_first, s.kv_reach, D, vec);
+    if (n_tiles > 0) load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j_first, s.kv_reach, D, vec);
     cp_async_commit();
 
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
         cp_async_wait<0>();
         __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
-        load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, kv_stride, j0, s.kv_reach, D, vec);
+        load_tile<u16, BN, DP, PITCH, THREADS>(sV, vb, T.v.stride, j0, s.kv_reach, D, vec);
         cp_async_commit();
 
         float sc[MT][NT][4];
         gemm_abt<MT, NT, DP, PITCH>(sQw, sK, sc);
         __syncthreads();  // every warp is done with K_j
         if (it + 1 < n_tiles)
-            load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, kv_stride, j0 + BN, s.kv_reach, D, vec);
+            load_tile<u16, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j0 + BN, s.kv_reach, D, vec);
         cp_async_commit();
 
         const bool whole = keys_wholly_visible<BN>(s, T, j0);
@@ -131,7 +130,7 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
             const long long i = T.row(mt, rr);
             if (i >= s.seq_q) continue;
             if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[mt][rr] * s.scale, l);
-            u16* orow = out + T.q_off + (u64)i * T.q_stride;
+            u16* orow = out + T.o.off + (u64)i * T.o.stride;
 #pragma unroll
             for (int nd = 0; nd < DT; ++nd) {
                 const int d = nd * 8 + 2 * L.t;

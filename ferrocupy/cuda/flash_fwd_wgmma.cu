@@ -36,7 +36,7 @@ static_assert(2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                    u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
-                   const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const FlashV2Params p) {
+                   const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(1024) u16 smem_w[];
     __shared__ u64 full[STAGES], empty[STAGES], q_full;
     const u32 raw = smem_u32(smem_w);
@@ -48,7 +48,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     const int D = s.head_dim, wg = threadIdx.x >> 7;  // warpgroup 0 loads
     (void)vec;  // always 16-byte copies: the backend picks this kernel only then
 
-    QueryTile T = query_tile<BM, 1>(s, L);
+    QueryTile T = query_tile<BM, 1>(s, lay, L);
 
     for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
     T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
@@ -66,16 +66,16 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 
     if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
         regs_shrink<LOADER_REGS>();
-        const u16* kb = k + T.kv_off;
-        const u16* vb = v + T.kv_off;
-        load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q_off, T.q_stride, T.m0, s.seq_q, D);
+        const u16* kb = k + T.k.off;
+        const u16* vb = v + T.v.off;
+        load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q.off, T.q.stride, T.m0, s.seq_q, D);
         mbar_arrive_cp_async(&q_full);
         for (int t = 0; t < n_tiles; ++t) {
             const int st = t % STAGES;
             if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // tile t - STAGES used
             const long long j = j_first + (long long)t * BN;
-            load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.kv_stride, j, s.kv_reach, D);
-            load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.kv_stride, j, s.kv_reach, D);
+            load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
+            load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
             mbar_arrive_cp_async(&full[st]);
         }
         cp_async_wait<0>();  // nothing in flight when the block ends
@@ -192,7 +192,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         const long long i = T.row(0, rr);
         if (i >= s.seq_q) continue;
         if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[rr] * s.scale, l);
-        u16* orow = out + T.q_off + (u64)i * T.q_stride;
+        u16* orow = out + T.o.off + (u64)i * T.o.stride;
 #pragma unroll
         for (int nd = 0; nd < DT; ++nd) {
             const int d = nd * 8 + 2 * L.t;
