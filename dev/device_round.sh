@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -m ferrocupy.cuda.precompile 2>&1 | tee "$OUT/precompile.log"
-timeout ${PYTEST_TIMEOUT:-400} python3 -m pytest tests/test_cuda_*.py -q -p no:cacheprovider -W ignore::RuntimeWarning \
+timeout ${PYTEST_TIMEOUT:-400} python3 -m pytest tests/test_cuda_*.py tests/test_layouts.py -q -p no:cacheprovider -W ignore::RuntimeWarning \
     "$@" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error" | tail -3
 for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool python3 dev/sanitize_run.py > "$OUT/sanitize_$tool.log" 2>&1

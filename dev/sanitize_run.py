@@ -5,7 +5,8 @@
 
 Each dtype runs the forward (with lse, a mask, dropout), the backward with and without lse, at a
 head_dim that takes 16-byte copies, one that takes 4-byte copies and (half) an odd one that
-takes element-wise copies, with GQA, causal + offset and a window; then RoPE. Prints one line per
+takes element-wise copies, with GQA, causal + offset and a window; the same calls on transposed
+(strided) views; then RoPE. Prints one line per
 call; the sanitizer's summary says whether anything was found.
 """
 
@@ -48,6 +49,19 @@ def main() -> None:
             lsed = UnifiedTensor.empty((2, H, 1), np.float32, device="cuda")
             eng.flash_attention_v2_with(qd, kd, vd, outd, AttentionOptions(
                 causal=True, causal_offset=699, dropout_prob=0.1, seed=2), lse=lsed, kv_lens=lens)
+            # Strided layouts: every tensor a transposed view of SDPA's [B, H, S, D] (the decode
+            # cache too), so a wrong stride reads or writes past an allocation.
+            def sdpa(x):
+                a = UnifiedTensor.from_numpy(np.ascontiguousarray(
+                    x.to_numpy().transpose(0, 2, 1, 3)), device="cuda")
+                return UnifiedTensor(a.buffer().transpose(0, 2, 1, 3))
+            qt, kt, vt, got, outt = (sdpa(x) for x in (q, k, v, go, out))
+            gradst = [sdpa(x) for x in grads]
+            eng.flash_attention_v2_with(qt, kt, vt, outt, opts, mask, lse=lse)
+            eng.flash_attention_v2_backward_with(qt, kt, vt, outt, got, *gradst, opts, mask,
+                                                 lse=lse)
+            eng.flash_attention_v2_with(sdpa(qd), sdpa(kd), sdpa(vd), sdpa(outd), AttentionOptions(
+                causal=True, causal_offset=699), lse=lsed, kv_lens=lens)
             if d % 2 == 0:
                 eng.rope(q, d, 3)
             import cupy

@@ -106,6 +106,16 @@ def test_decode_with_one_split_writes_out_itself():
     assert args[3].size == 0 and args[4].size == 0
 
 
+@pytest.mark.parametrize("batch, warps", [(1, 8), (16, 8), (64, 4)])
+def test_decode_warps_follow_the_number_of_pairs(batch, warps):
+    """Up to one (batch, KV head) pair per SM, the 8-warp streams block; beyond, 4 warps (two
+    blocks an SM)."""
+    b = backend()
+    q, k = (batch, 1, 32, 128), (batch, 2048, 8, 128)
+    launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
+    assert launches[0][0].name == "flash_decode_streams" and launches[0][2] == 32 * warps
+
+
 @pytest.mark.parametrize("heads, seq_q, offset, design", [
     (32, 1, 0, configs.STREAMS),  # 4 rows a group
     (32, 2, 0, configs.STREAMS),  # 8

@@ -32,7 +32,7 @@ class CudaBackend:
         self.device = f"cuda:{self._id}"
         self.loader = KernelLoader()
         self._table = configs.TABLE if table is None else table
-        # (op, dtype, head_dim, copy bytes, decode rows) -> (variant, kernel); a decode variant ->
+        # (op, dtype, head_dim, copy bytes, decode rows, many decode blocks) -> (variant, kernel); a decode variant ->
         # its combine
         self._kernels: dict = {}
         self._plans: dict = {}  # see _run
@@ -177,9 +177,9 @@ class CudaBackend:
 
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
-                rows: int = 0) -> configs.Variant:
+                rows: int = 0, many_blocks: bool = False) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
-                              self.capability, copy_bytes, rows)
+                              self.capability, copy_bytes, rows, many_blocks)
 
     def _plan(self, op: str, buffers: dict, params, slots=(), layout=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; the
@@ -212,8 +212,9 @@ class CudaBackend:
         dtype = np.dtype(buffers["q"].dtype)
         vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]], _strides(layout, ("k", "v")))
         group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
-        v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows)
         pairs = int(params["batch"]) * int(params["kv_heads"])
+        v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows,
+                             pairs > self.sm_count)
         splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
                                                    self._resident(fn, v) * self.sm_count)
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
@@ -261,13 +262,14 @@ class CudaBackend:
             return max(1, occupancy(function.ptr, v.threads, v.shared_bytes))
         return max(1, min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads))
 
-    def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0):
-        """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows),
-        chosen, compiled and given its shared memory once."""
-        key = (op, dtype, d, copy_bytes, rows)
+    def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0,
+                many_blocks: bool = False):
+        """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
+        decode blocks beyond one per SM), chosen, compiled and given its shared memory once."""
+        key = (op, dtype, d, copy_bytes, rows, many_blocks)
         hit = self._kernels.get(key)
         if hit is None:
-            v = self.variant(op, dtype, d, copy_bytes, rows)
+            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes

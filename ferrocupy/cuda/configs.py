@@ -271,13 +271,20 @@ def padded_head_dim(d: int) -> int:
 
 
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
-           capability: int = 0, copy_bytes: int = 0, rows: int = 0) -> Variant:
+           capability: int = 0, copy_bytes: int = 0, rows: int = 0,
+           many_blocks: bool = False) -> Variant:
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
-    query rows per KV group."""
+    query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
+    over the 8-warp streams kernels: two 4-warp blocks per SM overlap one's start-up and merge
+    with the other's stream, which dev/decode_sweep.py measured faster there (bf16 B64 Sk2k:
+    3433-3646 GB/s against 3171-3355), while 8 warps win when each block has an SM to itself
+    (B16 Sk32k, B1 Sk128k: see _decode_streams)."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
+        if many_blocks and v.isa == STREAMS and v.warps > 4:
+            continue
         if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
                 and v.rows >= rows):
             return v
