@@ -261,12 +261,8 @@ class ComputeEngine:
             if x is not None and type(x) is not UnifiedTensor:
                 return None
             ids.append(None if x is None else id(x))
-        try:
-            key = (op, tuple(ids), tuple((x.__class__, x) for x in opts.__dict__.values()))
-            hash(key)
-        except TypeError:  # an unhashable option value: validate() will say why
-            return None
-        return key
+        values = _option_values(opts)
+        return None if values is None else (op, tuple(ids), values)
 
     def _remembered(self, key, named: dict):
         """(dims, params, layout) of an earlier call on these very tensors and options, with
@@ -349,14 +345,11 @@ class ComputeEngine:
         kv_lens) is checked on every call."""
         if not isinstance(opts, AttentionOptions):
             raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
-        # Option values with their types: True == 1 == 1.0, but only some of them are valid.
-        key = (pack, tuple((x.__class__, x) for x in opts.__dict__.values()),
-               tuple(None if x is None else (x.shape, x.strides, x.dtype, x.device)
-                     for x in t.values()))
-        try:
-            hit = self._validated.get(key)
-        except TypeError:  # an unhashable option value: no caching (validate() will say why)
-            hit, key = None, None
+        values = _option_values(opts)
+        key = None if values is None else (
+            pack, values, tuple(None if x is None else (x.shape, x.strides, x.dtype, x.device)
+                                for x in t.values()))
+        hit = None if key is None else self._validated.get(key)
         if hit is not None:
             if t.get("kv_lens") is not None:
                 _check_kv_lens(t["kv_lens"], hit[0])
@@ -397,6 +390,29 @@ class ComputeEngine:
     @staticmethod
     def _buffers(t: dict, *names) -> dict:
         return {n: (None if t[n] is None else t[n].buffer()) for n in names}
+
+
+_OPTION_VALUES: dict = {}  # id(opts) -> (opts, its values), see _option_values
+_OPTION_VALUES_MAX = 256
+
+
+def _option_values(opts: AttentionOptions):
+    """The options' values with their types, hashable (True == 1 == 1.0, but only some of them
+    are valid), or None if one is unhashable (validate() will say why). Remembered per options
+    object (a frozen dataclass; the entry holds it, so its id is not reused while remembered):
+    a loop passing the same object pays for this once."""
+    hit = _OPTION_VALUES.get(id(opts))
+    if hit is not None and hit[0] is opts:
+        return hit[1]
+    values = tuple((x.__class__, x) for x in opts.__dict__.values())
+    try:
+        hash(values)
+    except TypeError:
+        return None
+    if len(_OPTION_VALUES) >= _OPTION_VALUES_MAX:
+        _OPTION_VALUES.clear()
+    _OPTION_VALUES[id(opts)] = (opts, values)
+    return values
 
 
 _OPTIONAL = ("mask", "lse", "kv_lens")  # None is allowed; none takes the data dtype

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cuda.backend import alignment  # imports no CuPy
+from .cuda.backend import _NOT_ROWS  # imports no CuPy
 from .dtypes import BFLOAT16
 from .engine import AttentionOptions, ComputeEngine, check_kv_lens_values
 from .tensor import UnifiedTensor
@@ -78,7 +78,7 @@ def _on_torch_stream(device: torch.device):
 def _rows(t: Optional[Tensor]) -> Optional[Tensor]:
     """`t` itself when the kernels can read it through its strides (a contiguous last
     dimension), else a contiguous copy (a broadcast gradient, every other element)."""
-    if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1:
+    if t is None or t.stride()[-1] == 1 or t.shape[-1] <= 1:
         return t
     return t.contiguous()
 
@@ -127,8 +127,11 @@ def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> 
     `full()` (the engine, every check) the first time this combination is seen, then straight to
     the backend's launch plan. `fresh`: outputs this module just made with torch.empty from the
     shapes of the others (their metadata follows from those, so only their presence is keyed)."""
-    key = (op, opts, tuple(None if t is None else True if n in fresh else
-                           (t.shape, t.stride(), t.dtype, t.device) for n, t in named.items()))
+    key = [op, opts]
+    for n, t in named.items():
+        key.append(None if t is None else True if n in fresh else
+                   (t.shape, t.stride(), t.dtype, t.device))
+    key = tuple(key)
     hit = _CHECKED.get(key)
     if hit is None:
         engine = _engine(named["q"].device)
@@ -143,10 +146,14 @@ def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> 
     if dims.batch * dims.heads * dims.seq_q == 0:
         full()  # the engine's own handling of an empty problem (zero gradients)
         return
-    ptrs = {n: 0 if t is None else t.data_ptr() for n, t in named.items()}
+    ptrs, low = {}, 0
+    for n, t in named.items():
+        ptr = ptrs[n] = 0 if t is None else t.data_ptr()
+        if n not in _NOT_ROWS:
+            low |= ptr
+    low &= 15
     backend = engine.backend
-    low = alignment(ptrs)
-    plan = plans.get(low)  # by the addresses' alignment, which picks the copy width
+    plan = plans.get(low)  # by the data rows' alignment, which picks the copy width
     if plan is None:
         plan = plans[low] = backend.plan(
             op, {n: None if t is None else _Raw(t) for n, t in named.items()}, params, layout,
@@ -174,17 +181,16 @@ def _options_of(causal, causal_offset, window, dropout_p, seed: int, scale) -> A
 
 
 # --- attention: forward -----------------------------------------------------------------------
-@torch.library.custom_op("ferrocupy::attention_fwd", mutates_args=())
-def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                   causal_offset: int, window: int, dropout_p: float, seed: Tensor,
-                   scale: Optional[float], kv_lens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq])."""
+def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
+              causal_offset: int, window: int, dropout_p: float, seed: Tensor,
+              scale: Optional[float], kv_lens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]): the forward op's body."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     mask = attn_mask  # any strides: the kernels gather it through them
     lens = None if kv_lens is None else kv_lens.contiguous()
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
     B, Sq, H, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     engine = _engine(q.device)
 
@@ -201,6 +207,9 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     return out, lse
 
 
+_attention_fwd = torch.library.custom_op("ferrocupy::attention_fwd", _fwd_body, mutates_args=())
+
+
 @_attention_fwd.register_fake
 def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens):
     B, Sq, H, _ = q.shape
@@ -208,18 +217,18 @@ def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale,
 
 
 # --- attention: backward ----------------------------------------------------------------------
-@torch.library.custom_op("ferrocupy::attention_bwd", mutates_args=())
-def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   attn_mask: Optional[Tensor], causal: bool, causal_offset: int, window: int,
-                   dropout_p: float, seed: Tensor,
-                   scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_q, grad_k, grad_v), given the forward's `out` and `lse` (never recomputed)."""
+def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              attn_mask: Optional[Tensor], causal: bool, causal_offset: int, window: int,
+              dropout_p: float, seed: Tensor,
+              scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v), given the forward's `out` and `lse` (never recomputed): the
+    backward op's body."""
     q, k, v, out = _rows(q), _rows(k), _rows(v), _rows(out)
     lse = lse.contiguous()
     grad_out = _rows(grad_out.to(q.dtype))
     mask = attn_mask
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
-    gq, gk, gv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    gq, gk, gv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     engine = _engine(q.device)
 
     def full():
@@ -237,6 +246,9 @@ def _attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     return gq, gk, gv
 
 
+_attention_bwd = torch.library.custom_op("ferrocupy::attention_bwd", _bwd_body, mutates_args=())
+
+
 @_attention_bwd.register_fake
 def _(grad_out, q, k, v, out, lse, attn_mask, causal, causal_offset, window, dropout_p, seed,
       scale):
@@ -251,21 +263,40 @@ def _setup_context(ctx, inputs, output):
     ctx.has_kv_lens = kv_lens is not None
 
 
-def _backward(ctx, grad_out, grad_lse):
-    # lse is not differentiable (`attention` does not return it); `grad_lse` is ignored.
+def _backward(ctx, grad_out, grad_lse, bwd=None):
+    # lse is not differentiable (`attention` does not return it); `grad_lse` is ignored. `bwd`:
+    # the backward op (the default), or its body (the eager Function).
     if ctx.has_kv_lens:
         raise ValueError("ferrocupy.torch.attention has no backward with kv_lens (per-sequence "
                          "cache lengths are for inference); train on unpadded keys or pass an "
                          "additive attn_mask")
     q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
     causal, causal_offset, window, dropout_p, scale = ctx.options
-    gq, gk, gv = _attention_bwd(grad_out, q, k, v, out, lse, attn_mask, causal, causal_offset,
-                                window, dropout_p, seed, scale)
+    gq, gk, gv = (bwd or _attention_bwd)(grad_out, q, k, v, out, lse, attn_mask, causal,
+                                         causal_offset, window, dropout_p, seed, scale)
     return gq, gk, gv, None, None, None, None, None, None, None, None  # none for mask, kv_lens
 
 
 torch.library.register_autograd("ferrocupy::attention_fwd", _backward,
                                 setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward as the ops (their bodies, `_setup_context`, `_backward`),
+    for eager calls that need a gradient: a custom op with autograd costs about 100 us of host
+    time per call more than this (measured on CPU tensors), more than a decode step's kernel.
+    torch.compile and tensor subclasses take the ops."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, lse = _fwd_body(*inputs)
+        _setup_context(ctx, inputs, (out, lse))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward(ctx, grad_out, grad_lse, bwd=_bwd_body)
 
 
 def _seed_tensor(seed: Optional[int], dropout_p: float) -> Tensor:
@@ -321,45 +352,53 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
         return _forward_now(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
                             seed, None if scale is None else float(scale), kv_lens)
     seed_t = _seed_tensor(seed, dropout_p)
-    out, _ = _attention_fwd(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
-                            seed_t, None if scale is None else float(scale), kv_lens)
+    op = _EagerAttention.apply if _plain_eager(q, k, v, attn_mask, kv_lens) else _attention_fwd
+    out, _ = op(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p), seed_t,
+                None if scale is None else float(scale), kv_lens)
     return out
 
 
-# --- attention without the op: an eager call that needs no gradient ---------------------------
-# The custom op's dispatch and autograd bookkeeping cost about 20 us per call, more than the
-# kernel of a decode step. An eager call on CUDA that no gradient will flow through (inference,
-# or under torch.no_grad()) runs the op's body directly: same checks, same kernels, same
-# stream, no lse. torch.compile, any tensor subclass or functorch transform (fake tensors, vmap),
-# and every call that needs a gradient take the op.
+# --- eager calls without the ops ----------------------------------------------------------------
+# The custom ops' dispatch and autograd bookkeeping cost 20 us (no gradient) to 100 us (with
+# autograd) of host time per call, more than a decode step's kernel. Eager calls on plain tensors
+# skip them: one that needs a gradient runs the ops' bodies through `_EagerAttention`; one on
+# CUDA that no gradient will flow through (inference, or under torch.no_grad()) runs the forward
+# body directly, with no lse. Same checks, kernels, stream and answers. torch.compile, tensor
+# subclasses and functorch transforms (fake tensors, vmap) take the ops.
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
                       lambda t: False)
 
 
-def _eager_inference(q, k, v, attn_mask, kv_lens) -> bool:
-    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda):
+def _plain_eager(q, k, v, attn_mask, kv_lens) -> bool:
+    """Plain tensors, outside torch.compile and functorch transforms."""
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
         return False
     if attn_mask is not None and type(attn_mask) is not Tensor:
         return False
     if kv_lens is not None and type(kv_lens) is not Tensor:
         return False
+    return not (_is_compiling() or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v))
+
+
+def _eager_inference(q, k, v, attn_mask, kv_lens) -> bool:
+    """A plain eager call on CUDA that no gradient flows through."""
+    if not q.is_cuda:
+        return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    return not (_is_compiling() or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v))
+    return _plain_eager(q, k, v, attn_mask, kv_lens)
 
 
 def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale,
                  kv_lens) -> Tensor:
     seed_int = _seed_int(_seed_tensor(seed, dropout_p)) if (dropout_p or seed is not None) else 0
     opts = _options_of(causal, causal_offset, window, dropout_p, seed_int, scale)
-    if not all(x is None or x.device == q.device for x in (k, v, attn_mask, kv_lens)):
-        # the engine's own error, naming the tensor and its device
-        return _attention_fwd(q, k, v, attn_mask, causal, causal_offset, window, dropout_p,
-                              _seed_tensor(seed, dropout_p), scale, kv_lens)[0]
+    # (A tensor on another device than q's fails the engine's checks, which name it: the first
+    # call of a combination, devices included, goes through them.)
     q, k, v = _rows(q), _rows(k), _rows(v)
     lens = None if kv_lens is None else kv_lens.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     named = {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "lse": None,
              "kv_lens": lens}
 

@@ -108,7 +108,7 @@ class CudaBackend:
         ptrs = _pointers(buffers)
         if stream is None:
             stream = self.xp.cuda.get_current_stream().ptr
-        self.run_plan(self.plan(op, buffers, params, layout, ptrs), ptrs, stream, alloc)
+        self._run_plan(self.plan(op, buffers, params, layout, ptrs), ptrs, stream, alloc)
 
     def plan(self, op: str, buffers: dict, params: np.void, layout: np.void | None = None,
              ptrs: dict | None = None) -> Plan:
@@ -138,7 +138,11 @@ class CudaBackend:
         one). Its workspace comes from `alloc`, or else is the plan's own for this stream."""
         if self.xp.cuda.runtime.getDevice() != self._id:
             with self.xp.cuda.Device(self._id):
-                return self.run_plan(plan, ptrs, stream, alloc)
+                return self._run_plan(plan, ptrs, stream, alloc)
+        self._run_plan(plan, ptrs, stream, alloc)
+
+    def _run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc) -> None:
+        """`run_plan` with this backend's device current."""
         keep = None
         if plan.workspace:
             ptrs = dict(ptrs)
