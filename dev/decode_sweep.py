@@ -2,12 +2,13 @@
 at the benchmark's decode shapes, to choose `cuda/configs.py`'s decode entries from measurements
 (issue 9).
 
-    python3 dev/decode_sweep.py [--dtypes bfloat16,float32]
+    python3 dev/decode_sweep.py [--dtypes bfloat16,float32] [--small] [--parts]
 
 Each candidate runs the whole decode (kernel + combine, as the backend plans it), is checked
 against the table's own choice on the same inputs, then timed with CUDA events (median of 20
 after 3 warm-up calls). Prints GB/s (K + V bytes read once) per (shape, dtype, geometry), and
-torch SDPA cudnn's for the same shape.
+torch SDPA cudnn's for the same shape. `--parts` times only the table's own plan, each launch on
+its own (the decode kernel, then the combine), to see where a shape's time goes.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--small", action="store_true", help="16 dims a lane, 2-3 buffers, C 2-4")
+    ap.add_argument("--parts", action="store_true", help="the table's plan, launch by launch")
     args = ap.parse_args()
     backend = CudaBackend()
     rows = []
@@ -57,7 +59,7 @@ def main() -> None:
         with ThreadPoolExecutor(16) as pool:  # compile every candidate first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
                                      for name in (v.kernel, v.combine_kernel)],
-                          candidates(dtype, args.small)))
+                          [] if args.parts else candidates(dtype, args.small)))
         for B, SK in SHAPES:
             rng = cp.random.default_rng(0)
             mk = lambda *s: rng.standard_normal(s, dtype=cp.float32).astype(dtype)  # noqa: E731
@@ -70,7 +72,18 @@ def main() -> None:
             for launch in backend._plan_decode(bufs, p)[0]:
                 backend._launch(*launch, p)
             want = out.astype(cp.float32)
-            for var in candidates(dtype, args.small):
+            if args.parts:
+                launches, _work = backend._plan_decode(bufs, p)
+                splits = int(launches[0][4][configs.ARGS[configs.DECODE].index("splits")])
+                total = time_ms(lambda: [backend._launch(*x, p) for x in launches])
+                for i, x in enumerate(launches):
+                    ms = time_ms(lambda x=x: backend._launch(*x, p))
+                    tag = f"{x[0].name[13:23]} b{x[1]} t{x[2]}"
+                    rows.append((f"b{B} sk{SK}", str(dtype), tag, splits, ms,
+                                 gbytes / ms * 1e3 if i == 0 else 0.0, 0.0))
+                rows.append((f"b{B} sk{SK}", str(dtype), "both", splits, total,
+                             gbytes / total * 1e3, 0.0))
+            for var in ([] if args.parts else candidates(dtype, args.small)):
                 backend.table = dict(configs.TABLE) | {key: (var,)}
                 launches, _work = backend._plan_decode(bufs, p)
                 splits = int(launches[0][4][configs.ARGS[configs.DECODE].index("splits")])
