@@ -462,7 +462,7 @@ def _check_layout(t: dict, written) -> None:
     16-byte pieces); their other dimensions, and the mask's, may have any stride (a transposed
     or sliced view, a broadcast input). An output must not overlap itself."""
     for name, x in t.items():
-        if x is None:
+        if x is None or x.numel == 0:  # nothing is read or written (CuPy may give it 0 strides)
             continue
         st, shape = x.strides, x.shape
         if any(not isinstance(s, int) or s < 0 for s in st):

@@ -209,3 +209,19 @@ def test_cuda_decode_layouts(decoders, rng, layout, dtype):
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 def test_cuda_backward_layouts(kernels, rng, layout, dtype):
     _backward_case(kernels, rng, layout, dtype)
+
+
+def test_empty_tensors_may_have_any_strides(rng):
+    """An empty tensor (seq_k 0, batch 0) is neither read nor written, whatever its strides say
+    (CuPy can give such an array zero strides): the call runs as the contiguous one does."""
+    ref = reference_device()
+    q, _, _, _ = _inputs(rng, 2, 5, 0, 4, 2, 32, FLOAT32)
+    zero = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(2, 0, 2, 32),
+                                           strides=(0, 0, 0, 0))
+    out = np.full(q.shape, np.nan, np.float32)
+    ref.engine.flash_attention_v2_with(q, zero, zero, out, AttentionOptions())
+    assert (out == 0).all()  # no key: every row is 0
+    empty_q = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(0, 5, 4, 32),
+                                              strides=(0, 0, 0, 0))
+    k = rng.standard_normal((0, 3, 2, 32)).astype(np.float32)
+    ref.engine.flash_attention_v2_with(empty_q, k, k, np.zeros((0, 5, 4, 32), np.float32))
