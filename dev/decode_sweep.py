@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--small", action="store_true", help="16 dims a lane, 2-3 buffers, C 2-4")
     ap.add_argument("--parts", action="store_true", help="the table's plan, launch by launch")
+    ap.add_argument("--splits", default="", help="with --parts: also time the plan forced to "
+                    "each of these split counts (comma list), to test configs.decode_splits")
     args = ap.parse_args()
     backend = CudaBackend()
     rows = []
@@ -83,6 +85,25 @@ def main() -> None:
                                  gbytes / ms * 1e3 if i == 0 else 0.0, 0.0))
                 rows.append((f"b{B} sk{SK}", str(dtype), "both", splits, total,
                              gbytes / total * 1e3, 0.0))
+                chosen = configs.decode_splits
+                for n in (int(x) for x in args.splits.split(",") if x):
+                    def forced(pairs, reach, step, slots, max_splits=0, n=n):
+                        per = -(-max(1, -(-reach // step)) // n)
+                        return -(-max(1, -(-reach // step)) // per), per * step
+                    configs.decode_splits = forced
+                    try:
+                        forced_launches, _ = backend._plan_decode(bufs, p)
+                        out.fill(np.nan)
+                        [backend._launch(*x, p) for x in forced_launches]
+                        err = float(cp.linalg.norm(out.astype(cp.float32) - want)
+                                    / cp.linalg.norm(want))
+                        ms = time_ms(lambda: [backend._launch(*x, p) for x in forced_launches])
+                        got = int(forced_launches[0][4][
+                            configs.ARGS[configs.DECODE].index("splits")])
+                        rows.append((f"b{B} sk{SK}", str(dtype), f"forced {n}", got, ms,
+                                     gbytes / ms * 1e3, err))
+                    finally:
+                        configs.decode_splits = chosen
             for var in ([] if args.parts else candidates(dtype, args.small)):
                 backend.table = dict(configs.TABLE) | {key: (var,)}
                 launches, _work = backend._plan_decode(bufs, p)
