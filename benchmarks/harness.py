@@ -376,6 +376,10 @@ def _driver_version():
 
 
 def _git_revision():
+    """`git describe` of this checkout, or FERRO_REVISION where the caller knows better (a copy of
+    the working tree whose .git is another commit's, as on a lent device)."""
+    if os.environ.get("FERRO_REVISION"):
+        return os.environ["FERRO_REVISION"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         rev = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty"],
