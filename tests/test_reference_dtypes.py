@@ -41,15 +41,15 @@ def ulp_distance(got, want64):
     return np.abs(ordered(got) - ordered(want))
 
 
-def assert_rounded_once(got, want64, dtype, name=""):
+def assert_rounded_once(got, want64, dtype, name="", noise_rel=1e-10):
     """`got` (of `dtype`) is `want64` rounded once: within 1 ulp everywhere, exactly equal for
-    all but 1% of the elements (or 2). Elements whose float64 value is pure cancellation noise
-    (|x64| below 1e-10 of the array's largest) only need to be that close in absolute terms."""
+    all but 1% of the elements (or 2). Elements within `noise_rel` of the array's largest
+    |x64| of their float64 value (pure cancellation noise, by default) need be no closer."""
     assert got.dtype == dtype, (name, got.dtype)
     g = got.astype(np.float64)
     assert not np.isnan(g).any(), f"{name}: NaN left in the output"
     dist = ulp_distance(got, want64)
-    noise = np.abs(g - want64) <= 1e-10 * max(np.abs(want64).max(), 1e-300)
+    noise = np.abs(g - want64) <= noise_rel * max(np.abs(want64).max(), 1e-300)
     bad = (dist > 1) & ~noise
     assert not bad.any(), (f"{name}: {bad.sum()} elements more than 1 ulp away, worst "
                            f"{dist[bad].max()} ulps, e.g. got {g[bad][:4]} want {want64[bad][:4]}")
@@ -152,6 +152,11 @@ def test_backward_rounded_once(eng, rng, dtype, dims, opts, mkind):
             # more than one float32 rounding; for half outputs it stays far below one ulp.
             err = np.abs(g.astype(np.float64) - w).max() / np.abs(w).max()
             assert g.dtype == dtype and err < 1e-6, (name, err)
+        elif name != "grad_q":
+            # The same float32 stats in half precision: an error of a few 1e-7 of the largest
+            # gradient, below one ulp of a normal half value but several ulps of a float16
+            # subnormal one (|x| < 6e-5, spacing 6e-8) that cancellation left small.
+            assert_rounded_once(g, w, dtype, name, noise_rel=2e-6)
         else:
             assert_rounded_once(g, w, dtype, name)
 
