@@ -113,14 +113,16 @@ def rope_params(shape, head_dim: int, pos: int, theta: float) -> np.void:
 
 def mask_strides(mask) -> tuple[int, tuple[int, int, int, int]]:
     """`(has_mask, (b, h, q, k))` element strides of a broadcast `[mb, mh, mq, mk]` mask: the
-    seed's for a contiguous one, its own for a strided view (a `strides` attribute in
-    elements); 0 for a dimension of size 1 (broadcast)."""
+    seed's for a contiguous one, its own for a strided view (a UnifiedTensor's element strides,
+    an array's byte strides over its item size); 0 for a dimension of size 1 (broadcast)."""
     if mask is None:
         return 0, (0, 0, 0, 0)
     mb, mh, mq, mk = (int(d) for d in mask.shape)
     strides = getattr(mask, "strides", None)
-    if strides is None or isinstance(mask, np.ndarray):  # the seed's rule (and byte strides)
+    if strides is None:  # a shape alone: the seed's rule (C order)
         strides = (mk * mq * mh, mk * mq, mk, 1)
+    elif hasattr(mask, "itemsize"):  # a NumPy or CuPy array: byte strides
+        strides = tuple(st // mask.itemsize for st in strides)
     s = lambda dim, stride: int(stride) if dim > 1 else 0  # noqa: E731 - the seed's closure
     return 1, (s(mb, strides[0]), s(mh, strides[1]), s(mq, strides[2]), s(mk, strides[3]))
 

@@ -75,6 +75,14 @@ def _on_torch_stream(device: torch.device):
         yield
 
 
+def _mask(m: Optional[Tensor]) -> Optional[Tensor]:
+    """The mask itself (the kernels gather it through its strides, which the parameter struct
+    holds in 32 bits), or a contiguous copy where a stride does not fit."""
+    if m is None or all(st < 2**32 for st in m.stride()):
+        return m
+    return m.contiguous()
+
+
 def _rows(t: Optional[Tensor]) -> Optional[Tensor]:
     """`t` itself when the kernels can read it through its strides (a contiguous last
     dimension), else a contiguous copy (a broadcast gradient, every other element)."""
@@ -89,14 +97,15 @@ def _wrap(t: Optional[Tensor]) -> Optional[UnifiedTensor]:
 
 
 # --- the CUDA fast path: checked once per call shape, then launched from raw addresses ----------
-# On CUDA the ops' tensors are contiguous (made so above) and their outputs fresh, so every rule
-# the engine checks depends only on the shapes, strides, dtypes and devices of the inputs and on
-# the options: the first call of each such combination goes through the engine's full checks
-# (tensors shared through DLPack), and remembers the packed parameters; later calls pass the
-# tensors' addresses straight to the CUDA backend's cached launch plan, on torch's current stream,
-# with the workspace from torch's allocator. kv_lens' values, which can change, are checked on
-# every call (a copy to the host: a call with kv_lens cannot be captured in a CUDA graph).
-_CHECKED: dict = {}  # (op, tensor metadata, options) -> (engine, dims, params)
+# On CUDA the outputs are fresh (never aliasing an input), so every rule the engine checks depends
+# only on the shapes, strides, dtypes and devices of the inputs and on the options: the first
+# call of each such combination goes through the engine's full checks (tensors shared through
+# DLPack) and remembers the packed parameters and layout; later calls pass the tensors' addresses
+# straight to the CUDA backend's launch plan (one per alignment of the addresses), on torch's
+# current stream, with the workspace from torch's allocator. kv_lens' values, which can change,
+# are checked on every call (a copy to the host: a call with kv_lens cannot be captured in a CUDA
+# graph).
+_CHECKED: dict = {}  # (op, options, tensor metadata) -> (engine, dims, params, layout, plans)
 _CHECKED_MAX = 256
 
 
@@ -186,7 +195,7 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], caus
               scale: Optional[float], kv_lens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]): the forward op's body."""
     q, k, v = _rows(q), _rows(k), _rows(v)
-    mask = attn_mask  # any strides: the kernels gather it through them
+    mask = _mask(attn_mask)
     lens = None if kv_lens is None else kv_lens.contiguous()
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
     B, Sq, H, _ = q.shape
@@ -226,7 +235,7 @@ def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     q, k, v, out = _rows(q), _rows(k), _rows(v), _rows(out)
     lse = lse.contiguous()
     grad_out = _rows(grad_out.to(q.dtype))
-    mask = attn_mask
+    mask = _mask(attn_mask)
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
     gq, gk, gv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     engine = _engine(q.device)
@@ -295,6 +304,7 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as the op: no double backward, an error
     def backward(ctx, grad_out, grad_lse):
         return _backward(ctx, grad_out, grad_lse, bwd=_bwd_body)
 
@@ -396,7 +406,7 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
     opts = _options_of(causal, causal_offset, window, dropout_p, seed_int, scale)
     # (A tensor on another device than q's fails the engine's checks, which name it: the first
     # call of a combination, devices included, goes through them.)
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v, attn_mask = _rows(q), _rows(k), _rows(v), _mask(attn_mask)
     lens = None if kv_lens is None else kv_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     named = {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "lse": None,

@@ -273,23 +273,28 @@ def test_torch_kv_lens_values_are_checked_on_every_call(torch):
 @pytest.mark.parametrize("shape", [dict(sq=1, sk=3000), dict(sq=200, sk=200)],
                          ids=["decode", "forward"])
 def test_eager_inference_path_equals_the_op(torch, shape, monkeypatch):
-    """Inputs that need no gradient skip the custom op (`_forward_now`); the answer is the op's,
-    bit for bit, with and without dropout (the same seed drawn from torch's generator)."""
+    """Inputs that need no gradient skip the custom op (`_forward_now`); the answer is the op's
+    (called directly), bit for bit, with and without dropout (the same seed drawn from torch's
+    generator)."""
     import ferrocupy.torch as ft
 
     q, k, v = _ft_case(torch, 10, **shape)
     taken = []
     real = ft._forward_now
     monkeypatch.setattr(ft, "_forward_now", lambda *a: taken.append(1) or real(*a))
-    for kw in (dict(causal=True, causal_offset=shape["sk"] - shape["sq"]), dict(dropout_p=0.2)):
+    offset = shape["sk"] - shape["sq"]
+    for causal, p in ((True, 0.0), (False, 0.2)):
+        kw = dict(causal=causal, causal_offset=offset if causal else 0, dropout_p=p)
         torch.manual_seed(3)
         fast = ft.attention(q, k, v, **kw)
-        torch.manual_seed(3)
+        torch.manual_seed(3)  # the op, called as torch.compile would: the same seed drawn
+        seed = ft._seed_tensor(None, p)
         with torch.enable_grad():
-            slow = ft.attention(q.clone().requires_grad_(), k, v, **kw).detach()
+            op = ft._attention_fwd(q.clone().requires_grad_(), k, v, None, causal,
+                                   kw["causal_offset"], 0, p, seed, None, None)[0].detach()
         torch.cuda.synchronize()
-        assert torch.equal(fast, slow), kw
-    assert len(taken) == 2  # the requires-grad calls took the op
+        assert torch.equal(fast, op), kw
+    assert len(taken) == 2
 
 
 @pytest.mark.parametrize("shape", [dict(sq=1, sk=3000), dict(sq=200, sk=200)],

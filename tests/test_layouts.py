@@ -23,8 +23,22 @@ from ferrocupy.dtypes import BFLOAT16, FLOAT32
 from gpu_helpers import decoders, gpu_pytestmark, kernels, reference_device  # noqa: F401
 from helpers import poison
 
-LAYOUTS = ("contiguous", "sdpa", "packed", "padded")
-SAME_KERNEL = ("contiguous", "sdpa", "packed")  # 16-byte aligned rows: the contiguous kernel
+# Every tensor of a call in one layout, or (the mixes) each tensor in its own, so that a kernel or
+# the reference reading one tensor through another's strides (v through k's, out through q's, a
+# gradient through its input's) fails.
+MIXES = {
+    "mixed": dict(q="sdpa", k="packed", v="contiguous", out="packed", grad_out="contiguous",
+                  grad_q="sdpa", grad_k="contiguous", grad_v="sdpa"),
+    "mixed-padded": dict(q="contiguous", k="sdpa", v="padded", out="sdpa", grad_out="padded",
+                         grad_q="packed", grad_k="padded", grad_v="contiguous"),
+}
+LAYOUTS = ("contiguous", "sdpa", "packed", "padded", *MIXES)
+SAME_KERNEL = ("contiguous", "sdpa", "packed", "mixed")  # 16-byte aligned rows: the same kernel
+
+
+def _layout(layout: str, name: str) -> str:
+    """The layout of tensor `name` in `layout` (a mix names each tensor's)."""
+    return MIXES[layout][name] if layout in MIXES else layout
 
 
 def _gpu(test):
@@ -81,10 +95,10 @@ def _mask(dev, rng, B, H, Sq, Sk, strided: bool):
 def _forward(dev, q, k, v, layout, opts, mask=None, mask_strided=False, rng=None):
     """(out, lse) of the call with every tensor in `layout`; checks the output buffer outside
     the view is untouched."""
-    qv, _ = _view(dev, q, layout)
-    kv, _ = _view(dev, k, layout)
-    vv, _ = _view(dev, v, layout)
-    ov, obuf = _view(dev, q, layout, fill=np.nan)
+    qv, _ = _view(dev, q, _layout(layout, "q"))
+    kv, _ = _view(dev, k, _layout(layout, "k"))
+    vv, _ = _view(dev, v, _layout(layout, "v"))
+    ov, obuf = _view(dev, q, _layout(layout, "out"), fill=np.nan)
     mt = None
     if mask is not None:
         mt = _mask(dev, rng, *mask, strided=mask_strided)[0]
@@ -132,8 +146,10 @@ def _forward_case(dev, rng, case, layout, dtype, with_mask):
 def _backward(dev, q, k, v, do, layout, opts):
     """The three gradients with every tensor (inputs, out, grad_out, gradients) in `layout`."""
     out, _ = _forward(dev, q, k, v, "contiguous", opts)
-    views = [_view(dev, x, layout)[0] for x in (q, k, v, out, do)]
-    grads = [_view(dev, x, layout, fill=np.nan) for x in (q, k, v)]
+    views = [_view(dev, x, _layout(layout, n))[0]
+             for n, x in zip(("q", "k", "v", "out", "grad_out"), (q, k, v, out, do))]
+    grads = [_view(dev, x, _layout(layout, n), fill=np.nan)
+             for n, x in zip(("grad_q", "grad_k", "grad_v"), (q, k, v))]
     dev.engine.flash_attention_v2_backward_with(*views, *(g for g, _ in grads), opts)
     result = []
     for g, buf in grads:

@@ -204,3 +204,11 @@ def test_layout_struct_is_the_headers_and_contiguous_layout_is_c_order():
     lay = layout_params({"q": t})
     assert (int(lay["q_b"]), int(lay["q_s"]), int(lay["q_h"])) == (H * Sq * D, D, Sq * D)
     assert int(lay["k_b"]) == 0  # absent
+
+
+def test_mask_strides_of_an_array_are_its_own():
+    """A NumPy (or CuPy) mask in another order: its byte strides over the item size, not the
+    seed's C-order rule (the reference reads memory through them)."""
+    m = np.asfortranarray(np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5))
+    assert mask_strides(m) == (1, (1, 2, 6, 24))
+    assert mask_strides(np.zeros((1, 3, 1, 5), np.float32)) == (1, (0, 5, 0, 1))

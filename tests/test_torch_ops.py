@@ -526,3 +526,16 @@ def test_eager_gradients_skip_the_ops_and_equal_them(gen, monkeypatch):
     assert torch.equal(eager[0], ops[0])
     for a, b in zip(eager[1], ops[1]):
         assert torch.equal(a, b)
+
+
+def test_no_double_backward_in_eager_or_through_the_ops(gen):
+    """A gradient of a gradient is an error on both paths, never a silently dropped term."""
+    q, k, v = (x.requires_grad_() for x in _qkv(gen))
+    (g,) = torch.autograd.grad(ft.attention(q, k, v).square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        (g.square().sum() + q.sum()).backward()
+    seed = ft._seed_tensor(0, 0.0)
+    out = ft._attention_fwd(q, k, v, None, False, 0, 0, 0.0, seed, None, None)[0]
+    (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        (g.square().sum() + q.sum()).backward()
