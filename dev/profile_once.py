@@ -3,6 +3,11 @@
     ncu --clock-control none --section SpeedOfLight ... python3 dev/profile_once.py
 
 FERRO_FWD_ISA=mma (say) profiles that forward kernel instead of the table's first choice.
+FERRO_DECODE=B,SK (say 1,131072) runs one bf16 decode step instead (Sq 1, H32 / KV heads 8,
+D128: compare.py's decode shapes), its decode kernel and combine:
+
+    FERRO_DECODE=1,131072 ncu --clock-control none --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy python3 dev/profile_once.py
 """
 import os
 
@@ -12,6 +17,15 @@ from ferrocupy import AttentionOptions, ComputeEngine, UnifiedTensor
 
 B, S, H, D = 4, 4096, 16, 128
 eng = ComputeEngine("cuda", quiet=True)
+if os.environ.get("FERRO_DECODE"):
+    b, sk = (int(x) for x in os.environ["FERRO_DECODE"].split(","))
+    rng = cp.random.default_rng(0)
+    q, k, v = (UnifiedTensor(rng.standard_normal(s, dtype=cp.float32).astype("bfloat16"))
+               for s in ((b, 1, 32, D), (b, sk, 8, D), (b, sk, 8, D)))
+    out = UnifiedTensor(cp.empty((b, 1, 32, D), dtype="bfloat16"))
+    eng.flash_attention_v2_with(q, k, v, out)
+    cp.cuda.Device().synchronize()
+    raise SystemExit(0)
 if os.environ.get("FERRO_FWD_ISA"):
     from ferrocupy.cuda import configs
 
