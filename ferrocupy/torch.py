@@ -297,7 +297,10 @@ class _EagerAttention(torch.autograd.Function):
     torch.compile and tensor subclasses take the ops."""
 
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, q, k, v, rest):
+        # `rest`: the op's other arguments, in its order, as one argument (apply's per-argument
+        # bookkeeping is a good part of its cost); none of them takes a gradient.
+        inputs = (q, k, v, *rest)
         out, lse = _fwd_body(*inputs)
         _setup_context(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
@@ -306,7 +309,10 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the op: no double backward, an error
     def backward(ctx, grad_out, grad_lse):
-        return _backward(ctx, grad_out, grad_lse, bwd=_bwd_body)
+        return _backward(ctx, grad_out, grad_lse, bwd=_bwd_body)[:3] + (None,)
+
+
+_ZERO_SEED = torch.zeros((), dtype=torch.int64)
 
 
 def _seed_tensor(seed: Optional[int], dropout_p: float) -> Tensor:
@@ -361,11 +367,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
     if _eager_inference(q, k, v, attn_mask, kv_lens):
         return _forward_now(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
                             seed, None if scale is None else float(scale), kv_lens)
-    seed_t = _seed_tensor(seed, dropout_p)
-    op = _EagerAttention.apply if _plain_eager(q, k, v, attn_mask, kv_lens) else _attention_fwd
-    out, _ = op(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p), seed_t,
-                None if scale is None else float(scale), kv_lens)
-    return out
+    eager = _plain_eager(q, k, v, attn_mask, kv_lens)
+    # (Eager, no dropout and no seed: one shared zero seed, never written, spares a tensor a call.)
+    seed_t = _ZERO_SEED if eager and seed is None and not dropout_p else _seed_tensor(seed,
+                                                                                      dropout_p)
+    rest = (attn_mask, causal, causal_offset, window, float(dropout_p), seed_t,
+            None if scale is None else float(scale), kv_lens)
+    if eager:
+        return _EagerAttention.apply(q, k, v, rest)[0]
+    return _attention_fwd(q, k, v, *rest)[0]
 
 
 # --- eager calls without the ops ----------------------------------------------------------------
