@@ -122,6 +122,21 @@ out_bf = empty(q.shape, bf)
 eng.flash_attention_v2_with(put(rotated.astype(bf)), put(k.to_numpy().astype(bf)),
                             put(v_host.astype(bf)), out_bf, opts, put(mask_host))
 print("bf16 vs float64:", np.linalg.norm(out_bf.to_numpy().astype(np.float64) - want) / np.linalg.norm(want))"""),
+    ("md", """## Tensors in PyTorch's `[B, H, S, D]` layout
+
+Every attention tensor may be any view whose last dimension is contiguous: SDPA's `[B, H, S, D]`
+transposed to `[B, S, H, D]`, one part of a packed QKV buffer. The kernels read and write it
+through its strides; nothing is copied. (With `ferrocupy.torch`, pass `x.transpose(1, 2)`.)"""),
+    ("code", """def sdpa_layout(a):
+    \"\"\"`a` ([B, S, H, D]) stored as [B, H, S, D], seen as a [B, S, H, D] view of that memory.\"\"\"
+    stored = put(a.transpose(0, 2, 1, 3))
+    return UnifiedTensor(stored.buffer().transpose(0, 2, 1, 3))
+
+qt, kt, vt = (sdpa_layout(a) for a in (rotated, k.to_numpy(), v_host))
+out_t = sdpa_layout(np.full(q.shape, np.nan, np.float32))  # the output in that layout too
+eng.flash_attention_v2_with(qt, kt, vt, out_t, opts, put(mask_host))
+print("q view strides (elements):", qt.strides, " contiguous:", qt.is_contiguous)
+print("same as the contiguous call:", np.array_equal(out_t.to_numpy(), out.to_numpy()))"""),
     ("md", """## Speed
 
 Measured on an H200 by `benchmarks/compare.py` against PyTorch SDPA's backends in the same run

@@ -33,6 +33,7 @@ def test_quickstart_notebook_runs_top_to_bottom():
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                      for o in c.get("outputs", []) if o.get("output_type") == "stream")
     assert "norms kept: True" in text and "finite: True" in text, text
+    assert "same as the contiguous call: True" in text, text  # the [B, H, S, D] views
     errors = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if "relative error" in line]
     assert len(errors) == 3 and max(errors) < 1e-5, text  # float32: forward, two decode rows
