@@ -241,3 +241,11 @@ def test_reference_engine_rejects_cuda_tensor(rng):
                                          r"engine's reference backend runs on cpu"):
         ComputeEngine("reference").flash_attention_v2(q, out.copy(), out.copy(), out)
     assert (out == 5.0).all()
+
+
+def test_strides_are_in_elements():
+    a = np.zeros((2, 3, 4), np.float32)
+    assert UnifiedTensor(a).strides == (12, 4, 1)
+    assert UnifiedTensor(a.transpose(0, 2, 1)).strides == (12, 1, 4)
+    odd = np.zeros(13, np.uint8)[1:].view(np.float32)  # 4-byte items, aligned to 1 byte
+    assert UnifiedTensor(np.lib.stride_tricks.as_strided(odd, (2,), (6,))).strides == (1.5,)
