@@ -111,15 +111,18 @@ def _forward(dev, q, k, v, layout, opts, mask=None, mask_strided=False, rng=None
     return out, _host(dev, lse)
 
 
-def _compare(layout, got, want, dtype, what):
+def _mismatch(layout, got, want, dtype, what) -> str | None:
+    """How `got` (a strided call's) fails to be `want` (the contiguous call's): bit for bit where
+    the kernel is the same, to rounding otherwise; None when it is."""
     got, want = got.astype(np.float64), want.astype(np.float64)
-    assert not np.isnan(got).any(), f"{what}: NaN (an element not written)"
+    if np.isnan(got).any():
+        return f"{what} ({layout}): NaN (an element not written)"
     if layout in SAME_KERNEL:
-        np.testing.assert_array_equal(got, want, err_msg=f"{what} ({layout})")
-    else:
-        tol = 1e-5 if dtype == FLOAT32 else 1e-2
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err < tol, f"{what} ({layout}): relative error {err:.2e} vs contiguous"
+        differ = int((got != want).sum())
+        return f"{what} ({layout}): {differ} elements differ" if differ else None
+    tol = 1e-5 if dtype == FLOAT32 else 1e-2
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    return None if err < tol else f"{what} ({layout}): relative error {err:.2e} vs contiguous"
 
 
 FORWARD_CASES = {
@@ -130,7 +133,8 @@ FORWARD_CASES = {
 }
 
 
-def _forward_case(dev, rng, case, layout, dtype, with_mask):
+def _forward_case(dev, rng, case, layout, dtype, with_mask) -> list:
+    """The mismatches of out and lse between the call in `layout` and the contiguous one."""
     c = FORWARD_CASES[case]
     q, k, v, _ = _inputs(rng, c["B"], c["Sq"], c["Sk"], c["H"], c["Hkv"], c["D"], dtype)
     mask = (c["B"], c["H"], c["Sq"], c["Sk"]) if with_mask else None
@@ -139,8 +143,10 @@ def _forward_case(dev, rng, case, layout, dtype, with_mask):
                     np.random.default_rng(seed))
     got = _forward(dev, q, k, v, layout, c["opts"], mask, with_mask,
                    np.random.default_rng(seed))
-    _compare(layout, got[0], want[0], dtype, f"out, {case}")
-    _compare(layout, got[1], want[1], FLOAT32 if layout in SAME_KERNEL else dtype, f"lse, {case}")
+    found = [_mismatch(layout, got[0], want[0], dtype, f"out, {case}"),
+             _mismatch(layout, got[1], want[1], FLOAT32 if layout in SAME_KERNEL else dtype,
+                       f"lse, {case}")]
+    return [m for m in found if m]
 
 
 def _backward(dev, q, k, v, do, layout, opts):
@@ -160,13 +166,16 @@ def _backward(dev, q, k, v, do, layout, opts):
     return result
 
 
-def _backward_case(dev, rng, layout, dtype):
+def _backward_case(dev, rng, layout, dtype) -> list:
+    """The mismatches of the three gradients between the call in `layout` and the contiguous
+    one."""
     q, k, v, do = _inputs(rng, B=2, Sq=50, Sk=70, H=4, Hkv=2, D=64, dtype=dtype)
     opts = AttentionOptions(causal=True, causal_offset=20, dropout_prob=0.1, seed=7)
     want = _backward(dev, q, k, v, do, "contiguous", opts)
     got = _backward(dev, q, k, v, do, layout, opts)
-    for name, g, w in zip(("grad_q", "grad_k", "grad_v"), got, want):
-        _compare(layout, g, w, dtype, name)
+    found = [_mismatch(layout, g, w, dtype, name)
+             for name, g, w in zip(("grad_q", "grad_k", "grad_v"), got, want)]
+    return [m for m in found if m]
 
 
 # --- the reference (CPU, CI) ----------------------------------------------------------------------
@@ -174,7 +183,8 @@ def _backward_case(dev, rng, layout, dtype):
 @pytest.mark.parametrize("case", list(FORWARD_CASES))
 def test_reference_forward_layouts(rng, case, layout):
     ref = reference_device()
-    _forward_case(ref, rng, case, layout, FLOAT32, with_mask=(case == "prefill"))
+    problems = _forward_case(ref, rng, case, layout, FLOAT32, with_mask=(case == "prefill"))
+    assert not problems, problems
     # the reference reads the same values whatever the layout: bit for bit, padded too
     if layout == "padded":
         c = FORWARD_CASES[case]
@@ -186,7 +196,8 @@ def test_reference_forward_layouts(rng, case, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 def test_reference_backward_layouts(rng, layout):
-    _backward_case(reference_device(), rng, layout, FLOAT32)
+    problems = _backward_case(reference_device(), rng, layout, FLOAT32)
+    assert not problems, problems
 
 
 def test_reference_strided_mask_reads_through_its_strides(rng):
@@ -210,21 +221,24 @@ def test_reference_strided_mask_reads_through_its_strides(rng):
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 @pytest.mark.parametrize("case", ["prefill", "cross"])
 def test_cuda_forward_layouts(kernels, rng, case, layout, dtype):
-    _forward_case(kernels, rng, case, layout, dtype, with_mask=(case == "prefill"))
+    problems = _forward_case(kernels, rng, case, layout, dtype, with_mask=(case == "prefill"))
+    assert not problems, problems
 
 
 @_gpu
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 def test_cuda_decode_layouts(decoders, rng, layout, dtype):
-    _forward_case(decoders, rng, "decode", layout, dtype, with_mask=False)
+    problems = _forward_case(decoders, rng, "decode", layout, dtype, with_mask=False)
+    assert not problems, problems
 
 
 @_gpu
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 def test_cuda_backward_layouts(kernels, rng, layout, dtype):
-    _backward_case(kernels, rng, layout, dtype)
+    problems = _backward_case(kernels, rng, layout, dtype)
+    assert not problems, problems
 
 
 def test_empty_tensors_may_have_any_strides(rng):
