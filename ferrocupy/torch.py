@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cuda.backend import _NOT_ROWS  # imports no CuPy
+from .cuda.backend import alignment  # imports no CuPy
 from .dtypes import BFLOAT16
 from .engine import AttentionOptions, ComputeEngine, check_kv_lens_values
 from .tensor import UnifiedTensor
@@ -155,12 +155,8 @@ def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> 
     if dims.batch * dims.heads * dims.seq_q == 0:
         full()  # the engine's own handling of an empty problem (zero gradients)
         return
-    ptrs, low = {}, 0
-    for n, t in named.items():
-        ptr = ptrs[n] = 0 if t is None else t.data_ptr()
-        if n not in _NOT_ROWS:
-            low |= ptr
-    low &= 15
+    ptrs = {n: 0 if t is None else t.data_ptr() for n, t in named.items()}
+    low = alignment(ptrs)
     backend = engine.backend
     plan = plans.get(low)  # by the data rows' alignment, which picks the copy width
     if plan is None:
