@@ -120,10 +120,6 @@ class _Raw:
         self.ptr = t.data_ptr()
 
 
-def _meta(t: Optional[Tensor]):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def _stream(device: torch.device) -> int:
     """torch's current stream on `device`, as a CUstream handle."""
     index = torch.cuda.current_device() if device.index is None else device.index
