@@ -149,7 +149,8 @@ def _table_jobs() -> tuple[list, list]:
             archs = ARCHS if v.head_dim in (widest, narrowest) else ("90",)
         for arch in archs:
             job = (CUDA_DIR / v.source, arch, defines,
-                   f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}-sm_{arch}")
+                   f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}"
+                   f"{'-plain' if v.plain else ''}-sm_{arch}")
             nvrtc.append(job)
             if first and v.head_dim == widest:
                 nvcc.append(job)
@@ -316,7 +317,7 @@ def test_nvrtc_machinery(tiny, arch):
 def test_every_selectable_variant_is_compiled():
     """The compile cases cover whatever `configs.select` can return, for every dtype and
     head_dim 1..128, at a small (99 KB, sm_86) and a large (227 KB, sm_90) shared-memory limit,
-    and (decode) KV groups of 1, 5 and 16 query rows."""
+    and (decode) KV groups of 1, 5 and 16 query rows, for calls with and without mask or dropout."""
     from ferrocupy.cuda import configs
 
     compiled = {(p.name, a, d) for p, a, d in _NVRTC_JOBS}
@@ -325,9 +326,10 @@ def test_every_selectable_variant_is_compiled():
             for hd in range(1, 129):
                 for limit, cap in ((99 * 1024, 86), (227 * 1024, 90)):
                     for copy_bytes in (16, 4, 2):
-                        for rows in ((1, 5, 16) if op == configs.DECODE else (0,)):
+                        for rows, plain in itertools.product(
+                                (1, 5, 16) if op == configs.DECODE else (0,), (False, True)):
                             v = configs.select(op, dtype, hd, limit, capability=cap,
-                                               copy_bytes=copy_bytes, rows=rows)
+                                               copy_bytes=copy_bytes, rows=rows, plain=plain)
                             defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
                             assert (v.source, v.arch or "90", defines) in compiled, v.describe()
 

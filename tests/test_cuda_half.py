@@ -90,6 +90,27 @@ def test_half_long_sequences(kernels, rng, dtype, seq, d, causal):
     check_half(kernels, rounded(case, dtype))
 
 
+WARPGROUP_RANGE_CASES = {
+    # The wgmma forward's three warpgroups each visit only the key tiles their 64 rows see, and
+    # one whose rows are past seq_q none: at 1000 rows the last 192-row block has 40 rows, so
+    # two of its warpgroups are idle. A window makes a warpgroup start past the block's first
+    # tile; causal + offset ends each one at a different tile; with a mask or dropout the
+    # general kernel runs, without them the plain one.
+    "window150": dict(window=150),
+    "causal-offset37-window300": dict(causal=True, causal_offset=37, window=300),
+    "causal-mask": dict(causal=True, mask="1,H,Sq,Sk", neg_inf=0.05),
+    "window150-dropout": dict(window=150, dropout_prob=0.2, seed=DROPOUT_SEED),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("opts", WARPGROUP_RANGE_CASES.values(), ids=WARPGROUP_RANGE_CASES.keys())
+def test_half_forward_warpgroup_key_ranges(kernels, rng, dtype, d, opts):
+    case = make_case(rng, b=1, sq=1000, sk=1000, h=2, hkv=1, d=d, qk_scale=1.0, **opts)
+    check_half(kernels, rounded(case, dtype), backward=False)
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("d", [1, 6, 7, 33, 40, 56, 64, 80, 104, 112, 128], ids=lambda d: f"d{d}")
 def test_half_head_dims(kernels, rng, dtype, d):

@@ -181,9 +181,9 @@ class CudaBackend:
 
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
-                rows: int = 0, many_blocks: bool = False) -> configs.Variant:
+                rows: int = 0, many_blocks: bool = False, plain: bool = False) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
-                              self.capability, copy_bytes, rows, many_blocks)
+                              self.capability, copy_bytes, rows, many_blocks, plain)
 
     def _plan(self, op: str, buffers: dict, params, slots=(), layout=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; the
@@ -195,12 +195,13 @@ class CudaBackend:
         dtype = np.dtype(buffers["q"].dtype)
         names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
         vec = _copy_width(dtype, d, [buffers[a] for a in names], _strides(layout, names))
-        v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize)
+        mask = buffers.get("mask")
+        plain = mask is None and float(params["dropout_prob"]) == 0.0
+        v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain)
         smem = v.shared_bytes
         blocks = v.blocks(params)
         if blocks > GRID_X_MAX:
             raise ValueError(f"{op}: {blocks} blocks exceed the grid limit {GRID_X_MAX}")
-        mask = buffers.get("mask")
         args = tuple(NULL if buffers.get(a) is None else Slot(a) if a in slots else buffers[a]
                      for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
@@ -267,13 +268,14 @@ class CudaBackend:
         return max(1, min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads))
 
     def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0,
-                many_blocks: bool = False):
+                many_blocks: bool = False, plain: bool = False):
         """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
-        decode blocks beyond one per SM), chosen, compiled and given its shared memory once."""
-        key = (op, dtype, d, copy_bytes, rows, many_blocks)
+        decode blocks beyond one per SM, no mask or dropout), chosen, compiled and given its
+        shared memory once."""
+        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain)
         hit = self._kernels.get(key)
         if hit is None:
-            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks)
+            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes

@@ -72,6 +72,7 @@ class Variant:
     stages: int = 0  # K/V buffers, for the kernels that take it as a define (0: the kernel's own)
     rows: int = 0  # decode: the most query rows of a KV group the block takes
     lane_dims: int = 0  # streams decode: head dims per lane (0: 16 for rows <= 4, else 8)
+    plain: bool = False  # mask and dropout compiled out: only for calls with neither (FERRO_PLAIN)
 
     @property
     def half(self) -> bool:
@@ -172,6 +173,8 @@ class Variant:
             d["FERRO_COMBINE_THREADS"] = COMBINE_THREADS
         if self.isa == STREAMS:
             d["FERRO_KEY_LANES"] = self.key_lanes
+        if self.plain:
+            d["FERRO_PLAIN"] = 1
         return d
 
     def blocks(self, params) -> int:
@@ -184,6 +187,7 @@ class Variant:
                 f"{16 * self.mt} rows, step {self.step}"
                 + (f", {self.stages} buffers" if self.stages else "")
                 + (f", {self.rows} query rows" if self.rows else "")
+                + (", no mask or dropout" if self.plain else "")
                 + f", {self.shared_bytes} B shared")
 
 
@@ -194,7 +198,11 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[tuple]:
     Three computing warpgroups (192 query rows) beat two in dev/tile_sweep.py (bfloat16, S 4096,
     H200, 2026-12-03; TFLOP/s non-causal + causal): d64 with 128 keys a tile 331 + 226 (two
     warpgroups: 291 + 228); d128 with 64 keys 378 + 304 (two warpgroups, 128 keys: 359 + 291;
-    three at 128 keys do not fit in shared memory)."""
+    three at 128 keys do not fit in shared memory).
+
+    Each comes twice: first `plain` (no additive mask, no dropout: the call most make), then with
+    both. The mask's and dropout's code held registers across the key loop even when unused: at
+    head_dim 64, ptxas spilled 680 bytes with them and none without (2026-12-03)."""
     if op != FORWARD or dtype == FLOAT32 or dp not in (64, 112, 128):
         return []
     return [(12, 1, 128, WGMMA, 64)] if dp <= 64 else [(12, 1, 64, WGMMA, 128)]
@@ -255,7 +263,8 @@ def _table() -> dict:
         for dtype in (FLOAT32, FLOAT16, BFLOAT16):
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
-                    [Variant(op, dtype, kd, w, mt, n, isa) for w, mt, n, isa, kd in _wgmma(op, dtype, dp)]
+                    [Variant(op, dtype, kd, w, mt, n, isa, plain=plain)
+                     for w, mt, n, isa, kd in _wgmma(op, dtype, dp) for plain in (True, False)]
                     + (_decode_streams(dtype, dp) if op == DECODE else [])
                     + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
                        for g in _geometry(op, dtype, dp)])
@@ -272,18 +281,19 @@ def padded_head_dim(d: int) -> int:
 
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
            capability: int = 0, copy_bytes: int = 0, rows: int = 0,
-           many_blocks: bool = False) -> Variant:
+           many_blocks: bool = False, plain: bool = False) -> Variant:
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
     over the 8-warp streams kernels: two 4-warp blocks per SM overlap one's start-up and merge
     with the other's stream, which dev/decode_sweep.py measured faster there (bf16 B64 Sk2k:
     3433-3646 GB/s against 3171-3355), while 8 warps win when each block has an SM to itself
-    (B16 Sk32k, B1 Sk128k: see _decode_streams)."""
+    (B16 Sk32k, B1 Sk128k: see _decode_streams). `plain` (the call has no mask and no dropout)
+    admits the variants built without them."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
-        if many_blocks and v.isa == STREAMS and v.warps > 4:
+        if (many_blocks and v.isa == STREAMS and v.warps > 4) or (v.plain and not plain):
             continue
         if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
                 and v.rows >= rows):

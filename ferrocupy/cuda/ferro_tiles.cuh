@@ -68,6 +68,36 @@ __device__ __forceinline__ bool keys_wholly_visible(const AttnShape& s, const Qu
     return wholly_visible(s, t.m0, t.m_last, j0, j0 + BN - 1);
 }
 
+// The keys one row sees, as columns [lo, hi] counted from some first key (lo > hi: none).
+struct KeySpan {
+    int lo, hi;
+    // The same span counted from `shift` columns further on.
+    __device__ __forceinline__ KeySpan from(int shift) const { return {lo - shift, hi - shift}; }
+    // Whether the row sees every one of columns [0, n).
+    __device__ __forceinline__ bool covers(int n) const { return lo <= 0 && hi >= n - 1; }
+};
+
+// Row i's visible keys among [j0, j0 + n) (visible_cols: causal, window, the keys' end, rows past
+// seq_q see none).
+__device__ __forceinline__ KeySpan key_span(const AttnShape& s, long long i, long long j0, int n) {
+    KeySpan k;
+    visible_cols(s, i, j0, n, k.lo, k.hi);
+    return k;
+}
+
+// -inf outside each row's span, scores left as they are inside: an accumulator tile of 16 rows
+// (span[0]: c0/c1's row, span[1]: c2/c3's) x 8*NT keys, spans counted from the tile's first key.
+template <int NT>
+__device__ __forceinline__ void hide_outside(const KeySpan (&span)[2], Lane L, float (&sc)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int c = nt * 8 + 2 * L.t + (r & 1);
+            if (c < span[r >> 1].lo || c > span[r >> 1].hi) sc[nt][r] = neg_inf();
+        }
+}
+
 // Scores of 16 rows (i0: c0/c1's row, i1 = c2/c3's) x 8*NT keys from j0: scale, additive mask,
 // -inf where a key is not visible (or a row or key is past the end). `whole`: every key is known
 // visible (keys_wholly_visible).
@@ -82,6 +112,8 @@ __device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask,
             for (int r = 0; r < 4; ++r) sc[nt][r] *= s.scale;
         return;
     }
+    // (hide_outside's interval test is cheaper per element, but here it cost the general
+    // kernels registers: the wgmma forward spilled 784 bytes with it, 80 without.)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll

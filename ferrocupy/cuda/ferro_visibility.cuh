@@ -44,6 +44,27 @@ __device__ __forceinline__ void visible_row_range(const AttnShape& s, long long 
     if (hi < lo) hi = lo;
 }
 
+// The keys row i sees among [j0, j0 + n), as columns [lo, hi] counted from j0 (lo > hi: none).
+// Causal, window and the keys' end each bound one side, so a row's visible keys are one interval
+// and a tile without an additive mask needs two integer compares per element, not `visible`'s
+// 64-bit tests. A row past seq_q sees nothing.
+__device__ __forceinline__ void visible_cols(const AttnShape& s, long long i, long long j0, int n,
+                                             int& lo, int& hi) {
+    const long long a = i + s.offset;
+    long long l = 0, h = s.kv_len - 1;
+    if (s.causal && a < h) h = a;
+    if (s.window) {
+        const long long w = s.window;
+        if (a - w + 1 > l) l = a - w + 1;
+        if (a + w - 1 < h) h = a + w - 1;
+    }
+    l -= j0;
+    h -= j0;
+    lo = l < 0 ? 0 : (l > n ? n : (int)l);
+    hi = h < -1 ? -1 : (h >= n ? n - 1 : (int)h);
+    if (i >= s.seq_q) hi = -1;
+}
+
 // True when every row i in [i_lo, i_hi] sees every key j in [j_lo, j_hi] and all of them exist,
 // so a tile can skip the per-element test.
 __device__ __forceinline__ bool wholly_visible(const AttnShape& s, long long i_lo, long long i_hi,

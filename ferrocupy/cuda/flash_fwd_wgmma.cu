@@ -19,6 +19,12 @@
 #include "ferro_mbarrier.cuh"
 
 namespace {
+#ifndef FERRO_PLAIN
+#define FERRO_PLAIN 0
+#endif
+// PLAIN: built for calls without an additive mask or dropout (configs.py picks it for them): their
+// code, unused there, held registers across the key loop.
+constexpr bool PLAIN = FERRO_PLAIN;
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BN = FERRO_BN, STAGES = FERRO_STAGES;
 constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
 constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
@@ -45,7 +51,9 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
     AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
-    const int D = s.head_dim, wg = threadIdx.x >> 7;  // warpgroup 0 loads
+    // Warpgroup 0 loads. Broadcast from lane 0, as CUTLASS does, so the compiler knows the index
+    // is warp-uniform: the per-warpgroup key range below then does not make it serialize wgmma.
+    const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
     (void)vec;  // always 16-byte copies: the backend picks this kernel only then
 
     QueryTile T = query_tile<BM, 1>(s, lay, L);
@@ -84,7 +92,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 
     // ---- the computing warpgroups ----------------------------------------------------------------
     regs_grow<COMPUTE_REGS>();
-    const bool dropout = s.dropout_prob > 0.f;
+    const bool dropout = !PLAIN && s.dropout_prob > 0.f;
     const u32 thr = dropout_threshold(s.dropout_prob);
     const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
     const u32 q_tile = smem_u32(sQ) + (wg - 1) * 64 * 128;  // this warpgroup's 64 rows
@@ -103,13 +111,39 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
     u32 pa[NT / 2][4];  // P of the previous tile, rounded: the A operand of O += P V
 
+    // This warpgroup's own rows and the block's key tiles [t_lo, t_hi) they can see: under a
+    // causal or window mask the block's 3 x 64 rows see different key ranges, and a warpgroup
+    // whose rows are all past seq_q (the last tile of a short sequence) sees none.
+    const long long wm0 = T.m0 + (wg - 1) * 64, wm_last = min(T.m_last, wm0 + 63);
+    int t_lo = 0, t_hi = 0;
+    if (wm0 <= wm_last) {
+        long long lo, hi;
+        visible_key_range(s, wm0 + s.offset, wm_last + s.offset, lo, hi);
+        if (hi > lo) {
+            t_lo = (int)((lo - j_first) / BN);
+            t_hi = min(n_tiles, (int)((hi - j_first + BN - 1) / BN));
+        }
+    }
+    // The keys this thread's two rows see, as intervals counted from j_first: a few integers
+    // live across the loop instead of the shape's 64-bit bounds.
+    KeySpan span[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) span[rr] = key_span(s, T.row(0, rr), j_first, n_tiles * BN);
+
     // Softmax of tile t's scores into P (as A fragments); returns each row's rescale factor.
     auto softmax_to_p = [&](float (&sc)[NT][4], int t, float (&alpha)[2]) {
         const long long j0 = j_first + (long long)t * BN;
-        // Scores stay raw (q.k) on the common tile; a tile that needs the per-element rules is
-        // scaled, masked, and brought back to raw units.
-        const bool whole = keys_wholly_visible<BN>(s, T, j0);
-        if (!whole || s.has_mask) {
+        const KeySpan tile[2] = {span[0].from(t * BN), span[1].from(t * BN)};
+        // Every key of the tile visible to every row: per thread from the spans in the plain
+        // kernel, per warpgroup in the general one (fewer registers across the loop).
+        const bool whole = PLAIN ? tile[0].covers(BN) && tile[1].covers(BN)
+                                 : wholly_visible(s, wm0, wm_last, j0, j0 + BN - 1);
+        // Scores stay raw (q.k). The plain kernel only hides the keys a row cannot see on a
+        // causal or window edge; the general one scales, masks and brings back to raw units any
+        // tile that needs a per-element rule (hiding in place there cost it more spills).
+        if (PLAIN) {
+            if (!whole) hide_outside<NT>(tile, L, sc);
+        } else if (!whole || s.has_mask) {
             score_tile<NT>(s, mask, T.b, T.h, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
             const float inv_scale = 1.f / s.scale;
 #pragma unroll
@@ -146,8 +180,15 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(o, pa[kk], desc_mn_major<BN>(v_tile(t), kk), 1);
     };
 
-    if (n_tiles > 0) mbar_wait(&q_full, 0);
-    for (int t = 0; t < n_tiles; ++t) {
+    // A tile this warpgroup skips is still waited for and handed back, in order, so every
+    // `empty` phase counts each computing thread once.
+    auto pass_over = [&](int t) {
+        mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
+        mbar_arrive(&empty[t % STAGES]);
+    };
+    for (int t = 0; t < t_lo; ++t) pass_over(t);
+    if (t_hi > t_lo) mbar_wait(&q_full, 0);
+    for (int t = t_lo; t < t_hi; ++t) {
         mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
         fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
 
@@ -155,7 +196,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         wgmma_fence();
         issue_s(sc, t);
         wgmma_commit();
-        if (t > 0) issue_pv(t - 1);
+        if (t > t_lo) issue_pv(t - 1);
         wgmma_commit();
         wgmma_wait<1>();
         wgmma_pin(sc);
@@ -163,7 +204,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         softmax_to_p(sc, t, alpha);
         wgmma_wait<0>();
         wgmma_pin(o);
-        if (t > 0) mbar_arrive(&empty[(t - 1) % STAGES]);  // done with tile t - 1
+        if (t > t_lo) mbar_arrive(&empty[(t - 1) % STAGES]);  // done with tile t - 1
         // Rescale O only when some row's max moved (alpha != 1).
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -176,12 +217,13 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         }
         to_a(sc);
     }
-    if (n_tiles > 0) {
+    if (t_hi > t_lo) {
         wgmma_fence();
-        issue_pv(n_tiles - 1);
+        issue_pv(t_hi - 1);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(o);
+        mbar_arrive(&empty[(t_hi - 1) % STAGES]);
     }
 
     const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
@@ -199,4 +241,5 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             if (d < D) *reinterpret_cast<u32*>(orow + d) = pack2(o[nd][2 * rr] * inv, o[nd][2 * rr + 1] * inv);
         }
     }
+    for (int t = t_hi; t < n_tiles; ++t) pass_over(t);
 }

@@ -37,9 +37,10 @@ def main(argv=None) -> int:
     for (op, dtype, dp), candidates in configs.TABLE.items():
         if dtype in wanted:
             for copy_bytes in (16, 4):  # aligned rows, and the fallback for views that are not
-                v = configs.select(op, dtype, dp, limit, capability=capability,
-                                   copy_bytes=copy_bytes)
-                jobs.add((v.source, v.kernel, tuple(sorted(v.defines.items())), v.options))
+                for plain in (True, False):  # a call without mask and dropout, one with
+                    v = configs.select(op, dtype, dp, limit, capability=capability,
+                                       copy_bytes=copy_bytes, plain=plain)
+                    jobs.add((v.source, v.kernel, tuple(sorted(v.defines.items())), v.options))
     loader = KernelLoader()
     device = cupy.cuda.Device().id
     t0 = time.time()
