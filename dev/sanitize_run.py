@@ -6,11 +6,14 @@
 Each dtype runs the forward (with lse, a mask, dropout), the backward with and without lse, at a
 head_dim that takes 16-byte copies, one that takes 4-byte copies and (half) an odd one that
 takes element-wise copies, with GQA, causal + offset and a window; the same calls on transposed
-(strided) views; then RoPE. Prints one line per
+(strided) views; at head_dim 64 and 128 in half precision, forwards with more query tiles than
+SMs (the persistent kernel's loop); then RoPE. Prints one line per
 call; the sanitizer's summary says whether anything was found.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -22,8 +25,16 @@ def main() -> None:
     eng = ComputeEngine("cuda", quiet=True)
     rng = np.random.default_rng(0)
     B, Sq, Sk, H, Hkv = 1, 70, 90, 4, 2
+    # FERRO_SANITIZE=bfloat16:64,128 runs only those dtypes (and head_dims): a quicker round.
+    only = dict(part.split(":") if ":" in part else (part, "")
+                for part in os.environ.get("FERRO_SANITIZE", "").split(";") if part)
     for dtype in ATTENTION_DTYPES:
-        for d in (64, 128, 56, 6, 7) if dtype != np.float32 else (64, 7):
+        if only and np.dtype(dtype).name not in only:
+            continue
+        dims = (64, 128, 56, 6, 7) if dtype != np.float32 else (64, 7)
+        if only.get(np.dtype(dtype).name):
+            dims = tuple(int(x) for x in only[np.dtype(dtype).name].split(","))
+        for d in dims:
             def put(shape, scale=1.0):
                 a = (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
                 return UnifiedTensor.from_numpy(a, device="cuda")
@@ -62,6 +73,17 @@ def main() -> None:
                                                  lse=lse)
             eng.flash_attention_v2_with(sdpa(qd), sdpa(kd), sdpa(vd), sdpa(outd), AttentionOptions(
                 causal=True, causal_offset=699), lse=lsed, kv_lens=lens)
+            if d in (64, 128) and dtype != np.float32:
+                # More query tiles than SMs (the persistent wgmma forward's blocks take several
+                # in turn), causal with per-sequence lengths: plain, then with a mask and dropout.
+                qp, kp, vp = put((3, 200, 60, d)), put((3, 260, 20, d)), put((3, 260, 20, d))
+                outp = UnifiedTensor.empty(qp.shape, dtype, device="cuda")
+                lp = UnifiedTensor.from_numpy(np.array([260, 100, 0], np.int32), device="cuda")
+                eng.flash_attention_v2_with(qp, kp, vp, outp, AttentionOptions(causal=True),
+                                            kv_lens=lp)
+                eng.flash_attention_v2_with(qp, kp, vp, outp, AttentionOptions(
+                    window=50, dropout_prob=0.1, seed=4), UnifiedTensor.from_numpy(
+                        rng.standard_normal((3, 1, 200, 260)).astype(dtype), device="cuda"))
             if d % 2 == 0:
                 eng.rope(q, d, 3)
             import cupy

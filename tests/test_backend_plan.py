@@ -56,7 +56,11 @@ def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
     fn, blocks, threads, smem, args = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     v = configs.select(configs.FORWARD, BFLOAT16, 128, 232448, capability=90, copy_bytes=16)
     assert v.isa == configs.WGMMA and fn.name == "flash_fwd_wgmma"
-    assert blocks == -(-4096 // v.block_rows) * 4 * 16
+    assert v.persistent and blocks == 132  # one block per SM, each taking tiles in turn
+    assert v.tiles(p) == -(-4096 // v.block_rows) * 4 * 16
+    small = params((1, 128, 2, 128), (1, 128, 2, 128))
+    assert b._plan(configs.FORWARD, forward_buffers((1, 128, 2, 128), (1, 128, 2, 128), BFLOAT16),
+                   small)[1] == 2  # never more blocks than tiles
     assert threads == v.threads == 32 * v.warps + 128  # and a loading warpgroup
     assert smem == v.shared_bytes == fn.max_dynamic_shared_size_bytes
     assert len(args) == len(v.args) + 3 and args[-3] == 8  # 16-byte copies (then mask kind, layout)

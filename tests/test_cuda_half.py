@@ -17,8 +17,8 @@ import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import (AttnCase, DEAD_ROW_CASES, DROPOUT_SEED, dead_rows, dev, gpu_pytestmark,
-                         grad_floors, kernels,
+from gpu_helpers import (AttnCase, DEAD_ROW_CASES, DROPOUT_SEED, check_forward_with_lse,
+                         dead_rows, dev, gpu_pytestmark, grad_floors, kernels,
                          make_case, option_case, option_rows, ref, self_check)
 from half_rule import check_rule, rounded, torch_plain, x64
 
@@ -109,6 +109,31 @@ WARPGROUP_RANGE_CASES = {
 def test_half_forward_warpgroup_key_ranges(kernels, rng, dtype, d, opts):
     case = make_case(rng, b=1, sq=1000, sk=1000, h=2, hkv=1, d=d, qk_scale=1.0, **opts)
     check_half(kernels, rounded(case, dtype), backward=False)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_half_forward_many_tiles_per_block(kernels, rng, dtype, d):
+    """More query tiles than SMs (4 x 72 = 288 of 192 rows): the persistent wgmma forward's
+    blocks each take several, in turn, through one ring of K/V buffers and one Q buffer."""
+    case = make_case(rng, b=3, sq=700, sk=700, h=24, hkv=6, d=d, qk_scale=1.0, causal=True,
+                     causal_offset=11)
+    check_half(kernels, rounded(case, dtype), backward=False)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_half_forward_kv_lens_many_tiles_per_block(kernels, ref, rng, dtype, d):
+    """Each of a persistent block's tiles takes its own batch's kv_lens (3 x 6 x 24 = 432
+    tiles): full, partial, tile-straddling, 1 and 0 keys, NaN past each."""
+    b, sq, sk, h, hkv = 6, 400, 700, 24, 6
+    q = rng.standard_normal((b, sq, h, d)).astype(np.float32).astype(dtype)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+    lens = np.array([700, 500, 333, 129, 1, 0], np.int32)
+    for i, n in enumerate(lens):
+        k[i, n:], v[i, n:] = np.nan, np.nan
+    check_forward_with_lse(kernels, ref, q, k, v, AttentionOptions(causal=True), None, lens)
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -177,10 +177,21 @@ class Variant:
             d["FERRO_PLAIN"] = 1
         return d
 
-    def blocks(self, params) -> int:
+    @property
+    def persistent(self) -> bool:
+        """The kernel loops over its tiles, one block per SM (the wgmma forward)."""
+        return self.isa == WGMMA
+
+    def tiles(self, params) -> int:
+        """Work items: row tiles x (batch, head), or x (batch, KV head) for dK/dV."""
         rows = int(params["seq_k"] if self.per_kv_head else params["seq_q"])
         heads = int(params["kv_heads"] if self.per_kv_head else params["heads"])
         return -(-rows // self.block_rows) * int(params["batch"]) * heads
+
+    def blocks(self, params, sm_count: int) -> int:
+        """The grid: a block per tile, or for a persistent kernel at most one per SM."""
+        tiles = self.tiles(params)
+        return min(tiles, sm_count) if self.persistent else tiles
 
     def describe(self) -> str:
         return (f"{self.op}/{self.dtype}/d{self.head_dim} ({self.isa}): {self.warps} warps x "

@@ -31,12 +31,14 @@ struct QueryTile {
 
 // A 1-D grid over (batch*heads) x query tiles of BM rows in block_coords order, the last tiles
 // (under causal masking, those that see the most keys) first. Each warp owns 16*MT rows.
+// Work item x of that order (a persistent kernel's block takes several).
 template <int BM, int MT>
-__device__ __forceinline__ QueryTile query_tile(const AttnShape& s, const AttnLayout& lay, Lane L) {
+__device__ __forceinline__ QueryTile query_tile_at(u32 x, const AttnShape& s, const AttnLayout& lay,
+                                                   Lane L) {
     QueryTile t;
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
     u32 rank;
-    block_coords(blockIdx.x, q_tiles, s.batch * s.heads, t.bh, rank);
+    block_coords(x, q_tiles, s.batch * s.heads, t.bh, rank);
     t.b = t.bh / s.heads;
     t.h = t.bh % s.heads;
     t.hk = t.h / (s.heads / s.kv_heads);
@@ -48,6 +50,10 @@ __device__ __forceinline__ QueryTile query_tile(const AttnShape& s, const AttnLa
     t.k = rows_of(lay.k, t.b, t.hk);
     t.v = rows_of(lay.v, t.b, t.hk);
     return t;
+}
+template <int BM, int MT>
+__device__ __forceinline__ QueryTile query_tile(const AttnShape& s, const AttnLayout& lay, Lane L) {
+    return query_tile_at<BM, MT>(blockIdx.x, s, lay, L);
 }
 
 // The tiles of BN keys, from j_first on, that can hold a key visible to the tile's rows.

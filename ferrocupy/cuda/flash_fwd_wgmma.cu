@@ -8,6 +8,9 @@
 // slower here: dev/tile_sweep.py, 2026-12-03.) S = Q K^T reads both operands from shared memory; P stays in registers. Softmax, masks
 // and dropout are the mma.sync kernel's, element for element (the accumulator layout is the
 // same). For head_dim up to 64 or 128 with 16-byte rows; geometry comes from cuda/configs.py.
+// Persistent (one block per SM, each taking query tiles in turn): the loaders fetch a tile's Q and
+// keys while the computing warpgroups still finish the previous tile, whose start-up and output
+// were otherwise exposed once per tile (at S 1024, 8 key tiles per query tile).
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
 #include "ferro_philox.cuh"
@@ -44,24 +47,21 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                    u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
                    const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(1024) u16 smem_w[];
-    __shared__ u64 full[STAGES], empty[STAGES], q_full;
+    __shared__ u64 full[STAGES], empty[STAGES], q_full, q_empty;
     const u32 raw = smem_u32(smem_w);
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sK = sQ + Q_ELEMS;            // [STAGES][BN x DP], swizzled
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
-    AttnShape s = attn_shape(p, mask_kind);
+    const AttnShape shape = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     // Warpgroup 0 loads. Broadcast from lane 0, as CUTLASS does, so the compiler knows the index
     // is warp-uniform: the per-warpgroup key range below then does not make it serialize wgmma.
-    const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
+    const int D = shape.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
     (void)vec;  // always 16-byte copies: the backend picks this kernel only then
-
-    QueryTile T = query_tile<BM, 1>(s, lay, L);
-
-    for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
-    T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
-    long long j_first;
-    const int n_tiles = key_tiles<BN>(s, T, j_first);
+    // Persistent: the grid holds one block per SM, and each block takes query tiles x =
+    // blockIdx.x, + gridDim.x, ... in block_coords order. The loaders fetch the next tile's Q and
+    // keys while the computing warpgroups still write the last one's output.
+    const u32 n_work = (shape.seq_q + BM - 1) / BM * shape.batch * shape.heads;
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; ++i) {
@@ -69,22 +69,32 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             mbar_init(&empty[i], 32 * WARPS);
         }
         mbar_init(&q_full, LOADERS);
+        mbar_init(&q_empty, 32 * WARPS);
     }
     __syncthreads();
 
     if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
         regs_shrink<LOADER_REGS>();
-        const u16* kb = k + T.k.off;
-        const u16* vb = v + T.v.off;
-        load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q.off, T.q.stride, T.m0, s.seq_q, D);
-        mbar_arrive_cp_async(&q_full);
-        for (int t = 0; t < n_tiles; ++t) {
-            const int st = t % STAGES;
-            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // tile t - STAGES used
-            const long long j = j_first + (long long)t * BN;
-            load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
-            load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
-            mbar_arrive_cp_async(&full[st]);
+        u32 ring = 0, n = 0;  // K/V buffers filled so far; tiles taken so far
+        for (u32 x = blockIdx.x; x < n_work; x += gridDim.x, ++n) {
+            AttnShape s = shape;
+            const QueryTile T = query_tile_at<BM, 1>(x, s, lay, L);
+            for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
+            long long j_first;
+            const int n_tiles = key_tiles<BN>(s, T, j_first);
+            if (n > 0) mbar_wait(&q_empty, (n - 1) & 1);  // the last tile's Q is no longer read
+            load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q.off, T.q.stride, T.m0, s.seq_q, D);
+            mbar_arrive_cp_async(&q_full);
+            const u16* kb = k + T.k.off;
+            const u16* vb = v + T.v.off;
+            for (int t = 0; t < n_tiles; ++t, ++ring) {
+                const u32 st = ring % STAGES;
+                if (ring >= STAGES) mbar_wait(&empty[st], ((ring / STAGES) - 1) & 1);  // used
+                const long long j = j_first + (long long)t * BN;
+                load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
+                load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
+                mbar_arrive_cp_async(&full[st]);
+            }
         }
         cp_async_wait<0>();  // nothing in flight when the block ends
         return;
@@ -92,154 +102,171 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 
     // ---- the computing warpgroups ----------------------------------------------------------------
     regs_grow<COMPUTE_REGS>();
-    const bool dropout = !PLAIN && s.dropout_prob > 0.f;
-    const u32 thr = dropout_threshold(s.dropout_prob);
-    const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
     const u32 q_tile = smem_u32(sQ) + (wg - 1) * 64 * 128;  // this warpgroup's 64 rows
-    auto k_tile = [&](int t) { return smem_u32(sK + (t % STAGES) * KV_ELEMS); };
-    auto v_tile = [&](int t) { return smem_u32(sV + (t % STAGES) * KV_ELEMS); };
-    // S = Q K_t^T, issued (the caller commits and waits).
-    auto issue_s = [&](float (&sc)[NT][4], int t) {
+    u32 ring = 0, n = 0;
+    for (u32 x = blockIdx.x; x < n_work; x += gridDim.x, ++n) {
+        AttnShape s = shape;
+        QueryTile T = query_tile_at<BM, 1>(x, s, lay, L);
+        for_batch(s, kv_lens, T.b);
+        T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
+        long long j_first;
+        const int n_tiles = key_tiles<BN>(s, T, j_first);
+        const bool dropout = !PLAIN && s.dropout_prob > 0.f;
+        const u32 thr = dropout_threshold(s.dropout_prob);
+        const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
+        // Key tile t of this query tile sits in ring buffer (ring + t) % STAGES.
+        auto k_tile = [&](int t) { return smem_u32(sK + ((ring + t) % STAGES) * KV_ELEMS); };
+        auto v_tile = [&](int t) { return smem_u32(sV + ((ring + t) % STAGES) * KV_ELEMS); };
+        auto full_bar = [&](int t) { return &full[(ring + t) % STAGES]; };
+        auto empty_bar = [&](int t) { return &empty[(ring + t) % STAGES]; };
+        auto full_parity = [&](int t) { return ((ring + t) / STAGES) & 1; };
+        // S = Q K_t^T, issued (the caller commits and waits).
+        auto issue_s = [&](float (&sc)[NT][4], int t) {
 #pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk)
-            wgmma_ss(sc, desc_k_major<BM>(q_tile, kk), desc_k_major<BN>(k_tile(t), kk), kk > 0);
-    };
+            for (int kk = 0; kk < DP / 16; ++kk)
+                wgmma_ss(sc, desc_k_major<BM>(q_tile, kk), desc_k_major<BN>(k_tile(t), kk), kk > 0);
+        };
 
-    float o[DT][4];
+        float o[DT][4];
 #pragma unroll
-    for (int nd = 0; nd < DT; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
-    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
-    u32 pa[NT / 2][4];  // P of the previous tile, rounded: the A operand of O += P V
+        for (int nd = 0; nd < DT; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+        float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+        u32 pa[NT / 2][4];  // P of the previous tile, rounded: the A operand of O += P V
 
-    // This warpgroup's own rows and the block's key tiles [t_lo, t_hi) they can see: under a
-    // causal or window mask the block's 3 x 64 rows see different key ranges, and a warpgroup
-    // whose rows are all past seq_q (the last tile of a short sequence) sees none.
-    const long long wm0 = T.m0 + (wg - 1) * 64, wm_last = min(T.m_last, wm0 + 63);
-    int t_lo = 0, t_hi = 0;
-    if (wm0 <= wm_last) {
-        long long lo, hi;
-        visible_key_range(s, wm0 + s.offset, wm_last + s.offset, lo, hi);
-        if (hi > lo) {
-            t_lo = (int)((lo - j_first) / BN);
-            t_hi = min(n_tiles, (int)((hi - j_first + BN - 1) / BN));
-        }
-    }
-    // The keys this thread's two rows see, as intervals counted from j_first: a few integers
-    // live across the loop instead of the shape's 64-bit bounds.
-    KeySpan span[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) span[rr] = key_span(s, T.row(0, rr), j_first, n_tiles * BN);
-
-    // Softmax of tile t's scores into P (as A fragments); returns each row's rescale factor.
-    auto softmax_to_p = [&](float (&sc)[NT][4], int t, float (&alpha)[2]) {
-        const long long j0 = j_first + (long long)t * BN;
-        const KeySpan tile[2] = {span[0].from(t * BN), span[1].from(t * BN)};
-        // Every key of the tile visible to every row: per thread from the spans in the plain
-        // kernel, per warpgroup in the general one (fewer registers across the loop).
-        const bool whole = PLAIN ? tile[0].covers(BN) && tile[1].covers(BN)
-                                 : wholly_visible(s, wm0, wm_last, j0, j0 + BN - 1);
-        // Scores stay raw (q.k). The plain kernel only hides the keys a row cannot see on a
-        // causal or window edge; the general one scales, masks and brings back to raw units any
-        // tile that needs a per-element rule (hiding in place there cost it more spills).
-        if (PLAIN) {
-            if (!whole) hide_outside<NT>(tile, L, sc);
-        } else if (!whole || s.has_mask) {
-            score_tile<NT>(s, mask, T.b, T.h, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
-            const float inv_scale = 1.f / s.scale;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) sc[nt][r] *= inv_scale;
-        }
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) alpha[rr] = online_softmax_raw<NT>(sc, rr, m_run[rr], l_run[rr], sl2);
-        // Dropout: P' = P * keep (the 1/(1-p) is applied once at the end); l keeps P's sum.
-        if (dropout) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const u32 j = (u32)(j0 + nt * 8 + 2 * L.t);
-                    const u32 keep = dropout_keep4(s.seed, thr, T.bh, (u32)T.row(0, rr), j) >> (j & 3);
-                    if (!(keep & 1u)) sc[nt][2 * rr] = 0.f;
-                    if (!(keep & 2u)) sc[nt][2 * rr + 1] = 0.f;
-                }
-        }
-    };
-    auto to_a = [&](const float (&sc)[NT][4]) {
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            pa[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
-            pa[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
-            pa[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            pa[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
-    };
-    auto issue_pv = [&](int t) {
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(o, pa[kk], desc_mn_major<BN>(v_tile(t), kk), 1);
-    };
-
-    // A tile this warpgroup skips is still waited for and handed back, in order, so every
-    // `empty` phase counts each computing thread once.
-    auto pass_over = [&](int t) {
-        mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
-        mbar_arrive(&empty[t % STAGES]);
-    };
-    for (int t = 0; t < t_lo; ++t) pass_over(t);
-    if (t_hi > t_lo) mbar_wait(&q_full, 0);
-    for (int t = t_lo; t < t_hi; ++t) {
-        mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
-        fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
-
-        float sc[NT][4];
-        wgmma_fence();
-        issue_s(sc, t);
-        wgmma_commit();
-        if (t > t_lo) issue_pv(t - 1);
-        wgmma_commit();
-        wgmma_wait<1>();
-        wgmma_pin(sc);
-        float alpha[2];
-        softmax_to_p(sc, t, alpha);
-        wgmma_wait<0>();
-        wgmma_pin(o);
-        if (t > t_lo) mbar_arrive(&empty[(t - 1) % STAGES]);  // done with tile t - 1
-        // Rescale O only when some row's max moved (alpha != 1).
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int nd = 0; nd < DT; ++nd) {
-                o[nd][0] *= alpha[0];
-                o[nd][1] *= alpha[0];
-                o[nd][2] *= alpha[1];
-                o[nd][3] *= alpha[1];
+        // This warpgroup's own rows and the block's key tiles [t_lo, t_hi) they can see: under a
+        // causal or window mask the block's 3 x 64 rows see different key ranges, and a warpgroup
+        // whose rows are all past seq_q (the last tile of a short sequence) sees none.
+        const long long wm0 = T.m0 + (wg - 1) * 64, wm_last = min(T.m_last, wm0 + 63);
+        int t_lo = 0, t_hi = 0;
+        if (wm0 <= wm_last) {
+            long long lo, hi;
+            visible_key_range(s, wm0 + s.offset, wm_last + s.offset, lo, hi);
+            if (hi > lo) {
+                t_lo = (int)((lo - j_first) / BN);
+                t_hi = min(n_tiles, (int)((hi - j_first + BN - 1) / BN));
             }
         }
-        to_a(sc);
-    }
-    if (t_hi > t_lo) {
-        wgmma_fence();
-        issue_pv(t_hi - 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(o);
-        mbar_arrive(&empty[(t_hi - 1) % STAGES]);
-    }
+        // The keys this thread's two rows see, as intervals counted from j_first: a few integers
+        // live across the loop instead of the shape's 64-bit bounds.
+        KeySpan span[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) span[rr] = key_span(s, T.row(0, rr), j_first, n_tiles * BN);
 
-    const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
+        // Softmax of tile t's scores into P (as A fragments); returns each row's rescale factor.
+        auto softmax_to_p = [&](float (&sc)[NT][4], int t, float (&alpha)[2]) {
+            const long long j0 = j_first + (long long)t * BN;
+            const KeySpan tile[2] = {span[0].from(t * BN), span[1].from(t * BN)};
+            // Every key of the tile visible to every row: per thread from the spans in the plain
+            // kernel, per warpgroup in the general one (fewer registers across the loop).
+            const bool whole = PLAIN ? tile[0].covers(BN) && tile[1].covers(BN)
+                                     : wholly_visible(s, wm0, wm_last, j0, j0 + BN - 1);
+            // Scores stay raw (q.k). The plain kernel only hides the keys a row cannot see on a
+            // causal or window edge; the general one scales, masks and brings back to raw units any
+            // tile that needs a per-element rule (hiding in place there cost it more spills).
+            if (PLAIN) {
+                if (!whole) hide_outside<NT>(tile, L, sc);
+            } else if (!whole || s.has_mask) {
+                score_tile<NT>(s, mask, T.b, T.h, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
+                const float inv_scale = 1.f / s.scale;
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const float l = quad_sum(l_run[rr]);
-        const float inv = l == 0.f ? 0.f : keep_scale / l;  // no visible key: 0; NaN stays NaN
-        const long long i = T.row(0, rr);
-        if (i >= s.seq_q) continue;
-        if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[rr] * s.scale, l);
-        u16* orow = out + T.o.off + (u64)i * T.o.stride;
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int nd = 0; nd < DT; ++nd) {
-            const int d = nd * 8 + 2 * L.t;
-            if (d < D) *reinterpret_cast<u32*>(orow + d) = pack2(o[nd][2 * rr] * inv, o[nd][2 * rr + 1] * inv);
+                    for (int r = 0; r < 4; ++r) sc[nt][r] *= inv_scale;
+            }
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) alpha[rr] = online_softmax_raw<NT>(sc, rr, m_run[rr], l_run[rr], sl2);
+            // Dropout: P' = P * keep (the 1/(1-p) is applied once at the end); l keeps P's sum.
+            if (dropout) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        const u32 j = (u32)(j0 + nt * 8 + 2 * L.t);
+                        const u32 keep = dropout_keep4(s.seed, thr, T.bh, (u32)T.row(0, rr), j) >> (j & 3);
+                        if (!(keep & 1u)) sc[nt][2 * rr] = 0.f;
+                        if (!(keep & 2u)) sc[nt][2 * rr + 1] = 0.f;
+                    }
+            }
+        };
+        auto to_a = [&](const float (&sc)[NT][4]) {
+#pragma unroll
+            for (int kk = 0; kk < NT / 2; ++kk) {
+                pa[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
+                pa[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+                pa[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                pa[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            }
+        };
+        auto issue_pv = [&](int t) {
+#pragma unroll
+            for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(o, pa[kk], desc_mn_major<BN>(v_tile(t), kk), 1);
+        };
+
+        // A tile this warpgroup skips is still waited for and handed back, in order, so every
+        // `empty` phase counts each computing thread once.
+        auto pass_over = [&](int t) {
+            mbar_wait(full_bar(t), full_parity(t));
+            mbar_arrive(empty_bar(t));
+        };
+        for (int t = 0; t < t_lo; ++t) pass_over(t);
+        // Every computing thread waits for this tile's Q, even one with no key to visit, before it
+        // hands Q back: so no arrival on q_empty can count toward an earlier tile's phase.
+        mbar_wait(&q_full, n & 1);
+        for (int t = t_lo; t < t_hi; ++t) {
+            mbar_wait(full_bar(t), full_parity(t));
+            fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
+
+            float sc[NT][4];
+            wgmma_fence();
+            issue_s(sc, t);
+            wgmma_commit();
+            if (t > t_lo) issue_pv(t - 1);
+            wgmma_commit();
+            wgmma_wait<1>();
+            wgmma_pin(sc);
+            float alpha[2];
+            softmax_to_p(sc, t, alpha);
+            wgmma_wait<0>();
+            wgmma_pin(o);
+            if (t > t_lo) mbar_arrive(empty_bar(t - 1));  // done with tile t - 1
+            // Rescale O only when some row's max moved (alpha != 1).
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                for (int nd = 0; nd < DT; ++nd) {
+                    o[nd][0] *= alpha[0];
+                    o[nd][1] *= alpha[0];
+                    o[nd][2] *= alpha[1];
+                    o[nd][3] *= alpha[1];
+                }
+            }
+            to_a(sc);
         }
+        if (t_hi > t_lo) {
+            wgmma_fence();
+            issue_pv(t_hi - 1);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(o);
+            mbar_arrive(empty_bar(t_hi - 1));
+        }
+        mbar_arrive(&q_empty);  // every product that reads Q has completed
+
+        const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const float l = quad_sum(l_run[rr]);
+            const float inv = l == 0.f ? 0.f : keep_scale / l;  // no visible key: 0; NaN stays NaN
+            const long long i = T.row(0, rr);
+            if (i >= s.seq_q) continue;
+            if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[rr] * s.scale, l);
+            u16* orow = out + T.o.off + (u64)i * T.o.stride;
+#pragma unroll
+            for (int nd = 0; nd < DT; ++nd) {
+                const int d = nd * 8 + 2 * L.t;
+                if (d < D) *reinterpret_cast<u32*>(orow + d) = pack2(o[nd][2 * rr] * inv, o[nd][2 * rr + 1] * inv);
+            }
+        }
+        for (int t = t_hi; t < n_tiles; ++t) pass_over(t);
+        ring += n_tiles;
     }
-    for (int t = t_hi; t < n_tiles; ++t) pass_over(t);
 }
