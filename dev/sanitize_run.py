@@ -75,15 +75,17 @@ def main() -> None:
                 causal=True, causal_offset=699), lse=lsed, kv_lens=lens)
             if d in (64, 128) and dtype != np.float32:
                 # More query tiles than SMs (the persistent wgmma forward's blocks take several
-                # in turn), causal with per-sequence lengths: plain, then with a mask and dropout.
+                # in turn): per-sequence lengths, then a mask and dropout; then causal (a block
+                # per tile, the short one first) with a window.
                 qp, kp, vp = put((3, 200, 60, d)), put((3, 260, 20, d)), put((3, 260, 20, d))
                 outp = UnifiedTensor.empty(qp.shape, dtype, device="cuda")
                 lp = UnifiedTensor.from_numpy(np.array([260, 100, 0], np.int32), device="cuda")
-                eng.flash_attention_v2_with(qp, kp, vp, outp, AttentionOptions(causal=True),
-                                            kv_lens=lp)
+                eng.flash_attention_v2_with(qp, kp, vp, outp, kv_lens=lp)
                 eng.flash_attention_v2_with(qp, kp, vp, outp, AttentionOptions(
-                    window=50, dropout_prob=0.1, seed=4), UnifiedTensor.from_numpy(
+                    dropout_prob=0.1, seed=4), UnifiedTensor.from_numpy(
                         rng.standard_normal((3, 1, 200, 260)).astype(dtype), device="cuda"))
+                eng.flash_attention_v2_with(qp, kp, vp, outp, AttentionOptions(
+                    causal=True, causal_offset=60, window=90))
             if d % 2 == 0:
                 eng.rope(q, d, 3)
             import cupy

@@ -56,8 +56,10 @@ def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
     fn, blocks, threads, smem, args = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     v = configs.select(configs.FORWARD, BFLOAT16, 128, 232448, capability=90, copy_bytes=16)
     assert v.isa == configs.WGMMA and fn.name == "flash_fwd_wgmma"
-    assert v.persistent and blocks == 132  # one block per SM, each taking tiles in turn
-    assert v.tiles(p) == -(-4096 // v.block_rows) * 4 * 16
+    assert blocks == v.tiles(p) == -(-4096 // v.block_rows) * 4 * 16  # causal: a block per tile
+    plain = params(q, k)
+    assert v.persistent and b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16),
+                                    plain)[1] == 132  # one block per SM, each taking tiles in turn
     small = params((1, 128, 2, 128), (1, 128, 2, 128))
     assert b._plan(configs.FORWARD, forward_buffers((1, 128, 2, 128), (1, 128, 2, 128), BFLOAT16),
                    small)[1] == 2  # never more blocks than tiles

@@ -113,11 +113,15 @@ def test_half_forward_warpgroup_key_ranges(kernels, rng, dtype, d, opts):
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
-def test_half_forward_many_tiles_per_block(kernels, rng, dtype, d):
-    """More query tiles than SMs (4 x 72 = 288 of 192 rows): the persistent wgmma forward's
-    blocks each take several, in turn, through one ring of K/V buffers and one Q buffer."""
-    case = make_case(rng, b=3, sq=700, sk=700, h=24, hkv=6, d=d, qk_scale=1.0, causal=True,
-                     causal_offset=11)
+@pytest.mark.parametrize("opts", [{}, dict(mask="B,1,Sq,Sk", dropout_prob=0.1, seed=DROPOUT_SEED),
+                                  dict(causal=True, causal_offset=11)],
+                         ids=["plain", "mask-dropout", "causal-offset"])
+def test_half_forward_many_tiles_per_block(kernels, rng, dtype, d, opts):
+    """More query tiles than SMs (4 x 72 = 288 of 192 rows): without causal or window the
+    persistent wgmma forward's blocks each take several, in turn, through one ring of K/V
+    buffers and one Q buffer; causal takes a block per tile, the short one holding the first
+    rows."""
+    case = make_case(rng, b=3, sq=700, sk=700, h=24, hkv=6, d=d, qk_scale=1.0, **opts)
     check_half(kernels, rounded(case, dtype), backward=False)
 
 
@@ -133,7 +137,8 @@ def test_half_forward_kv_lens_many_tiles_per_block(kernels, ref, rng, dtype, d):
     lens = np.array([700, 500, 333, 129, 1, 0], np.int32)
     for i, n in enumerate(lens):
         k[i, n:], v[i, n:] = np.nan, np.nan
-    check_forward_with_lse(kernels, ref, q, k, v, AttentionOptions(causal=True), None, lens)
+    for opts in (AttentionOptions(), AttentionOptions(causal=True)):  # persistent, and not
+        check_forward_with_lse(kernels, ref, q, k, v, opts, None, lens, what=str(opts))
 
 
 @pytest.mark.parametrize("dtype", HALF)

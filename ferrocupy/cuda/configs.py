@@ -189,9 +189,15 @@ class Variant:
         return -(-rows // self.block_rows) * int(params["batch"]) * heads
 
     def blocks(self, params, sm_count: int) -> int:
-        """The grid: a block per tile, or for a persistent kernel at most one per SM."""
+        """The grid: a block per tile, or for a persistent kernel at most one per SM where every
+        tile costs the same (no causal or window mask). Its blocks take tiles in a fixed turn,
+        which left causal calls unbalanced: bf16 S 4096 causal went from 0.726 to 0.784 ms at
+        head_dim 128 and 0.860 to 0.890 at 64, while non-causal S 1024 went from 0.428 to 0.412
+        and 0.481 to 0.461 (compare.py, H200, 2026-12-03); a block per tile lets the hardware
+        balance them."""
         tiles = self.tiles(params)
-        return min(tiles, sm_count) if self.persistent else tiles
+        uniform = not int(params["causal"]) and not int(params["window"])
+        return min(tiles, sm_count) if self.persistent and uniform else tiles
 
     def describe(self) -> str:
         return (f"{self.op}/{self.dtype}/d{self.head_dim} ({self.isa}): {self.warps} warps x "

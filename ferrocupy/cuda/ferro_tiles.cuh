@@ -31,10 +31,13 @@ struct QueryTile {
 
 // A 1-D grid over (batch*heads) x query tiles of BM rows in block_coords order, the last tiles
 // (under causal masking, those that see the most keys) first. Each warp owns 16*MT rows.
-// Work item x of that order (a persistent kernel's block takes several).
+// Work item x of that order (a persistent kernel's block takes several). `from_end`: tiles end at
+// seq_q, seq_q - BM, ..., so a short tile (m0 < 0: rows before 0 do not exist) holds the first
+// rows, not the last; under causal masking those see the fewest keys, so the short tile is also
+// the cheapest instead of a long one with most of its block idle.
 template <int BM, int MT>
 __device__ __forceinline__ QueryTile query_tile_at(u32 x, const AttnShape& s, const AttnLayout& lay,
-                                                   Lane L) {
+                                                   Lane L, bool from_end = false) {
     QueryTile t;
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
     u32 rank;
@@ -42,7 +45,8 @@ __device__ __forceinline__ QueryTile query_tile_at(u32 x, const AttnShape& s, co
     t.b = t.bh / s.heads;
     t.h = t.bh % s.heads;
     t.hk = t.h / (s.heads / s.kv_heads);
-    t.m0 = (long long)(q_tiles - 1 - rank) * BM;
+    t.m0 = from_end ? (long long)s.seq_q - (long long)(rank + 1) * BM
+                    : (long long)(q_tiles - 1 - rank) * BM;
     t.m_last = min((long long)s.seq_q, t.m0 + BM) - 1;
     t.row0 = t.m0 + (threadIdx.x >> 5) * 16 * MT + L.g;
     t.q = rows_of(lay.q, t.b, t.h);
@@ -61,7 +65,7 @@ template <int BN>
 __device__ __forceinline__ int key_tiles(const AttnShape& s, const QueryTile& t,
                                          long long& j_first) {
     long long lo, hi;
-    visible_key_range(s, t.m0 + s.offset, t.m_last + s.offset, lo, hi);
+    visible_key_range(s, max(t.m0, 0ll) + s.offset, t.m_last + s.offset, lo, hi);
     j_first = lo / BN * BN;
     return hi > j_first ? (int)((hi - j_first + BN - 1) / BN) : 0;
 }
@@ -125,7 +129,8 @@ __device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask,
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const long long i = r < 2 ? i0 : i1, j = j0 + nt * 8 + 2 * L.t + (r & 1);
-            const bool ok = i < s.seq_q && j < s.kv_len && (whole || visible(s, i + s.offset, j));
+            const bool ok = i >= 0 && i < s.seq_q && j < s.kv_len &&
+                            (whole || visible(s, i + s.offset, j));
             float x = sc[nt][r] * s.scale;
             if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
             sc[nt][r] = ok ? x : neg_inf();

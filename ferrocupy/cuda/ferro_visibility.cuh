@@ -47,7 +47,7 @@ __device__ __forceinline__ void visible_row_range(const AttnShape& s, long long 
 // The keys row i sees among [j0, j0 + n), as columns [lo, hi] counted from j0 (lo > hi: none).
 // Causal, window and the keys' end each bound one side, so a row's visible keys are one interval
 // and a tile without an additive mask needs two integer compares per element, not `visible`'s
-// 64-bit tests. A row past seq_q sees nothing.
+// 64-bit tests. A row past seq_q (or before 0) sees nothing.
 __device__ __forceinline__ void visible_cols(const AttnShape& s, long long i, long long j0, int n,
                                              int& lo, int& hi) {
     const long long a = i + s.offset;
@@ -62,7 +62,7 @@ __device__ __forceinline__ void visible_cols(const AttnShape& s, long long i, lo
     h -= j0;
     lo = l < 0 ? 0 : (l > n ? n : (int)l);
     hi = h < -1 ? -1 : (h >= n ? n - 1 : (int)h);
-    if (i >= s.seq_q) hi = -1;
+    if (i < 0 || i >= s.seq_q) hi = -1;
 }
 
 // True when every row i in [i_lo, i_hi] sees every key j in [j_lo, j_hi] and all of them exist,

@@ -69,8 +69,8 @@ __device__ __forceinline__ u64 desc_mn_major(u32 tile, int kk) {
 }
 
 // Copy rows [row0, row0 + ROWS) x [0, DP) of a row-strided matrix of 16-bit elements into the
-// swizzled layout, 16 bytes per cp.async; rows past n_rows and columns past D (a multiple of 8)
-// are zero-filled.
+// swizzled layout, 16 bytes per cp.async; rows before 0 or past n_rows and columns past D (a
+// multiple of 8) are zero-filled.
 template <int ROWS, int DP, int THREADS>
 __device__ __forceinline__ void load_tile_sw128(u16* smem, const u16* base, u64 row_stride,
                                                 long long row0, long long n_rows, int D) {
@@ -79,7 +79,7 @@ __device__ __forceinline__ void load_tile_sw128(u16* smem, const u16* base, u64 
     for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS, c = idx % CHUNKS;
         const long long row = row0 + r;
-        const bool ok = row < n_rows && 8 * c < D;
+        const bool ok = row >= 0 && row < n_rows && 8 * c < D;
         const u16* src = ok ? base + (u64)row * row_stride + 8 * c : base;
         u16* dst = smem + (c >> 3) * ROWS * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3);
         cp_async<16>(dst, src, ok);

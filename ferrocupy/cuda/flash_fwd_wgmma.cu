@@ -78,7 +78,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         u32 ring = 0, n = 0;  // K/V buffers filled so far; tiles taken so far
         for (u32 x = blockIdx.x; x < n_work; x += gridDim.x, ++n) {
             AttnShape s = shape;
-            const QueryTile T = query_tile_at<BM, 1>(x, s, lay, L);
+            const QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal);
             for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
             long long j_first;
             const int n_tiles = key_tiles<BN>(s, T, j_first);
@@ -106,7 +106,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     u32 ring = 0, n = 0;
     for (u32 x = blockIdx.x; x < n_work; x += gridDim.x, ++n) {
         AttnShape s = shape;
-        QueryTile T = query_tile_at<BM, 1>(x, s, lay, L);
+        QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal);  // causal: short tile first rows
         for_batch(s, kv_lens, T.b);
         T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
         long long j_first;
@@ -136,7 +136,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         // This warpgroup's own rows and the block's key tiles [t_lo, t_hi) they can see: under a
         // causal or window mask the block's 3 x 64 rows see different key ranges, and a warpgroup
         // whose rows are all past seq_q (the last tile of a short sequence) sees none.
-        const long long wm0 = T.m0 + (wg - 1) * 64, wm_last = min(T.m_last, wm0 + 63);
+        const long long wm0 = max(T.m0 + (wg - 1) * 64, 0ll);  // (rows before 0 do not exist)
+        const long long wm_last = min(T.m_last, T.m0 + (wg - 1) * 64 + 63);
         int t_lo = 0, t_hi = 0;
         if (wm0 <= wm_last) {
             long long lo, hi;
@@ -257,7 +258,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             const float l = quad_sum(l_run[rr]);
             const float inv = l == 0.f ? 0.f : keep_scale / l;  // no visible key: 0; NaN stays NaN
             const long long i = T.row(0, rr);
-            if (i >= s.seq_q) continue;
+            if (i < 0 || i >= s.seq_q) continue;
             if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[rr] * s.scale, l);
             u16* orow = out + T.o.off + (u64)i * T.o.stride;
 #pragma unroll
