@@ -76,7 +76,7 @@ def main() -> None:
             if d in (64, 128) and dtype != np.float32:
                 # More query tiles than SMs (the persistent wgmma forward's blocks take several
                 # in turn): per-sequence lengths, then a mask and dropout; then causal (a block
-                # per tile, the short one first) with a window.
+                # per tile, the short one first) with a window, and its backward.
                 qp, kp, vp = put((3, 200, 60, d)), put((3, 260, 20, d)), put((3, 260, 20, d))
                 outp = UnifiedTensor.empty(qp.shape, dtype, device="cuda")
                 lp = UnifiedTensor.from_numpy(np.array([260, 100, 0], np.int32), device="cuda")
@@ -84,8 +84,14 @@ def main() -> None:
                 eng.flash_attention_v2_with(qp, kp, vp, outp, AttentionOptions(
                     dropout_prob=0.1, seed=4), UnifiedTensor.from_numpy(
                         rng.standard_normal((3, 1, 200, 260)).astype(dtype), device="cuda"))
-                eng.flash_attention_v2_with(qp, kp, vp, outp, AttentionOptions(
-                    causal=True, causal_offset=60, window=90))
+                causal = AttentionOptions(causal=True, causal_offset=60, window=90)
+                lsep = UnifiedTensor.empty((3, 60, 200), np.float32, device="cuda")
+                eng.flash_attention_v2_with(qp, kp, vp, outp, causal, lse=lsep)
+                # The backward given lse, no mask or dropout: the wgmma dQ and dK/dV kernels.
+                gop = put(qp.shape)
+                gradsp = [UnifiedTensor.empty(x.shape, dtype, device="cuda") for x in (qp, kp, vp)]
+                eng.flash_attention_v2_backward_with(qp, kp, vp, outp, gop, *gradsp, causal,
+                                                     lse=lsep)
             if d % 2 == 0:
                 eng.rope(q, d, 3)
             import cupy

@@ -207,8 +207,16 @@ def test_backward_plan_owns_its_stats(monkeypatch):
     b.backward(bufs, p)
     b.backward(bufs, p)
     names = [r[0] for r in runs]
-    assert names == ["flash_bwd_dq_half", "flash_bwd_dkdv_half"] * 2
+    # (a plain call on the fake sm_90 with 16-byte rows: dK/dV on the warpgroup tensor cores)
+    assert names == ["flash_bwd_dq_half", "flash_bwd_dkdv_wgmma"] * 2
     assert "stats" in [a.name for a in runs[0][1] if isinstance(a, launch.Slot)]
     plan = next(iter(b._plans.values()))
     assert plan.workspace == {"stats": (8 * 256, 2)}
     assert runs[0][2]["stats"] == runs[3][2]["stats"]  # the same stats buffer on the second call
+    runs.clear()  # with dropout, the mma.sync dK/dV kernel (the wgmma one is built without it)
+    b.backward(bufs, AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
+        AttentionOptions(causal=True, dropout_prob=0.1)))
+    assert [r[0] for r in runs] == ["flash_bwd_dq_half", "flash_bwd_dkdv_half"]
+    runs.clear()  # given the forward's lse, dQ on the warpgroup tensor cores too
+    b.backward(dict(bufs, lse=buf((1, 8, 256), FLOAT32)), p)
+    assert [r[0] for r in runs] == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"]

@@ -127,6 +127,19 @@ def test_half_forward_many_tiles_per_block(kernels, rng, dtype, d, opts):
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("opts", [dict(causal=True, causal_offset=30), dict(window=100),
+                                  dict(causal=True, window=70, causal_offset=5)],
+                         ids=["causal-offset30", "window100", "causal-window70"])
+def test_half_backward_key_blocks(kernels, rng, dtype, d, opts):
+    """The dK/dV kernels (on sm_90a without mask or dropout, the wgmma one: two warpgroups of 64
+    keys, query tiles of 64 rows from a ring of two) at lengths that are not multiples of any
+    tile, GQA 4, each key seeing a different span of rows."""
+    case = make_case(rng, b=2, sq=333, sk=461, h=8, hkv=2, d=d, qk_scale=1.0, **opts)
+    check_half(kernels, rounded(case, dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
 def test_half_forward_kv_lens_many_tiles_per_block(kernels, ref, rng, dtype, d):
     """Each of a persistent block's tiles takes its own batch's kv_lens (3 x 6 x 24 = 432
     tiles): full, partial, tile-straddling, 1 and 0 keys, NaN past each."""
@@ -200,20 +213,27 @@ def test_backward_with_and_without_lse_agree(dev, rng, dtype, drop):
         assert np.abs(a - b).max() <= 4 * ulp * np.abs(b).max(), n
 
 
-def test_backward_uses_the_given_lse(dev, rng):
-    """A different lse gives different gradients: the argument is read, not ignored."""
-    case = make_case(rng, b=1, sq=40, sk=40, h=2, d=32)
+@pytest.mark.parametrize("dtype,d", [(FLOAT32, 32), (BFLOAT16, 64), (FLOAT16, 128)],
+                         ids=["f32-d32", "bf16-d64", "f16-d128"])
+def test_backward_uses_the_given_lse(dev, rng, dtype, d):
+    """A different lse gives different gradients: the argument is read, not ignored (by the
+    dQ kernel, and through the stats it writes by the dK/dV kernel; in half precision at head_dim
+    64 and 128 on sm_90a, the wgmma ones)."""
+    case = make_case(rng, b=1, sq=40, sk=40, h=2, d=d)
+    if dtype != FLOAT32:
+        case = rounded(case, dtype)
     q, k, v, go = (dev.put(x) for x in (case.q, case.k, case.v, case.grad_out))
-    out = dev.poisoned(case.q.shape)
+    out = dev.poisoned(case.q.shape, dtype=dtype)
     lse = dev.poisoned((1, 2, 40))
     dev.engine.flash_attention_v2_with(q, k, v, out, case.opts, lse=lse)
     grads = []
     for shift in (0.0, 1.0):
         shifted = dev.put(dev.get(lse) + np.float32(shift))
-        g = [dev.poisoned(x.shape) for x in (case.q, case.k, case.v)]
+        g = [dev.poisoned(x.shape, dtype=dtype) for x in (case.q, case.k, case.v)]
         dev.engine.flash_attention_v2_backward_with(q, k, v, out, go, *g, lse=shifted)
-        grads.append(dev.get(g[0]))
-    assert not np.allclose(grads[0], grads[1])
+        grads.append([dev.get(x).astype(np.float32) for x in g])
+    for n, a, b in zip(("grad_q", "grad_k", "grad_v"), *grads):
+        assert not np.allclose(a, b), n
 
 
 # --- dropout's keep mask is the same in every dtype -----------------------------------------------

@@ -196,7 +196,9 @@ class CudaBackend:
         names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
         vec = _copy_width(dtype, d, [buffers[a] for a in names], _strides(layout, names))
         mask = buffers.get("mask")
-        plain = mask is None and float(params["dropout_prob"]) == 0.0
+        # the `plain` variants: no mask, no dropout (and dQ given the forward's lse)
+        plain = (mask is None and float(params["dropout_prob"]) == 0.0
+                 and (op != configs.BACKWARD_DQ or buffers.get("lse") is not None))
         v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain)
         smem = v.shared_bytes
         blocks = v.blocks(params, self.sm_count)

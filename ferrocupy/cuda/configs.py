@@ -53,6 +53,8 @@ _SOURCES = {
     (BACKWARD_DQ, True, MMA): ("flash_bwd_dq_half.cu", "flash_bwd_dq_half"),
     (BACKWARD_DKDV, True, MMA): ("flash_bwd_dkdv_half.cu", "flash_bwd_dkdv_half"),
     (FORWARD, True, WGMMA): ("flash_fwd_wgmma.cu", "flash_fwd_wgmma"),
+    (BACKWARD_DQ, True, WGMMA): ("flash_bwd_dq_wgmma.cu", "flash_bwd_dq_wgmma"),
+    (BACKWARD_DKDV, True, WGMMA): ("flash_bwd_dkdv_wgmma.cu", "flash_bwd_dkdv_wgmma"),
     (DECODE, False, TILES): ("flash_decode.cu", "flash_decode"),
     (DECODE, True, TILES): ("flash_decode.cu", "flash_decode"),
     (DECODE, False, STREAMS): ("flash_decode_streams.cu", "flash_decode_streams"),
@@ -72,7 +74,9 @@ class Variant:
     stages: int = 0  # K/V buffers, for the kernels that take it as a define (0: the kernel's own)
     rows: int = 0  # decode: the most query rows of a KV group the block takes
     lane_dims: int = 0  # streams decode: head dims per lane (0: 16 for rows <= 4, else 8)
-    plain: bool = False  # mask and dropout compiled out: only for calls with neither (FERRO_PLAIN)
+    # mask and dropout compiled out: only for calls with neither (FERRO_PLAIN); for dQ, also only
+    # for calls that pass the forward's lse (the kernel has no statistics pass)
+    plain: bool = False
 
     @property
     def half(self) -> bool:
@@ -150,6 +154,12 @@ class Variant:
             rows = DECODE_ROWS
             return (2 * self.stages * self.step * (self.head_dim + 16 // elem) * elem
                     + 4 * (rows * self.head_dim + rows * (self.step + 1) + 3 * rows))
+        if self.isa in SM90A and self.op != FORWARD:
+            # dQ: its Q and dO, stages x (K, V); dK/dV: its K and V, stages x (Q, dO, 8 B of
+            # [Delta, LSE] a row); swizzled, unpadded; 1 KB to align the base
+            stats = 8 * self.stages * self.step if self.op == BACKWARD_DKDV else 0
+            return (elem * (2 * self.block_rows + 2 * self.stages * self.step) * self.head_dim
+                    + stats + 1024)
         if self.isa in SM90A:  # Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
             return elem * (self.block_rows + 2 * WGMMA_STAGES * self.step) * self.head_dim + 1024
         pitch = self.head_dim + (4 if elem == 4 else 8)
@@ -165,7 +175,7 @@ class Variant:
         if self.half:
             d["FERRO_BF16"] = int(self.dtype == BFLOAT16)
         if self.isa == WGMMA:
-            d["FERRO_STAGES"] = WGMMA_STAGES
+            d["FERRO_STAGES"] = self.stages or WGMMA_STAGES
         if self.op == DECODE:
             d["FERRO_ROWS"] = self.rows
             d["FERRO_STAGES"] = self.stages
@@ -180,7 +190,7 @@ class Variant:
     @property
     def persistent(self) -> bool:
         """The kernel loops over its tiles, one block per SM (the wgmma forward)."""
-        return self.isa == WGMMA
+        return self.isa == WGMMA and self.op == FORWARD
 
     def tiles(self, params) -> int:
         """Work items: row tiles x (batch, head), or x (batch, KV head) for dK/dV."""
@@ -208,21 +218,33 @@ class Variant:
                 + f", {self.shared_bytes} B shared")
 
 
-def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[tuple]:
-    """The sm_90a candidates (warps, mt, step, isa, kernel head_dim), tried first where they run:
-    the forward at head_dim 49-64 and 97-128 (at most a quarter of the product zero-filled).
+def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
+    """The sm_90a variants, tried first where they run: at head_dim 49-64 and 97-128 (at most a
+    quarter of the product zero-filled), the forward and dK/dV.
 
-    Three computing warpgroups (192 query rows) beat two in dev/tile_sweep.py (bfloat16, S 4096,
-    H200, 2026-12-03; TFLOP/s non-causal + causal): d64 with 128 keys a tile 331 + 226 (two
-    warpgroups: 291 + 228); d128 with 64 keys 378 + 304 (two warpgroups, 128 keys: 359 + 291;
-    three at 128 keys do not fit in shared memory).
+    Forward: three computing warpgroups (192 query rows) beat two in dev/tile_sweep.py (bfloat16,
+    S 4096, H200, 2026-12-03; TFLOP/s non-causal + causal): d64 with 128 keys a tile 331 + 226
+    (two warpgroups: 291 + 228); d128 with 64 keys 378 + 304 (two warpgroups, 128 keys: 359 +
+    291; three at 128 keys do not fit in shared memory). Each comes twice: first `plain` (no
+    additive mask, no dropout: the call most make), then with both. The mask's and dropout's code
+    held registers across the key loop even when unused: at head_dim 64, ptxas spilled 680 bytes
+    with them and none without (2026-12-03).
 
-    Each comes twice: first `plain` (no additive mask, no dropout: the call most make), then with
-    both. The mask's and dropout's code held registers across the key loop even when unused: at
-    head_dim 64, ptxas spilled 680 bytes with them and none without (2026-12-03)."""
-    if op != FORWARD or dtype == FLOAT32 or dp not in (64, 112, 128):
+    Backward: two computing warpgroups (their accumulators take 64 registers a thread per
+    head_dim-128 output: dQ, or dK and dV), tiles of 64 keys (dQ, 3 buffers) or 64 query rows
+    (dK/dV, 2 buffers); `plain` only: a call with a mask or dropout (or, for dQ, without the
+    forward's lse) takes the mma.sync kernels."""
+    if dtype == FLOAT32 or dp not in (64, 112, 128):
         return []
-    return [(12, 1, 128, WGMMA, 64)] if dp <= 64 else [(12, 1, 64, WGMMA, 128)]
+    kd = 64 if dp <= 64 else 128
+    if op == FORWARD:
+        return [Variant(op, dtype, kd, 12, 1, 128 if kd == 64 else 64, WGMMA, plain=plain)
+                for plain in (True, False)]
+    if op == BACKWARD_DQ:
+        return [Variant(op, dtype, kd, 8, 1, 64, WGMMA, stages=3, plain=True)]
+    if op == BACKWARD_DKDV:
+        return [Variant(op, dtype, kd, 8, 1, 64, WGMMA, stages=2, plain=True)]
+    return []
 
 
 def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
@@ -280,8 +302,7 @@ def _table() -> dict:
         for dtype in (FLOAT32, FLOAT16, BFLOAT16):
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
-                    [Variant(op, dtype, kd, w, mt, n, isa, plain=plain)
-                     for w, mt, n, isa, kd in _wgmma(op, dtype, dp) for plain in (True, False)]
+                    _wgmma(op, dtype, dp)
                     + (_decode_streams(dtype, dp) if op == DECODE else [])
                     + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
                        for g in _geometry(op, dtype, dp)])

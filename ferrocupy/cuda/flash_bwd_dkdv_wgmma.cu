@@ -1,0 +1,215 @@
+// Attention backward, second kernel, float16 / bfloat16 on sm_90a's warpgroup tensor cores
+// (wgmma), for calls without an additive mask or dropout. One block = BK = 64 x (WARPS / 4) keys of
+// one (batch, KV head), warp-specialized like the wgmma forward: a loading warpgroup fills a ring
+// of STAGES {Q, dO, [Delta, LSE]} query tiles (BQ rows each) after the block's K and V, and each
+// computing warpgroup owns 64 keys, for every query head of the GQA group and every query tile
+// that can see them:
+//   S^T  = K Q^T          (wgmma, both from shared memory)
+//   dP^T = V dO^T         (wgmma, both from shared memory)
+//   P^T  = exp(scale S^T - LSE), 0 where a key is not visible to the row
+//   dS^T = P^T (dP^T - Delta)
+//   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T and dS^T from registers, rounded to the dtype)
+// then writes grad_k = scale dK and grad_v = dV, each rounded once. No atomics: deterministic.
+// The [Delta, LSE] per query row come from the dQ kernel's stats. The products are those of the
+// mma.sync kernel (flash_bwd_dkdv_half.cu), element for element; geometry from cuda/configs.py.
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+#include "ferro_softmax.cuh"
+#include "ferro_copy.cuh"
+#include "ferro_tiles.cuh"
+#include "ferro_mma_f16.cuh"
+#include "ferro_wgmma.cuh"
+#include "ferro_mbarrier.cuh"
+
+namespace {
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BQ = FERRO_BN, STAGES = FERRO_STAGES;
+constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BK = 16 * WARPS;
+constexpr int NT = BQ / 8;  // n-tiles of S^T and dP^T (query columns); k-steps of dV, dK: NT / 2
+constexpr int DT = DP / 8;  // n-tiles of dK and dV
+constexpr int KV_ELEMS = BK * DP, Q_ELEMS = BQ * DP;
+constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
+static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 keys per warp");
+static_assert((DP == 64 || DP == 128) && BQ == 64, "wgmma tile geometry");
+static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
+// K and V, the ring of Q and dO (swizzled), the ring of [Delta, LSE], 1 KB to align the base.
+static_assert(2 * (2 * KV_ELEMS + 2 * STAGES * Q_ELEMS) + 8 * STAGES * BQ + 1024 == FERRO_SMEM_BYTES,
+              "configs.py's shared memory");
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
+                     const u16* __restrict__ v, const u16* __restrict__ grad_out,
+                     u16* __restrict__ grad_k, u16* __restrict__ grad_v,
+                     const void* __restrict__ mask, const float* __restrict__ stats,
+                     const u32 vec, const u32 mask_kind, const AttnLayout lay,
+                     const FlashBwdParams p) {
+    extern __shared__ __align__(1024) u16 smem_w[];
+    __shared__ u64 kv_full, full[STAGES], empty[STAGES];
+    const u32 raw = smem_u32(smem_w);
+    u16* sK = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
+    u16* sV = sK + KV_ELEMS;
+    u16* sQ = sV + KV_ELEMS;            // [STAGES][BQ x DP], swizzled
+    u16* sdO = sQ + STAGES * Q_ELEMS;   // [STAGES][BQ x DP], swizzled
+    float* sSt = reinterpret_cast<float*>(sdO + STAGES * Q_ELEMS);  // [STAGES][BQ][Delta, LSE]
+    const AttnShape s = attn_shape(p, mask_kind);
+    const Lane L = lane_ids();
+    const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads
+    (void)vec, (void)mask;  // 16-byte rows and no mask: the backend picks this kernel only then
+
+    const u32 k_tiles = (s.seq_k + BK - 1) / BK;
+    u32 bhk, tile;  // the first key tiles are seen by the most queries
+    block_coords(blockIdx.x, k_tiles, s.batch * s.kv_heads, bhk, tile);
+    const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
+    const long long k0 = (long long)tile * BK;
+    const long long k_last = min((long long)s.seq_k, k0 + BK) - 1;
+    long long q_lo, q_hi;
+    visible_row_range(s, k0, k_last, q_lo, q_hi);
+    const long long i_first = q_lo / BQ * BQ;
+    const int n_tiles = q_hi > i_first ? (int)((q_hi - i_first + BQ - 1) / BQ) : 0;
+    const int steps = (int)group * n_tiles;  // (query head of the group, query tile)
+
+    if (threadIdx.x == 0) {
+        mbar_init(&kv_full, LOADERS);
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(&full[i], LOADERS);
+            mbar_init(&empty[i], 32 * WARPS);
+        }
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
+        regs_shrink<LOADER_REGS>();
+        const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
+        load_tile_sw128<BK, DP, LOADERS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D);
+        load_tile_sw128<BK, DP, LOADERS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D);
+        mbar_arrive_cp_async(&kv_full);
+        for (int t = 0; t < steps; ++t) {
+            const int st = t % STAGES;
+            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // step t - STAGES done
+            const u32 h = hk * group + t / n_tiles;
+            const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+            const Rows rq = rows_of(lay.q, b, h), rdo = rows_of(lay.grad_out, b, h);
+            load_tile_sw128<BQ, DP, LOADERS>(sQ + st * Q_ELEMS, q + rq.off, rq.stride, i0, s.seq_q, D);
+            load_tile_sw128<BQ, DP, LOADERS>(sdO + st * Q_ELEMS, grad_out + rdo.off, rdo.stride, i0,
+                                             s.seq_q, D);
+            const float* rows = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
+            for (int r = threadIdx.x; r < BQ; r += LOADERS) {  // rows past seq_q: zeros
+                const bool ok = i0 + r < s.seq_q;
+                cp_async<8>(sSt + (st * BQ + r) * 2, ok ? rows + (i0 + r) * 2 : rows, ok);
+            }
+            mbar_arrive_cp_async(&full[st]);
+        }
+        cp_async_wait<0>();  // nothing in flight when the block ends
+        return;
+    }
+
+    // ---- the computing warpgroups: 64 keys each ----------------------------------------------------
+    regs_grow<COMPUTE_REGS>();
+    const u32 k_slice = smem_u32(sK) + (wg - 1) * 64 * 128;  // this warpgroup's 64 keys
+    const u32 v_slice = smem_u32(sV) + (wg - 1) * 64 * 128;
+    // This thread's two keys (accumulator rows c0/c1 and c2/c3).
+    const long long key0 = k0 + (wg - 1) * 64 + ((threadIdx.x >> 5) & 3) * 16 + L.g;
+    const float sl2 = s.scale * FERRO_LOG2E;
+
+    float dk[DT][4], dv[DT][4];
+#pragma unroll
+    for (int nd = 0; nd < DT; ++nd)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) dk[nd][r] = dv[nd][r] = 0.f;
+
+    if (steps > 0) mbar_wait(&kv_full, 0);
+    for (int t = 0; t < steps; ++t) {
+        const int st = t % STAGES;
+        const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+        const u32 q_tile = smem_u32(sQ + st * Q_ELEMS), do_tile = smem_u32(sdO + st * Q_ELEMS);
+        mbar_wait(&full[st], (t / STAGES) & 1);
+        fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
+
+        float sT[NT][4], dpT[NT][4];  // [64 keys x BQ query rows]
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+            wgmma_ss(sT, desc_k_major<BK>(k_slice, kk), desc_k_major<BQ>(q_tile, kk), kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+            wgmma_ss(dpT, desc_k_major<BK>(v_slice, kk), desc_k_major<BQ>(do_tile, kk), kk > 0);
+        wgmma_commit();
+
+        // The query rows each of this thread's keys sees, counted from i0 (causal, window, the
+        // ends of both sequences).
+        const KeySpan span[2] = {row_span(s, key0, i0, BQ), row_span(s, key0 + 8, i0, BQ)};
+        const float* st_rows = sSt + st * BQ * 2;
+
+        wgmma_wait<1>();
+        wgmma_pin(sT);
+        u32 pa[NT / 2][4];  // P^T rounded: the A operand of dV += P^T dO
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int c = nt * 8 + 2 * L.t;  // query column of r = 0, 2 (r = 1, 3: c + 1)
+            const float4 st4 = *reinterpret_cast<const float4*>(st_rows + 2 * c);  // D, L, D, L
+            const float lse[2] = {st4.y * FERRO_LOG2E, st4.w * FERRO_LOG2E};
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int ci = c + (r & 1);
+                const bool ok = ci >= span[r >> 1].lo && ci <= span[r >> 1].hi;
+                // (a row that sees no key has LSE -inf, and is outside every span)
+                sT[nt][r] = ok ? exp2f(fmaf(sT[nt][r], sl2, -lse[r & 1])) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            pa[kk][0] = pack2(sT[2 * kk][0], sT[2 * kk][1]);
+            pa[kk][1] = pack2(sT[2 * kk][2], sT[2 * kk][3]);
+            pa[kk][2] = pack2(sT[2 * kk + 1][0], sT[2 * kk + 1][1]);
+            pa[kk][3] = pack2(sT[2 * kk + 1][2], sT[2 * kk + 1][3]);
+        }
+        wgmma_wait<0>();
+        wgmma_pin(dpT);
+        u32 da[NT / 2][4];  // dS^T rounded: the A operand of dK += dS^T Q
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int c = nt * 8 + 2 * L.t;
+            const float2 delta = {st_rows[2 * c], st_rows[2 * c + 2]};
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                dpT[nt][r] = sT[nt][r] * (dpT[nt][r] - ((r & 1) ? delta.y : delta.x));
+        }
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            da[kk][0] = pack2(dpT[2 * kk][0], dpT[2 * kk][1]);
+            da[kk][1] = pack2(dpT[2 * kk][2], dpT[2 * kk][3]);
+            da[kk][2] = pack2(dpT[2 * kk + 1][0], dpT[2 * kk + 1][1]);
+            da[kk][3] = pack2(dpT[2 * kk + 1][2], dpT[2 * kk + 1][3]);
+        }
+
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(dv, pa[kk], desc_mn_major<BQ>(do_tile, kk), 1);
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(dk, da[kk], desc_mn_major<BQ>(q_tile, kk), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(dv);
+        wgmma_pin(dk);
+        mbar_arrive(&empty[st]);  // done with this step's Q, dO and stats
+    }
+
+    const Rows gk_rows = rows_of(lay.grad_k, b, hk), gv_rows = rows_of(lay.grad_v, b, hk);
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const long long j = key0 + 8 * rr;
+        if (j >= s.seq_k) continue;
+        u16* gk = grad_k + gk_rows.off + (u64)j * gk_rows.stride;
+        u16* gv = grad_v + gv_rows.off + (u64)j * gv_rows.stride;
+#pragma unroll
+        for (int nd = 0; nd < DT; ++nd) {
+            const int d = nd * 8 + 2 * L.t;
+            if (d < D) {
+                *reinterpret_cast<u32*>(gk + d) =
+                    pack2(dk[nd][2 * rr] * s.scale, dk[nd][2 * rr + 1] * s.scale);
+                *reinterpret_cast<u32*>(gv + d) = pack2(dv[nd][2 * rr], dv[nd][2 * rr + 1]);
+            }
+        }
+    }
+}

@@ -1,0 +1,216 @@
+// Attention backward, first kernel, float16 / bfloat16 on sm_90a's warpgroup tensor cores
+// (wgmma), for calls without an additive mask or dropout that pass the forward's LSE. One block =
+// BM = 64 x (WARPS / 4) query rows of one (batch, head), warp-specialized like the wgmma forward:
+// a loading warpgroup fetches the block's Q and dO, then fills a ring of STAGES K/V tiles (BN
+// keys each); each computing warpgroup owns 64 rows and visits the key tiles they can see:
+//   S  = Q K^T,  dP = dO V^T     (wgmma, from shared memory)
+//   P  = exp(scale S - LSE), 0 where a key is not visible to the row
+//   dS = P (dP - Delta),  dQ += dS K   (wgmma, dS from registers, rounded to the dtype)
+// Writes each row's [Delta, LSE] into the stats for the dK/dV kernel, and grad_q = scale dQ,
+// rounded once. No atomics. The products are those of flash_bwd_dq_half.cu, element for element;
+// geometry from cuda/configs.py.
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+#include "ferro_softmax.cuh"
+#include "ferro_copy.cuh"
+#include "ferro_tiles.cuh"
+#include "ferro_mma_f16.cuh"
+#include "ferro_wgmma.cuh"
+#include "ferro_mbarrier.cuh"
+
+namespace {
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BN = FERRO_BN, STAGES = FERRO_STAGES;
+constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
+constexpr int NT = BN / 8;  // n-tiles of S and dP; k-steps of dQ += dS K: NT / 2
+constexpr int DT = DP / 8;  // n-tiles of dQ
+constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
+constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
+static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
+static_assert((DP == 64 || DP == 128) && BN == 64, "wgmma tile geometry");
+static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
+// Q and dO, the ring of K and V (swizzled), 1 KB to align the base.
+static_assert(2 * (2 * Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES,
+              "configs.py's shared memory");
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                   const u16* __restrict__ out, const u16* __restrict__ grad_out,
+                   u16* __restrict__ grad_q, const void* __restrict__ mask,
+                   float* __restrict__ stats, const float* __restrict__ lse_in, const u32 vec,
+                   const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
+    extern __shared__ __align__(1024) u16 smem_w[];
+    __shared__ u64 q_full, full[STAGES], empty[STAGES];
+    const u32 raw = smem_u32(smem_w);
+    u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
+    u16* sdO = sQ + Q_ELEMS;
+    u16* sK = sdO + Q_ELEMS;            // [STAGES][BN x DP], swizzled
+    u16* sV = sK + STAGES * KV_ELEMS;   // [STAGES][BN x DP], swizzled
+    const AttnShape s = attn_shape(p, mask_kind);
+    const Lane L = lane_ids();
+    const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads
+    (void)vec, (void)mask;  // 16-byte rows, no mask, lse given: the backend picks it only then
+
+    QueryTile T = query_tile<BM, 1>(s, lay, L);
+    T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
+    long long j_first;
+    const int n_tiles = key_tiles<BN>(s, T, j_first);
+    const Rows rdo = rows_of(lay.grad_out, T.b, T.h);
+
+    if (threadIdx.x == 0) {
+        mbar_init(&q_full, LOADERS);
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(&full[i], LOADERS);
+            mbar_init(&empty[i], 32 * WARPS);
+        }
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
+        regs_shrink<LOADER_REGS>();
+        load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q.off, T.q.stride, T.m0, s.seq_q, D);
+        load_tile_sw128<BM, DP, LOADERS>(sdO, grad_out + rdo.off, rdo.stride, T.m0, s.seq_q, D);
+        mbar_arrive_cp_async(&q_full);
+        const u16* kb = k + T.k.off;
+        const u16* vb = v + T.v.off;
+        for (int t = 0; t < n_tiles; ++t) {
+            const int st = t % STAGES;
+            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // tile t - STAGES used
+            const long long j = j_first + (long long)t * BN;
+            load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
+            load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
+            mbar_arrive_cp_async(&full[st]);
+        }
+        cp_async_wait<0>();  // nothing in flight when the block ends
+        return;
+    }
+
+    // ---- the computing warpgroups: 64 rows each ------------------------------------------------
+    regs_grow<COMPUTE_REGS>();
+    const u32 q_slice = smem_u32(sQ) + (wg - 1) * 64 * 128;  // this warpgroup's 64 rows
+    const u32 do_slice = smem_u32(sdO) + (wg - 1) * 64 * 128;
+    const float sl2 = s.scale * FERRO_LOG2E;
+
+    // Delta_i = grad_out_i . out_i (both as stored, summed in float32) and the forward's LSE, per
+    // row of this thread; both into the stats for the dK/dV kernel.
+    float delta[2], lse2[2];  // lse2: LSE * log2(e)
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const long long i = T.row(0, rr);
+        float acc = 0.f, lse = neg_inf();
+        if (i < s.seq_q) {
+            const u16* orow = out + T.o.off + (u64)i * T.o.stride;
+            const u16* drow = grad_out + rdo.off + (u64)i * rdo.stride;
+            for (int d = 2 * L.t; d < D; d += 8) {  // D is a multiple of 8 (16-byte rows)
+                const u32 o2 = *reinterpret_cast<const u32*>(orow + d);
+                const u32 g2 = *reinterpret_cast<const u32*>(drow + d);
+                acc += widen((u16)(g2 & 0xffffu)) * widen((u16)(o2 & 0xffffu)) +
+                       widen((u16)(g2 >> 16)) * widen((u16)(o2 >> 16));
+            }
+            lse = lse_in[(u64)T.bh * s.seq_q + i];
+        }
+        delta[rr] = quad_sum(acc);
+        lse2[rr] = lse * FERRO_LOG2E;
+        if (L.t == 0 && i < s.seq_q) {
+            float* st = stats + ((u64)T.bh * s.seq_q + i) * 2;
+            st[0] = delta[rr];
+            st[1] = lse;
+        }
+    }
+
+    // This warpgroup's rows, the key tiles [t_lo, t_hi) they can see, and each of this thread's
+    // rows' visible keys counted from j_first (as in the wgmma forward).
+    const long long wm0 = T.m0 + (wg - 1) * 64, wm_last = min(T.m_last, wm0 + 63);
+    int t_lo = 0, t_hi = 0;
+    if (wm0 <= wm_last) {
+        long long lo, hi;
+        visible_key_range(s, wm0 + s.offset, wm_last + s.offset, lo, hi);
+        if (hi > lo) {
+            t_lo = (int)((lo - j_first) / BN);
+            t_hi = min(n_tiles, (int)((hi - j_first + BN - 1) / BN));
+        }
+    }
+    KeySpan span[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) span[rr] = key_span(s, T.row(0, rr), j_first, n_tiles * BN);
+
+    float dq[DT][4];
+#pragma unroll
+    for (int nd = 0; nd < DT; ++nd) dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.f;
+
+    // A tile this warpgroup skips is still waited for and handed back, in order.
+    auto pass_over = [&](int t) {
+        mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
+        mbar_arrive(&empty[t % STAGES]);
+    };
+    for (int t = 0; t < t_lo; ++t) pass_over(t);
+    if (t_hi > t_lo) mbar_wait(&q_full, 0);
+    for (int t = t_lo; t < t_hi; ++t) {
+        const int st = t % STAGES;
+        const u32 k_tile = smem_u32(sK + st * KV_ELEMS), v_tile = smem_u32(sV + st * KV_ELEMS);
+        mbar_wait(&full[st], (t / STAGES) & 1);
+        fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
+
+        float sc[NT][4], dp[NT][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+            wgmma_ss(sc, desc_k_major<BM>(q_slice, kk), desc_k_major<BN>(k_tile, kk), kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+            wgmma_ss(dp, desc_k_major<BM>(do_slice, kk), desc_k_major<BN>(v_tile, kk), kk > 0);
+        wgmma_commit();
+        const KeySpan tile[2] = {span[0].from(t * BN), span[1].from(t * BN)};
+        const bool whole = tile[0].covers(BN) && tile[1].covers(BN);
+
+        wgmma_wait<1>();
+        wgmma_pin(sc);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int c = nt * 8 + 2 * L.t + (r & 1);
+                const bool ok = whole || (c >= tile[r >> 1].lo && c <= tile[r >> 1].hi);
+                // (a row that sees no key has LSE -inf, and sees none of these columns)
+                sc[nt][r] = ok ? exp2f(fmaf(sc[nt][r], sl2, -lse2[r >> 1])) : 0.f;
+            }
+        wgmma_wait<0>();
+        wgmma_pin(dp);
+        u32 da[NT / 2][4];  // dS rounded: the A operand of dQ += dS K
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sc[nt][r] *= dp[nt][r] - delta[r >> 1];
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            da[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
+            da[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+            da[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            da[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(dq, da[kk], desc_mn_major<BN>(k_tile, kk), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(dq);
+        mbar_arrive(&empty[st]);  // done with tile t
+    }
+    for (int t = t_hi; t < n_tiles; ++t) pass_over(t);
+
+    const Rows rdq = rows_of(lay.grad_q, T.b, T.h);
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const long long i = T.row(0, rr);
+        if (i >= s.seq_q) continue;
+        u16* grow = grad_q + rdq.off + (u64)i * rdq.stride;
+#pragma unroll
+        for (int nd = 0; nd < DT; ++nd) {
+            const int d = nd * 8 + 2 * L.t;
+            if (d < D)
+                *reinterpret_cast<u32*>(grow + d) =
+                    pack2(dq[nd][2 * rr] * s.scale, dq[nd][2 * rr + 1] * s.scale);
+        }
+    }
+}
