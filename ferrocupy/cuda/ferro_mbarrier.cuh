@@ -19,6 +19,16 @@ __device__ __forceinline__ void mbar_arrive_cp_async(u64* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(
                      (u32)__cvta_generic_to_shared(bar)) : "memory");
 }
+// A ring of STAGES buffers: `full[i]` completes when its `producers` have filled buffer i,
+// `empty[i]` when its `consumers` are done with it.
+template <int STAGES>
+__device__ __forceinline__ void mbar_init_ring(u64 (&full)[STAGES], u64 (&empty)[STAGES],
+                                               u32 producers, u32 consumers) {
+    for (int i = 0; i < STAGES; ++i) {
+        mbar_init(&full[i], producers);
+        mbar_init(&empty[i], consumers);
+    }
+}
 // Wait until the phase with this parity has completed.
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     asm volatile(

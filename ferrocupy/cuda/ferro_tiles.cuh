@@ -70,6 +70,23 @@ __device__ __forceinline__ int key_tiles(const AttnShape& s, const QueryTile& t,
     return hi > j_first ? (int)((hi - j_first + BN - 1) / BN) : 0;
 }
 
+// Of a block's n_tiles key tiles (BN keys each from j_first), the ones [t_lo, t_hi) that rows
+// [r0, r_last] can see (none when r0 > r_last): a warp-specialized kernel's warpgroup visits only
+// these, as under a causal or window mask its rows see a different range than the block's.
+template <int BN>
+__device__ __forceinline__ void rows_key_tiles(const AttnShape& s, long long r0, long long r_last,
+                                               long long j_first, int n_tiles, int& t_lo,
+                                               int& t_hi) {
+    t_lo = t_hi = 0;
+    if (r0 > r_last) return;
+    long long lo, hi;
+    visible_key_range(s, r0 + s.offset, r_last + s.offset, lo, hi);
+    if (hi > lo) {
+        t_lo = (int)((lo - j_first) / BN);
+        t_hi = min(n_tiles, (int)((hi - j_first + BN - 1) / BN));
+    }
+}
+
 // True when every key of [j0, j0 + BN) is visible to every row of the tile (and exists), so the
 // per-element visibility test can be skipped.
 template <int BN>

@@ -18,6 +18,7 @@
 #pragma once
 #include "ferro_params.cuh"
 #include "ferro_copy.cuh"
+#include "ferro_mma_f16.cuh"
 
 #ifndef FERRO_BF16
 #error "FERRO_BF16 (0: float16, 1: bfloat16) comes from ferrocupy/cuda/configs.py"
@@ -50,6 +51,20 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[NT][4]) {
 // wgmma reads through (then a barrier makes them visible to the other warps).
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// An accumulator tile (64 rows x 8*NT columns), rounded pairwise to the dtype, as the A operand of
+// wgmma_rs: k-step kk takes columns 16kk..16kk+15, whose two n-tiles are exactly mma.sync's A
+// fragment. (P for O += P V; P^T and dS^T for dV and dK; dS for dQ.)
+template <int NT>
+__device__ __forceinline__ void to_a_fragments(const float (&c)[NT][4], u32 (&a)[NT / 2][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
 }
 
 // A 128-byte-swizzle descriptor of the tile at shared address `addr`.

@@ -70,10 +70,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
 
     if (threadIdx.x == 0) {
         mbar_init(&kv_full, LOADERS);
-        for (int i = 0; i < STAGES; ++i) {
-            mbar_init(&full[i], LOADERS);
-            mbar_init(&empty[i], 32 * WARPS);
-        }
+        mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
     }
     __syncthreads();
 
@@ -157,13 +154,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
                 sT[nt][r] = ok ? exp2f(fmaf(sT[nt][r], sl2, -lse[r & 1])) : 0.f;
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            pa[kk][0] = pack2(sT[2 * kk][0], sT[2 * kk][1]);
-            pa[kk][1] = pack2(sT[2 * kk][2], sT[2 * kk][3]);
-            pa[kk][2] = pack2(sT[2 * kk + 1][0], sT[2 * kk + 1][1]);
-            pa[kk][3] = pack2(sT[2 * kk + 1][2], sT[2 * kk + 1][3]);
-        }
+        to_a_fragments<NT>(sT, pa);
         wgmma_wait<0>();
         wgmma_pin(dpT);
         u32 da[NT / 2][4];  // dS^T rounded: the A operand of dK += dS^T Q
@@ -175,13 +166,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
             for (int r = 0; r < 4; ++r)
                 dpT[nt][r] = sT[nt][r] * (dpT[nt][r] - ((r & 1) ? delta.y : delta.x));
         }
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            da[kk][0] = pack2(dpT[2 * kk][0], dpT[2 * kk][1]);
-            da[kk][1] = pack2(dpT[2 * kk][2], dpT[2 * kk][3]);
-            da[kk][2] = pack2(dpT[2 * kk + 1][0], dpT[2 * kk + 1][1]);
-            da[kk][3] = pack2(dpT[2 * kk + 1][2], dpT[2 * kk + 1][3]);
-        }
+        to_a_fragments<NT>(dpT, da);
 
         wgmma_fence();
 #pragma unroll

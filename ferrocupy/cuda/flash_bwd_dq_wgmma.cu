@@ -59,10 +59,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
 
     if (threadIdx.x == 0) {
         mbar_init(&q_full, LOADERS);
-        for (int i = 0; i < STAGES; ++i) {
-            mbar_init(&full[i], LOADERS);
-            mbar_init(&empty[i], 32 * WARPS);
-        }
+        mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
     }
     __syncthreads();
 
@@ -121,15 +118,8 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     // This warpgroup's rows, the key tiles [t_lo, t_hi) they can see, and each of this thread's
     // rows' visible keys counted from j_first (as in the wgmma forward).
     const long long wm0 = T.m0 + (wg - 1) * 64, wm_last = min(T.m_last, wm0 + 63);
-    int t_lo = 0, t_hi = 0;
-    if (wm0 <= wm_last) {
-        long long lo, hi;
-        visible_key_range(s, wm0 + s.offset, wm_last + s.offset, lo, hi);
-        if (hi > lo) {
-            t_lo = (int)((lo - j_first) / BN);
-            t_hi = min(n_tiles, (int)((hi - j_first + BN - 1) / BN));
-        }
-    }
+    int t_lo, t_hi;
+    rows_key_tiles<BN>(s, wm0, wm_last, j_first, n_tiles, t_lo, t_hi);
     KeySpan span[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) span[rr] = key_span(s, T.row(0, rr), j_first, n_tiles * BN);
@@ -182,13 +172,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int r = 0; r < 4; ++r) sc[nt][r] *= dp[nt][r] - delta[r >> 1];
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            da[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
-            da[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
-            da[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            da[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
+        to_a_fragments<NT>(sc, da);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(dq, da[kk], desc_mn_major<BN>(k_tile, kk), 1);

@@ -64,10 +64,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     const u32 n_work = (shape.seq_q + BM - 1) / BM * shape.batch * shape.heads;
 
     if (threadIdx.x == 0) {
-        for (int i = 0; i < STAGES; ++i) {
-            mbar_init(&full[i], LOADERS);
-            mbar_init(&empty[i], 32 * WARPS);
-        }
+        mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
         mbar_init(&q_full, LOADERS);
         mbar_init(&q_empty, 32 * WARPS);
     }
@@ -138,15 +135,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         // whose rows are all past seq_q (the last tile of a short sequence) sees none.
         const long long wm0 = max(T.m0 + (wg - 1) * 64, 0ll);  // (rows before 0 do not exist)
         const long long wm_last = min(T.m_last, T.m0 + (wg - 1) * 64 + 63);
-        int t_lo = 0, t_hi = 0;
-        if (wm0 <= wm_last) {
-            long long lo, hi;
-            visible_key_range(s, wm0 + s.offset, wm_last + s.offset, lo, hi);
-            if (hi > lo) {
-                t_lo = (int)((lo - j_first) / BN);
-                t_hi = min(n_tiles, (int)((hi - j_first + BN - 1) / BN));
-            }
-        }
+        int t_lo, t_hi;
+        rows_key_tiles<BN>(s, wm0, wm_last, j_first, n_tiles, t_lo, t_hi);
         // The keys this thread's two rows see, as intervals counted from j_first: a few integers
         // live across the loop instead of the shape's 64-bit bounds.
         KeySpan span[2];
@@ -187,15 +177,6 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                         if (!(keep & 1u)) sc[nt][2 * rr] = 0.f;
                         if (!(keep & 2u)) sc[nt][2 * rr + 1] = 0.f;
                     }
-            }
-        };
-        auto to_a = [&](const float (&sc)[NT][4]) {
-#pragma unroll
-            for (int kk = 0; kk < NT / 2; ++kk) {
-                pa[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
-                pa[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
-                pa[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                pa[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
             }
         };
         auto issue_pv = [&](int t) {
@@ -240,7 +221,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                     o[nd][3] *= alpha[1];
                 }
             }
-            to_a(sc);
+            to_a_fragments<NT>(sc, pa);
         }
         if (t_hi > t_lo) {
             wgmma_fence();
