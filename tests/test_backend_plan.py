@@ -69,6 +69,14 @@ def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
     b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     assert len(b.loader.compiled) == 1  # the second call reused the chosen kernel
     assert b.loader.compiled[0][3] == ("-arch=sm_90a",)
+    assert ("FERRO_PLAIN", 1) in b.loader.compiled[0][2]  # no mask, no dropout: the plain build
+    for opts in (dict(causal=True, dropout_prob=0.1), dict(causal=True)):
+        bufs = forward_buffers(q, k, BFLOAT16)
+        if "dropout_prob" not in opts:
+            bufs["mask"] = buf((1, 1, 1, 4096), FLOAT32)
+        b._plan(configs.FORWARD, bufs, params(q, k, **opts))
+        assert b.loader.compiled[-1][1] == "flash_fwd_wgmma"
+        assert "FERRO_PLAIN" not in dict(b.loader.compiled[-1][2])  # the general build
 
 
 def test_unaligned_rows_or_another_gpu_take_the_mma_kernel():

@@ -92,8 +92,8 @@ def test_half_long_sequences(kernels, rng, dtype, seq, d, causal):
 
 WARPGROUP_RANGE_CASES = {
     # The wgmma forward's three warpgroups each visit only the key tiles their 64 rows see, and
-    # one whose rows are past seq_q none: at 1000 rows the last 192-row block has 40 rows, so
-    # two of its warpgroups are idle. A window makes a warpgroup start past the block's first
+    # one whose rows do not exist none: at 1000 rows one 192-row block has 40 rows (the last
+    # block, or under causal the first), so two of its warpgroups are idle. A window makes a warpgroup start past the block's first
     # tile; causal + offset ends each one at a different tile; with a mask or dropout the
     # general kernel runs, without them the plain one.
     "window150": dict(window=150),
@@ -117,11 +117,12 @@ def test_half_forward_warpgroup_key_ranges(kernels, rng, dtype, d, opts):
                                   dict(causal=True, causal_offset=11)],
                          ids=["plain", "mask-dropout", "causal-offset"])
 def test_half_forward_many_tiles_per_block(kernels, rng, dtype, d, opts):
-    """More query tiles than SMs (4 x 72 = 288 of 192 rows): without causal or window the
+    """More query tiles than SMs (5 x 72 = 360 of 192 rows): without causal or window the
     persistent wgmma forward's blocks each take several, in turn, through one ring of K/V
     buffers and one Q buffer; causal takes a block per tile, the short one holding the first
-    rows."""
-    case = make_case(rng, b=3, sq=700, sk=700, h=24, hkv=6, d=d, qk_scale=1.0, **opts)
+    rows. 830 keys make 7 tiles at d64 and 13 at d128, neither a multiple of the 3 buffers, so
+    each query tile starts the ring where the last one left it."""
+    case = make_case(rng, b=3, sq=830, sk=830, h=24, hkv=6, d=d, qk_scale=1.0, **opts)
     check_half(kernels, rounded(case, dtype), backward=False)
 
 
@@ -238,6 +239,37 @@ def test_backward_uses_the_given_lse(dev, rng, dtype, d):
         grads.append([dev.get(x).astype(np.float32) for x in g])
     for n, a, b in zip(("grad_q", "grad_k", "grad_v"), *grads):
         assert not np.allclose(a, b), n
+
+
+@pytest.mark.parametrize("dtype,d", [(FLOAT32, 32), (BFLOAT16, 64), (FLOAT16, 128)],
+                         ids=["f32-d32", "bf16-d64", "f16-d128"])
+def test_backward_given_lse_of_minus_inf_gives_those_rows_nothing(dev, ref, rng, dtype, d):
+    """SPEC: rows whose given lse is -inf have P = 0, even where they see keys (an lse from
+    another call, say): their grad_q is exactly 0, nothing is NaN, and the gradients equal the
+    reference's given the same lse (on sm_90a in half precision: the wgmma dQ and dK/dV)."""
+    case = make_case(rng, b=1, sq=96, sk=80, h=2, d=d, causal=True, causal_offset=10)
+    if dtype != FLOAT32:
+        case = rounded(case, dtype)
+    dead = np.zeros((1, 2, 96), bool)
+    dead[0, 0, 5:40] = dead[0, 1, 60:] = True
+    res = []
+    for e in (dev, ref):
+        q, k, v, go = (e.put(x) for x in (case.q, case.k, case.v, case.grad_out))
+        out, lse = e.poisoned(case.q.shape, dtype=dtype), e.poisoned((1, 2, 96))
+        e.engine.flash_attention_v2_with(q, k, v, out, case.opts, lse=lse)
+        given = e.get(lse).copy()
+        given[dead] = -np.inf
+        g = [e.poisoned(x.shape, dtype=dtype) for x in (case.q, case.k, case.v)]
+        e.engine.flash_attention_v2_backward_with(q, k, v, out, go, *g, case.opts,
+                                                  lse=e.put(given))
+        res.append({n: e.get(x).astype(np.float64) for n, x in zip(("grad_q", "grad_k", "grad_v"), g)})
+    got, want = res
+    assert all(np.isfinite(x).all() for x in got.values())
+    assert (got["grad_q"].transpose(0, 2, 1, 3)[dead] == 0).all()
+    tol = 1e-4 if dtype == FLOAT32 else 3e-2
+    for n in got:
+        err = np.linalg.norm(got[n] - want[n]) / np.linalg.norm(want[n])
+        assert err < tol, f"{n}: relative error {err:.2e}"
 
 
 # --- dropout's keep mask is the same in every dtype -----------------------------------------------

@@ -203,7 +203,7 @@ class CudaBackend:
         smem = v.shared_bytes
         blocks = v.blocks(params, self.sm_count)
         if v.tiles(params) > GRID_X_MAX:
-            raise ValueError(f"{op}: {v.tiles(params)} blocks exceed the grid limit {GRID_X_MAX}")
+            raise ValueError(f"{op}: {v.tiles(params)} tiles exceed the grid limit {GRID_X_MAX}")
         args = tuple(NULL if buffers.get(a) is None else Slot(a) if a in slots else buffers[a]
                      for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)

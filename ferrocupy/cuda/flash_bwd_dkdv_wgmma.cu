@@ -10,8 +10,9 @@
 //   dS^T = P^T (dP^T - Delta)
 //   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T and dS^T from registers, rounded to the dtype)
 // then writes grad_k = scale dK and grad_v = dV, each rounded once. No atomics: deterministic.
-// The [Delta, LSE] per query row come from the dQ kernel's stats. The products are those of the
-// mma.sync kernel (flash_bwd_dkdv_half.cu), element for element; geometry from cuda/configs.py.
+// The [Delta, LSE] per query row come from the dQ kernel's stats. The products and roundings are
+// the mma.sync kernel's (flash_bwd_dkdv_half.cu; P's exponent is formed as one fma here);
+// geometry from cuda/configs.py.
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
 #include "ferro_softmax.cuh"
@@ -149,8 +150,9 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int ci = c + (r & 1);
-                const bool ok = ci >= span[r >> 1].lo && ci <= span[r >> 1].hi;
-                // (a row that sees no key has LSE -inf, and is outside every span)
+                // A row with LSE -inf (one that sees no key, or a given lse saying so) has P = 0.
+                const bool ok = ci >= span[r >> 1].lo && ci <= span[r >> 1].hi &&
+                                lse[r & 1] != neg_inf();
                 sT[nt][r] = ok ? exp2f(fmaf(sT[nt][r], sl2, -lse[r & 1])) : 0.f;
             }
         }

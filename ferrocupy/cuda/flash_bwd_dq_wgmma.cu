@@ -7,8 +7,8 @@
 //   P  = exp(scale S - LSE), 0 where a key is not visible to the row
 //   dS = P (dP - Delta),  dQ += dS K   (wgmma, dS from registers, rounded to the dtype)
 // Writes each row's [Delta, LSE] into the stats for the dK/dV kernel, and grad_q = scale dQ,
-// rounded once. No atomics. The products are those of flash_bwd_dq_half.cu, element for element;
-// geometry from cuda/configs.py.
+// rounded once. No atomics. The products and roundings are flash_bwd_dq_half.cu's (P's exponent
+// is formed as one fma here); geometry from cuda/configs.py.
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
 #include "ferro_softmax.cuh"
@@ -122,7 +122,10 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     rows_key_tiles<BN>(s, wm0, wm_last, j_first, n_tiles, t_lo, t_hi);
     KeySpan span[2];
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) span[rr] = key_span(s, T.row(0, rr), j_first, n_tiles * BN);
+    for (int rr = 0; rr < 2; ++rr) {
+        span[rr] = key_span(s, T.row(0, rr), j_first, n_tiles * BN);
+        if (lse2[rr] == neg_inf()) span[rr].hi = -1;  // a given LSE of -inf: P = 0 (SPEC)
+    }
 
     float dq[DT][4];
 #pragma unroll
@@ -162,7 +165,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
             for (int r = 0; r < 4; ++r) {
                 const int c = nt * 8 + 2 * L.t + (r & 1);
                 const bool ok = whole || (c >= tile[r >> 1].lo && c <= tile[r >> 1].hi);
-                // (a row that sees no key has LSE -inf, and sees none of these columns)
+                // (a row that sees no key, or whose given LSE is -inf, sees none of them)
                 sc[nt][r] = ok ? exp2f(fmaf(sc[nt][r], sl2, -lse2[r >> 1])) : 0.f;
             }
         wgmma_wait<0>();
