@@ -36,6 +36,29 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT_%=;\n}" ::"r"((u32)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
 }
+// The ring's use n (0, 1, ...; any non-negative integer type) is buffer n % STAGES, filled in phase n / STAGES of its `full`
+// and handed back in the same phase of its `empty`.
+// Producer: before fill n, wait until use n - STAGES of the buffer has been handed back.
+template <int STAGES, class I>
+__device__ __forceinline__ void ring_wait_empty(u64 (&empty)[STAGES], I n) {
+    if (n >= STAGES) mbar_wait(&empty[n % STAGES], ((n / STAGES) - 1) & 1);
+}
+// Consumer: wait until fill n has landed; hand use n back.
+template <int STAGES, class I>
+__device__ __forceinline__ void ring_wait_full(u64 (&full)[STAGES], I n) {
+    mbar_wait(&full[n % STAGES], (n / STAGES) & 1);
+}
+template <int STAGES, class I>
+__device__ __forceinline__ void ring_release(u64 (&empty)[STAGES], I n) {
+    mbar_arrive(&empty[n % STAGES]);
+}
+// A consumer that skips use n still waits for it and hands it back, in order, so that every
+// phase of `empty` counts each consumer once (and no arrival lands in a later phase).
+template <int STAGES, class I>
+__device__ __forceinline__ void ring_pass_over(u64 (&full)[STAGES], u64 (&empty)[STAGES], I n) {
+    ring_wait_full(full, n);
+    ring_release(empty, n);
+}
 // Warpgroup register budgets (sm_90a): the loading warpgroup gives registers back, the computing
 // ones take them. Every warp of a warpgroup executes it.
 template <int N>

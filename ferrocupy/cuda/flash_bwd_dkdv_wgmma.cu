@@ -83,7 +83,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
         mbar_arrive_cp_async(&kv_full);
         for (int t = 0; t < steps; ++t) {
             const int st = t % STAGES;
-            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // step t - STAGES done
+            ring_wait_empty(empty, t);  // step t - STAGES is done
             const u32 h = hk * group + t / n_tiles;
             const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
             const Rows rq = rows_of(lay.q, b, h), rdo = rows_of(lay.grad_out, b, h);
@@ -120,7 +120,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
         const int st = t % STAGES;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
         const u32 q_tile = smem_u32(sQ + st * Q_ELEMS), do_tile = smem_u32(sdO + st * Q_ELEMS);
-        mbar_wait(&full[st], (t / STAGES) & 1);
+        ring_wait_full(full, t);
         fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
 
         float sT[NT][4], dpT[NT][4];  // [64 keys x BQ query rows]
@@ -179,7 +179,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
         wgmma_wait<0>();
         wgmma_pin(dv);
         wgmma_pin(dk);
-        mbar_arrive(&empty[st]);  // done with this step's Q, dO and stats
+        ring_release(empty, t);  // done with this step's Q, dO and stats
     }
 
     const Rows gk_rows = rows_of(lay.grad_k, b, hk), gv_rows = rows_of(lay.grad_v, b, hk);

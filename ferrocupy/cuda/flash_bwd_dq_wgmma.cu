@@ -72,7 +72,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
         const u16* vb = v + T.v.off;
         for (int t = 0; t < n_tiles; ++t) {
             const int st = t % STAGES;
-            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);  // tile t - STAGES used
+            ring_wait_empty(empty, t);  // tile t - STAGES is used
             const long long j = j_first + (long long)t * BN;
             load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
             load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
@@ -131,17 +131,12 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
 #pragma unroll
     for (int nd = 0; nd < DT; ++nd) dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.f;
 
-    // A tile this warpgroup skips is still waited for and handed back, in order.
-    auto pass_over = [&](int t) {
-        mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
-        mbar_arrive(&empty[t % STAGES]);
-    };
-    for (int t = 0; t < t_lo; ++t) pass_over(t);
+    for (int t = 0; t < t_lo; ++t) ring_pass_over(full, empty, t);
     if (t_hi > t_lo) mbar_wait(&q_full, 0);
     for (int t = t_lo; t < t_hi; ++t) {
         const int st = t % STAGES;
         const u32 k_tile = smem_u32(sK + st * KV_ELEMS), v_tile = smem_u32(sV + st * KV_ELEMS);
-        mbar_wait(&full[st], (t / STAGES) & 1);
+        ring_wait_full(full, t);
         fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
 
         float sc[NT][4], dp[NT][4];
@@ -182,9 +177,9 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(dq);
-        mbar_arrive(&empty[st]);  // done with tile t
+        ring_release(empty, t);  // done with tile t
     }
-    for (int t = t_hi; t < n_tiles; ++t) pass_over(t);
+    for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, t);
 
     const Rows rdq = rows_of(lay.grad_q, T.b, T.h);
 #pragma unroll

@@ -86,7 +86,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             const u16* vb = v + T.v.off;
             for (int t = 0; t < n_tiles; ++t, ++ring) {
                 const u32 st = ring % STAGES;
-                if (ring >= STAGES) mbar_wait(&empty[st], ((ring / STAGES) - 1) & 1);  // used
+                ring_wait_empty(empty, ring);  // its use STAGES before is handed back
                 const long long j = j_first + (long long)t * BN;
                 load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
                 load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
@@ -114,9 +114,6 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         // Key tile t of this query tile sits in ring buffer (ring + t) % STAGES.
         auto k_tile = [&](int t) { return smem_u32(sK + ((ring + t) % STAGES) * KV_ELEMS); };
         auto v_tile = [&](int t) { return smem_u32(sV + ((ring + t) % STAGES) * KV_ELEMS); };
-        auto full_bar = [&](int t) { return &full[(ring + t) % STAGES]; };
-        auto empty_bar = [&](int t) { return &empty[(ring + t) % STAGES]; };
-        auto full_parity = [&](int t) { return ((ring + t) / STAGES) & 1; };
         // S = Q K_t^T, issued (the caller commits and waits).
         auto issue_s = [&](float (&sc)[NT][4], int t) {
 #pragma unroll
@@ -184,18 +181,13 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(o, pa[kk], desc_mn_major<BN>(v_tile(t), kk), 1);
         };
 
-        // A tile this warpgroup skips is still waited for and handed back, in order, so every
-        // `empty` phase counts each computing thread once.
-        auto pass_over = [&](int t) {
-            mbar_wait(full_bar(t), full_parity(t));
-            mbar_arrive(empty_bar(t));
-        };
-        for (int t = 0; t < t_lo; ++t) pass_over(t);
+        // Tiles this warpgroup skips are still waited for and handed back, in order.
+        for (int t = 0; t < t_lo; ++t) ring_pass_over(full, empty, ring + t);
         // Every computing thread waits for this tile's Q, even one with no key to visit, before it
         // hands Q back: so no arrival on q_empty can count toward an earlier tile's phase.
         mbar_wait(&q_full, n & 1);
         for (int t = t_lo; t < t_hi; ++t) {
-            mbar_wait(full_bar(t), full_parity(t));
+            ring_wait_full(full, ring + t);
             fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
 
             float sc[NT][4];
@@ -210,7 +202,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             softmax_to_p(sc, t, alpha);
             wgmma_wait<0>();
             wgmma_pin(o);
-            if (t > t_lo) mbar_arrive(empty_bar(t - 1));  // done with tile t - 1
+            if (t > t_lo) ring_release(empty, ring + t - 1);  // done with tile t - 1
             // Rescale O only when some row's max moved (alpha != 1).
             if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -229,7 +221,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(o);
-            mbar_arrive(empty_bar(t_hi - 1));
+            ring_release(empty, ring + t_hi - 1);
         }
         mbar_arrive(&q_empty);  // every product that reads Q has completed
 
@@ -248,7 +240,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                 if (d < D) *reinterpret_cast<u32*>(orow + d) = pack2(o[nd][2 * rr] * inv, o[nd][2 * rr + 1] * inv);
             }
         }
-        for (int t = t_hi; t < n_tiles; ++t) pass_over(t);
+        for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, ring + t);
         ring += n_tiles;
     }
 }
