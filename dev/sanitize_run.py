@@ -74,9 +74,9 @@ def main() -> None:
             eng.flash_attention_v2_with(sdpa(qd), sdpa(kd), sdpa(vd), sdpa(outd), AttentionOptions(
                 causal=True, causal_offset=699), lse=lsed, kv_lens=lens)
             if d in (64, 128) and dtype != np.float32:
-                # More query tiles than SMs (the persistent wgmma forward's blocks take several
-                # in turn): per-sequence lengths, then a mask and dropout; then causal (a block
-                # per tile, the short one first) with a window, and its backward.
+                # More query tiles than SMs (the persistent wgmma forward's blocks claim several
+                # from the stream's tile counter): per-sequence lengths, then a mask and dropout;
+                # then causal (the short tile first) with a window, and its backward.
                 qp, kp, vp = put((3, 200, 60, d)), put((3, 260, 20, d)), put((3, 260, 20, d))
                 outp = UnifiedTensor.empty(qp.shape, dtype, device="cuda")
                 lp = UnifiedTensor.from_numpy(np.array([260, 100, 0], np.int32), device="cuda")

@@ -14,6 +14,7 @@ import pytest
 from ferrocupy import AttentionDims, AttentionOptions
 from ferrocupy.cuda import configs
 from ferrocupy.cuda.backend import CudaBackend
+from ferrocupy.cuda.launch import address
 from ferrocupy.dtypes import BFLOAT16, FLOAT32
 
 
@@ -31,6 +32,8 @@ def backend(capability=90):
     b.xp, b._id, b.device, b.loader = np, 0, "cuda:0", FakeLoader()
     b._table, b._kernels = configs.TABLE, {}
     b._smem_limit, b._smem_per_sm, b.sm_count, b.capability = 232448, 233472, 132, capability
+    b._counters, b._counter_of = np.zeros(64, np.uint32), {}
+    fake_runtime(b)
     return b
 
 
@@ -56,10 +59,9 @@ def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
     fn, blocks, threads, smem, args = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     v = configs.select(configs.FORWARD, BFLOAT16, 128, 232448, capability=90, copy_bytes=16)
     assert v.isa == configs.WGMMA and fn.name == "flash_fwd_wgmma"
-    assert blocks == v.tiles(p) == -(-4096 // v.block_rows) * 4 * 16  # causal: a block per tile
-    plain = params(q, k)
-    assert v.persistent and b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16),
-                                    plain)[1] == 132  # one block per SM, each taking tiles in turn
+    assert v.tiles(p) == -(-4096 // v.block_rows) * 4 * 16
+    assert v.persistent and blocks == 132  # one block per SM, each claiming tiles
+    assert args[v.args.index("tile_counter")] == address(b._counters)  # CuPy's current stream's
     small = params((1, 128, 2, 128), (1, 128, 2, 128))
     assert b._plan(configs.FORWARD, forward_buffers((1, 128, 2, 128), (1, 128, 2, 128), BFLOAT16),
                    small)[1] == 2  # never more blocks than tiles
@@ -197,6 +199,34 @@ def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
               or made[-1])
     assert [m.shape for m in made] == [plan.workspace["part_o"], plan.workspace["part_ml"]]
     assert runs[-1][1]["part_o"] == made[0].ctypes.data and set(plan.owned) == {7, 8}
+
+
+def test_persistent_forward_takes_its_streams_tile_counter(monkeypatch):
+    """Each stream has its own tile counter (calls on one stream are ordered, so they share it);
+    past the backend's COUNTER_STREAMS streams a launch gets none (NULL: blocks take tiles in a
+    fixed turn). Plans without a persistent launch take none."""
+    from ferrocupy.cuda import backend as backend_mod
+    from ferrocupy.cuda import launch
+
+    runs = []
+    monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
+        (self.fn.name, dict(ptrs), stream)))
+    b = backend()
+    fake_runtime(b)
+    q, k = (4, 1024, 16, 64), (4, 1024, 16, 64)
+    bufs, p = forward_buffers(q, k, BFLOAT16), params(q, k, causal=True)
+    base = address(b._counters)
+    for stream in (7, 8, 7):
+        b.forward(bufs, p, stream=stream)
+    assert [r[1]["tile_counter"] for r in runs] == [base, base + 4, base]
+    assert next(iter(b._plans.values())).counted
+    for stream in range(100, 100 + backend_mod.COUNTER_STREAMS - 1):  # 2 taken: 63 more calls
+        b.forward(bufs, p, stream=stream)
+    assert runs[-2][1]["tile_counter"] == base + 4 * (backend_mod.COUNTER_STREAMS - 1)
+    assert runs[-1][1]["tile_counter"] == 0  # the 65th stream: none left
+    runs.clear()
+    b.forward(forward_buffers(q, k, FLOAT32), params(q, k), stream=7)  # float32: not persistent
+    assert [r[0] for r in runs] == ["flash_attn_v2"] and "tile_counter" not in runs[0][1]
 
 
 def test_backward_plan_owns_its_stats(monkeypatch):

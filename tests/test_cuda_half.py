@@ -19,7 +19,7 @@ from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from gpu_helpers import (AttnCase, DEAD_ROW_CASES, DROPOUT_SEED, check_forward_with_lse,
                          dead_rows, dev, gpu_pytestmark, grad_floors, kernels,
-                         make_case, option_case, option_rows, ref, self_check)
+                         make_case, needs_real_gpu, option_case, option_rows, ref, self_check)
 from half_rule import check_rule, rounded, torch_plain, x64
 
 __all__ = ["dev", "kernels", "ref"]
@@ -117,13 +117,47 @@ def test_half_forward_warpgroup_key_ranges(kernels, rng, dtype, d, opts):
                                   dict(causal=True, causal_offset=11)],
                          ids=["plain", "mask-dropout", "causal-offset"])
 def test_half_forward_many_tiles_per_block(kernels, rng, dtype, d, opts):
-    """More query tiles than SMs (5 x 72 = 360 of 192 rows): without causal or window the
-    persistent wgmma forward's blocks each take several, in turn, through one ring of K/V
-    buffers and one Q buffer; causal takes a block per tile, the short one holding the first
-    rows. 830 keys make 7 tiles at d64 and 13 at d128, neither a multiple of the 3 buffers, so
-    each query tile starts the ring where the last one left it."""
+    """More query tiles than SMs (5 x 72 = 360 of 192 rows): the persistent wgmma forward's
+    blocks each claim several through one ring of K/V buffers and one Q buffer; causal tiles end
+    at seq_q, the short one holding the first rows. 830 keys make 7 tiles at d64 and 13 at d128,
+    neither a multiple of the 3 buffers, so each query tile starts the ring where the last one
+    left it."""
     case = make_case(rng, b=3, sq=830, sk=830, h=24, hkv=6, d=d, qk_scale=1.0, **opts)
     check_half(kernels, rounded(case, dtype), backward=False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_persistent_forward_on_concurrent_streams_and_repeated(dev, rng, causal):
+    """The persistent forward's blocks claim tiles from their stream's counter, which each launch
+    leaves at 0: calls repeated on one stream, and calls on two streams at once (each its own
+    counter), give the default stream's bits; an unreset or shared counter leaves tiles unwritten
+    (NaN) or written twice by a later call's blocks."""
+    needs_real_gpu()
+    import cupy
+
+    b, sq, h, d = 3, 830, 24, 64  # 360 tiles of 192 rows: several per block
+    opts = AttentionOptions(causal=causal)
+    cases = [[dev.put(rng.standard_normal((b, sq, h, d)).astype(BFLOAT16)) for _ in range(3)]
+             for _ in range(2)]
+
+    def call(case):
+        out = dev.poisoned((b, sq, h, d), dtype=BFLOAT16)
+        dev.engine.flash_attention_v2_with(*case, out, opts)
+        return out
+
+    want = [dev.get(call(c)) for c in cases]
+    for _ in range(3):  # repeated on the default stream
+        assert all(np.array_equal(dev.get(call(c)), w, equal_nan=True) for c, w in zip(cases, want))
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in cases]
+    outs = []
+    for _ in range(3):  # both streams at once, three calls each
+        for c, st in zip(cases, streams):
+            with st:
+                outs.append(call(c))
+    dev.sync()
+    for i, out in enumerate(outs):
+        assert np.array_equal(dev.get(out), want[i % 2], equal_nan=True), f"call {i}"
+    assert not np.isnan(want[0].astype(np.float32)).any()
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -258,6 +258,30 @@ def test_cuda_graph_capture_and_replay_equals_eager(torch):
         assert torch.equal(out, ft.attention(nq, nk, nv))
 
 
+def test_cuda_graph_of_the_persistent_forward_replays(torch):
+    """The persistent forward (more query tiles than SMs, causal) captured on a side stream and
+    replayed: its blocks claim tiles from that stream's counter, which each launch leaves at 0,
+    so every replay writes every tile, as eager does."""
+    import ferrocupy.torch as ft
+
+    q, k, v = _ft_case(torch, 10, b=3, sq=830, sk=830, h=24, hkv=6, d=64)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ft.attention(q, k, v, causal=True)  # warm-up: compile, plan
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ft.attention(q, k, v, causal=True)
+    for seed in (11, 12, 13):
+        nq, nk, nv = _ft_case(torch, seed, b=3, sq=830, sk=830, h=24, hkv=6, d=64)
+        q.copy_(nq), k.copy_(nk), v.copy_(nv)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ft.attention(nq, nk, nv, causal=True)), f"replay {seed}"
+
+
 def test_torch_kv_lens_values_are_checked_on_every_call(torch):
     import ferrocupy.torch as ft
 

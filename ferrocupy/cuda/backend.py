@@ -16,8 +16,11 @@ from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
 _PLANS_MAX = 256  # remembered plans per backend (a long-running job sees few)
-_NOT_ROWS = ("mask", "lse", "kv_lens", "stats")  # buffers whose alignment picks no copy width
+_NOT_ROWS = ("mask", "lse", "kv_lens", "stats", configs.TILE_COUNTER)  # buffers whose alignment picks no copy width
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
+# Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
+# a launch on any further stream passes none, and its blocks take tiles in a fixed turn.
+COUNTER_STREAMS = 64
 
 
 class CudaBackend:
@@ -42,6 +45,11 @@ class CudaBackend:
         self._smem_per_sm = attrs["MaxSharedMemoryPerMultiprocessor"]
         self.sm_count = attrs["MultiProcessorCount"]
         self.capability = int(cupy.cuda.Device(self._id).compute_capability)  # e.g. 90
+        # The persistent kernels' tile counters, one per stream: zero now, and each launch
+        # leaves its counter at zero again, so calls on a stream (ordered) share one.
+        self._counters = cupy.zeros(COUNTER_STREAMS, dtype=np.uint32)
+        cupy.cuda.Device(self._id).synchronize()  # zero before a kernel on any stream reads it
+        self._counter_of: dict = {}  # stream -> its counter's address
 
     @property
     def table(self) -> dict:
@@ -157,6 +165,8 @@ class CudaBackend:
                             n: self.xp.empty(shape, dtype=np.float32)
                             for n, shape in plan.workspace.items()}
                 ptrs.update((n, address(a)) for n, a in owned.items())
+        if plan.counted:
+            ptrs = dict(ptrs, tile_counter=self._tile_counter(stream))
         plan.run(ptrs, stream)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
@@ -178,6 +188,15 @@ class CudaBackend:
                                            slots | {"stats"}, layout))
         return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params,))
                      for fn, blocks, threads, smem, args in launches], workspace)
+
+    def _tile_counter(self, stream: int) -> int:
+        """The address of `stream`'s tile counter (0 once every counter has its stream)."""
+        addr = self._counter_of.get(stream)
+        if addr is None:
+            n = len(self._counter_of)
+            addr = address(self._counters) + 4 * n if n < COUNTER_STREAMS else 0
+            self._counter_of[stream] = addr
+        return addr
 
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
@@ -204,8 +223,13 @@ class CudaBackend:
         blocks = v.blocks(params, self.sm_count)
         if v.tiles(params) > GRID_X_MAX:
             raise ValueError(f"{op}: {v.tiles(params)} tiles exceed the grid limit {GRID_X_MAX}")
-        args = tuple(NULL if buffers.get(a) is None else Slot(a) if a in slots else buffers[a]
-                     for a in v.args)
+        def arg(a):
+            if a == configs.TILE_COUNTER:  # the stream's: filled in on each run, or CuPy's current
+                return Slot(a) if slots else np.uint64(
+                    self._tile_counter(self.xp.cuda.get_current_stream().ptr))
+            return NULL if buffers.get(a) is None else Slot(a) if a in slots else buffers[a]
+
+        args = tuple(arg(a) for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
 

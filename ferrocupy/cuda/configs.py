@@ -37,6 +37,7 @@ ARGS = {
     DECODE: ("q", "k", "v", "part_o", "part_ml", "out", "lse", "mask", "kv_lens", "splits",
              "split_keys"),
 }
+TILE_COUNTER = "tile_counter"  # a persistent kernel's claim counter (the backend's, per stream)
 MMA, WGMMA = "mma", "wgmma"
 # The decode kernels' two designs (CUDA cores, any GPU): `streams` (each warp streams its own
 # tiles, no block-wide barrier in the key loop; 16-byte rows, at most 8 rows a group) and `tiles`
@@ -110,8 +111,10 @@ class Variant:
 
     @property
     def args(self) -> tuple:
-        """Buffer names in the kernel's parameter order; then `vec`, `mask_kind`, the struct."""
-        return ARGS[self.op]
+        """Buffer names in the kernel's parameter order; then `vec`, `mask_kind`, the struct. A
+        persistent kernel also takes `tile_counter` (a uint32 at 0 before the launch, which the
+        launch leaves at 0: its blocks claim their query tiles from it)."""
+        return ARGS[self.op] + ((TILE_COUNTER,) if self.persistent else ())
 
     @property
     def threads(self) -> int:
@@ -199,15 +202,13 @@ class Variant:
         return -(-rows // self.block_rows) * int(params["batch"]) * heads
 
     def blocks(self, params, sm_count: int) -> int:
-        """The grid: a block per tile, or for a persistent kernel at most one per SM where every
-        tile costs the same (no causal or window mask). Its blocks take tiles in a fixed turn,
-        which left causal calls unbalanced: bf16 S 4096 causal went from 0.726 to 0.784 ms at
-        head_dim 128 and 0.860 to 0.890 at 64, while non-causal S 1024 went from 0.428 to 0.412
-        and 0.481 to 0.461 (compare.py, H200, 2026-12-03); a block per tile lets the hardware
-        balance them."""
+        """The grid: a block per tile, or for a persistent kernel at most one per SM. Its blocks
+        claim tiles from the tile counter, the heaviest causal tiles first. (Blocks that took
+        tiles in a fixed turn left causal calls unbalanced: bf16 S 4096 causal went from 0.726
+        to 0.784 ms at head_dim 128 against a block per tile, while non-causal S 1024 went from
+        0.428 to 0.412; compare.py, H200, 2026-12-03.)"""
         tiles = self.tiles(params)
-        uniform = not int(params["causal"]) and not int(params["window"])
-        return min(tiles, sm_count) if self.persistent and uniform else tiles
+        return min(tiles, sm_count) if self.persistent else tiles
 
     def describe(self) -> str:
         return (f"{self.op}/{self.dtype}/d{self.head_dim} ({self.isa}): {self.warps} warps x "

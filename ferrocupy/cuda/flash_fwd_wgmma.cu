@@ -8,9 +8,11 @@
 // slower here: dev/tile_sweep.py, 2026-12-03.) S = Q K^T reads both operands from shared memory; P stays in registers. Softmax, masks
 // and dropout are the mma.sync kernel's, element for element (the accumulator layout is the
 // same). For head_dim up to 64 or 128 with 16-byte rows; geometry comes from cuda/configs.py.
-// Persistent (one block per SM, each taking query tiles in turn): the loaders fetch a tile's Q and
-// keys while the computing warpgroups still finish the previous tile, whose start-up and output
-// were otherwise exposed once per tile (at S 1024, 8 key tiles per query tile).
+// Persistent (one block per SM): the loaders fetch a tile's Q and keys while the computing
+// warpgroups still finish the previous tile, whose start-up and output were otherwise exposed once
+// per tile (at S 1024, 8 key tiles per query tile). Blocks take tiles from a global counter (the
+// next free one, heaviest causal tiles first: no block is left with the long tail that a fixed
+// turn gave causal calls), or in a fixed turn where the backend passes no counter.
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
 #include "ferro_philox.cuh"
@@ -45,9 +47,10 @@ static_assert(2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                    u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
-                   const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
+                   const int* __restrict__ kv_lens, u32* __restrict__ tile_counter, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(1024) u16 smem_w[];
-    __shared__ u64 full[STAGES], empty[STAGES], q_full, q_empty;
+    __shared__ u64 full[STAGES], empty[STAGES], q_full, q_empty, tile_ready;
+    __shared__ u32 tile_slot;  // the block's current work item, published by loader thread 0
     const u32 raw = smem_u32(smem_w);
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sK = sQ + Q_ELEMS;            // [STAGES][BN x DP], swizzled
@@ -58,28 +61,49 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     // is warp-uniform: the per-warpgroup key range below then does not make it serialize wgmma.
     const int D = shape.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
     (void)vec;  // always 16-byte copies: the backend picks this kernel only then
-    // Persistent: the grid holds one block per SM, and each block takes query tiles x =
-    // blockIdx.x, + gridDim.x, ... in block_coords order. The loaders fetch the next tile's Q and
-    // keys while the computing warpgroups still write the last one's output.
+    // Persistent: at most one block per SM; work items x are query tiles in block_coords order.
     const u32 n_work = (shape.seq_q + BM - 1) / BM * shape.batch * shape.heads;
 
     if (threadIdx.x == 0) {
         mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
         mbar_init(&q_full, LOADERS);
         mbar_init(&q_empty, 32 * WARPS);
+        mbar_init(&tile_ready, 1);
     }
     __syncthreads();
+    // The block's n-th work item (n = 0, 1, ...; n_work or more: none left), the same for every
+    // thread: loader thread 0 publishes it (publish_item) once the last item's Q is handed back,
+    // so every thread has read the last one; the others wait for it.
+    auto item = [&](u32 n) -> u32 {
+        mbar_wait(&tile_ready, n & 1);
+        return tile_slot;
+    };
+    // (loader thread 0) Publish item x and claim the next: the claims return 0 .. n_work - 1 once
+    // each (a block claims once per item it got, so once more than the items it runs), so the
+    // claim of n_work - 1 is the launch's last, and its block sets the counter back to 0 for the
+    // next launch on the stream. Claimed one item ahead: the atomic's latency passes while this
+    // item loads.
+    auto publish_item = [&](u32 x, u32& next) {
+        if (tile_counter && x == n_work + gridDim.x - 1) atomicExch(tile_counter, 0u);
+        tile_slot = x;
+        mbar_arrive(&tile_ready);
+        if (x < n_work) next = tile_counter ? atomicAdd(tile_counter, 1u) + gridDim.x : x + gridDim.x;
+    };
 
     if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
         regs_shrink<LOADER_REGS>();
-        u32 ring = 0, n = 0;  // K/V buffers filled so far; tiles taken so far
-        for (u32 x = blockIdx.x; x < n_work; x += gridDim.x, ++n) {
+        u32 ring = 0;  // K/V buffers filled so far
+        u32 next = blockIdx.x;  // (thread 0) the block's next item
+        for (u32 n = 0;; ++n) {
+            if (n > 0) mbar_wait(&q_empty, (n - 1) & 1);  // the last tile's Q is no longer read
+            if (threadIdx.x == 0) publish_item(next, next);
+            const u32 x = item(n);
+            if (x >= n_work) break;
             AttnShape s = shape;
             const QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal);
             for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
             long long j_first;
             const int n_tiles = key_tiles<BN>(s, T, j_first);
-            if (n > 0) mbar_wait(&q_empty, (n - 1) & 1);  // the last tile's Q is no longer read
             load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q.off, T.q.stride, T.m0, s.seq_q, D);
             mbar_arrive_cp_async(&q_full);
             const u16* kb = k + T.k.off;
@@ -100,8 +124,10 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     // ---- the computing warpgroups ----------------------------------------------------------------
     regs_grow<COMPUTE_REGS>();
     const u32 q_tile = smem_u32(sQ) + (wg - 1) * 64 * 128;  // this warpgroup's 64 rows
-    u32 ring = 0, n = 0;
-    for (u32 x = blockIdx.x; x < n_work; x += gridDim.x, ++n) {
+    u32 ring = 0;
+    for (u32 n = 0;; ++n) {
+        const u32 x = item(n);
+        if (x >= n_work) break;
         AttnShape s = shape;
         QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal);  // causal: short tile first rows
         for_batch(s, kv_lens, T.b);

@@ -71,14 +71,17 @@ class Slot:
 class Plan:
     """The launches of one operation, in order; the float32 workspace they take (name -> shape,
     slots filled on each run like the buffers'); the workspace the backend made for it, by stream
-    (when the caller supplies none)."""
+    (when the caller supplies none); whether a launch takes the stream's tile counter."""
 
-    __slots__ = ("launches", "workspace", "owned")
+    __slots__ = ("launches", "workspace", "owned", "counted")
 
     def __init__(self, launches, workspace=None):
         self.launches = [x for x in launches if x.blocks]  # an empty grid launches nothing
         self.workspace = dict(workspace or {})
         self.owned: dict = {}
+        # A launch claims its tiles from the stream's tile counter (the backend's, not workspace:
+        # it must be zero before the launch, and the launch leaves it so)
+        self.counted = any("tile_counter" in x.slot_names for x in self.launches)
 
     def run(self, pointers: dict, stream: int) -> None:
         for launch in self.launches:
