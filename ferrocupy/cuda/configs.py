@@ -45,6 +45,7 @@ MMA, WGMMA = "mma", "wgmma"
 STREAMS, TILES = "streams", "tiles"
 SM90A = (WGMMA,)  # built for sm_90a alone
 WGMMA_STAGES = 3  # K/V buffers of the wgmma forwards
+WGMMA_Q_BUFFERS = 2  # Q buffers of the wgmma forward (the next tile's Q loads during this one)
 # (source, kernel) per (op, is_half, isa)
 _SOURCES = {
     (FORWARD, False, MMA): ("flash_fwd.cu", "flash_attn_v2"),
@@ -163,8 +164,9 @@ class Variant:
             stats = 8 * self.stages * self.step if self.op == BACKWARD_DKDV else 0
             return (elem * (2 * self.block_rows + 2 * self.stages * self.step) * self.head_dim
                     + stats + 1024)
-        if self.isa in SM90A:  # Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
-            return elem * (self.block_rows + 2 * WGMMA_STAGES * self.step) * self.head_dim + 1024
+        if self.isa in SM90A:  # 2 x Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
+            return (elem * (WGMMA_Q_BUFFERS * self.block_rows + 2 * WGMMA_STAGES * self.step)
+                    * self.head_dim + 1024)
         pitch = self.head_dim + (4 if elem == 4 else 8)
         m, n = self.block_rows, self.step
         rows = {FORWARD: m + 2 * n, BACKWARD_DQ: 2 * m + 2 * n, BACKWARD_DKDV: 2 * m + 2 * n}

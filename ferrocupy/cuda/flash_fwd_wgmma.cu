@@ -35,13 +35,17 @@ constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
 constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
 constexpr int DT = DP / 8;  // n-tiles of O
 constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
+// Two Q buffers: the loaders fetch the next tile's Q while the computing warpgroups still work on
+// this one's last keys, so a tile starts without waiting for its Q (and its warpgroups do not all
+// wait for the slowest one's last product first).
 // Registers per thread: the loaders need few, the computing warpgroups hold S, P and O.
 constexpr int LOADER_REGS = WARPS == 8 ? 40 : 24, COMPUTE_REGS = WARPS == 8 ? 232 : 160;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
 static_assert((DP == 64 || DP == 128) && (BN == 64 || BN == 128), "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
-// Q, the K and V ring, and 1 KB to align the base for the 128-byte swizzle.
-static_assert(2 * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, "configs.py's shared memory");
+constexpr int Q_BUFS = 2;
+// Q x 2, the K and V ring, and 1 KB to align the base for the 128-byte swizzle.
+static_assert(2 * (Q_BUFS * Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, "configs.py's shared memory");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -49,11 +53,11 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                    u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
                    const int* __restrict__ kv_lens, u32* __restrict__ tile_counter, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(1024) u16 smem_w[];
-    __shared__ u64 full[STAGES], empty[STAGES], q_full, q_empty, tile_ready;
-    __shared__ u32 tile_slot;  // the block's current work item, published by loader thread 0
+    __shared__ u64 full[STAGES], empty[STAGES], q_full[Q_BUFS], q_empty[Q_BUFS], tile_ready[Q_BUFS];
+    __shared__ u32 tile_slot[Q_BUFS];  // the block's work items n, n + 1 (slot n % 2), from loader thread 0
     const u32 raw = smem_u32(smem_w);
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
-    u16* sK = sQ + Q_ELEMS;            // [STAGES][BN x DP], swizzled
+    u16* sK = sQ + Q_BUFS * Q_ELEMS;   // [STAGES][BN x DP], swizzled ([Q_BUFS][BM x DP] before)
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
     const AttnShape shape = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
@@ -66,27 +70,26 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 
     if (threadIdx.x == 0) {
         mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
-        mbar_init(&q_full, LOADERS);
-        mbar_init(&q_empty, 32 * WARPS);
-        mbar_init(&tile_ready, 1);
+        mbar_init_ring(q_full, q_empty, LOADERS, 32 * WARPS);  // item n's Q in buffer n % 2
+        for (int i = 0; i < Q_BUFS; ++i) mbar_init(&tile_ready[i], 1);
     }
     __syncthreads();
     // The block's n-th work item (n = 0, 1, ...; n_work or more: none left), the same for every
-    // thread: loader thread 0 publishes it (publish_item) once the last item's Q is handed back,
-    // so every thread has read the last one; the others wait for it.
+    // thread: loader thread 0 publishes it in slot n % 2 (publish_item) once item n - 2's Q buffer
+    // is handed back, so every thread has read item n - 2 from that slot; the others wait for it.
     auto item = [&](u32 n) -> u32 {
-        mbar_wait(&tile_ready, n & 1);
-        return tile_slot;
+        ring_wait_full(tile_ready, n);
+        return tile_slot[n % Q_BUFS];
     };
     // (loader thread 0) Publish item x and claim the next: the claims return 0 .. n_work - 1 once
     // each (a block claims once per item it got, so once more than the items it runs), so the
     // claim of n_work - 1 is the launch's last, and its block sets the counter back to 0 for the
     // next launch on the stream. Claimed one item ahead: the atomic's latency passes while this
     // item loads.
-    auto publish_item = [&](u32 x, u32& next) {
+    auto publish_item = [&](u32 n, u32 x, u32& next) {
         if (tile_counter && x == n_work + gridDim.x - 1) atomicExch(tile_counter, 0u);
-        tile_slot = x;
-        mbar_arrive(&tile_ready);
+        tile_slot[n % Q_BUFS] = x;
+        mbar_arrive(&tile_ready[n % Q_BUFS]);
         if (x < n_work) next = tile_counter ? atomicAdd(tile_counter, 1u) + gridDim.x : x + gridDim.x;
     };
 
@@ -95,8 +98,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         u32 ring = 0;  // K/V buffers filled so far
         u32 next = blockIdx.x;  // (thread 0) the block's next item
         for (u32 n = 0;; ++n) {
-            if (n > 0) mbar_wait(&q_empty, (n - 1) & 1);  // the last tile's Q is no longer read
-            if (threadIdx.x == 0) publish_item(next, next);
+            ring_wait_empty(q_empty, n);  // item n - 2's Q (in the same buffer) is no longer read
+            if (threadIdx.x == 0) publish_item(n, next, next);
             const u32 x = item(n);
             if (x >= n_work) break;
             AttnShape s = shape;
@@ -104,8 +107,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
             long long j_first;
             const int n_tiles = key_tiles<BN>(s, T, j_first);
-            load_tile_sw128<BM, DP, LOADERS>(sQ, q + T.q.off, T.q.stride, T.m0, s.seq_q, D);
-            mbar_arrive_cp_async(&q_full);
+            load_tile_sw128<BM, DP, LOADERS>(sQ + (n % Q_BUFS) * Q_ELEMS, q + T.q.off, T.q.stride, T.m0, s.seq_q, D);
+            mbar_arrive_cp_async(&q_full[n % Q_BUFS]);
             const u16* kb = k + T.k.off;
             const u16* vb = v + T.v.off;
             for (int t = 0; t < n_tiles; ++t, ++ring) {
@@ -123,11 +126,11 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 
     // ---- the computing warpgroups ----------------------------------------------------------------
     regs_grow<COMPUTE_REGS>();
-    const u32 q_tile = smem_u32(sQ) + (wg - 1) * 64 * 128;  // this warpgroup's 64 rows
     u32 ring = 0;
     for (u32 n = 0;; ++n) {
         const u32 x = item(n);
         if (x >= n_work) break;
+        const u32 q_tile = smem_u32(sQ + (n % Q_BUFS) * Q_ELEMS) + (wg - 1) * 64 * 128;  // its 64 rows
         AttnShape s = shape;
         QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal);  // causal: short tile first rows
         for_batch(s, kv_lens, T.b);
@@ -211,7 +214,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         for (int t = 0; t < t_lo; ++t) ring_pass_over(full, empty, ring + t);
         // Every computing thread waits for this tile's Q, even one with no key to visit, before it
         // hands Q back: so no arrival on q_empty can count toward an earlier tile's phase.
-        mbar_wait(&q_full, n & 1);
+        ring_wait_full(q_full, n);
         for (int t = t_lo; t < t_hi; ++t) {
             ring_wait_full(full, ring + t);
             fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
@@ -249,7 +252,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             wgmma_pin(o);
             ring_release(empty, ring + t_hi - 1);
         }
-        mbar_arrive(&q_empty);  // every product that reads Q has completed
+        ring_release(q_empty, n);  // every product that reads this Q has completed
 
         const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
 #pragma unroll
