@@ -48,21 +48,14 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     float* sA = sL + ROWS;
 
     AttnShape s = attn_shape(p, mask_kind);
-    // Blocks in (batch, KV head, split) order. (The KV head fastest, so that blocks running at
-    // once read neighbouring heads' slices of the same keys, measured 1-4% slower in 7 of the 9
-    // compare.py decode cases, H200, 2026-12-03.)
-    const u32 split = blockIdx.x % splits, bhk = blockIdx.x / splits;
-    const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads;
-    for_batch(s, kv_lens, b);
-    const u32 G = s.heads / s.kv_heads;
-    const int R = (int)(G * s.seq_q);  // row r: head hk * G + r / seq_q, query r % seq_q
+    const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
+    const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
+    const int R = blk.R;
     const int D = s.head_dim, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
+    const Rows rk = blk.rk, rv = blk.rv;
     const T* kb = k + rk.off;
     const T* vb = v + rv.off;
-
-    long long j_lo, j_hi;
-    split_keys_range(s, split, split_keys, j_lo, j_hi);
+    const long long j_lo = blk.j_lo, j_hi = blk.j_hi;
     const int n_tiles = j_hi > j_lo ? (int)((j_hi - j_lo + BN - 1) / BN) : 0;
 
     for (int idx = tid; idx < ROWS * DP; idx += THREADS) {  // Q, scaled, zero past D and R
