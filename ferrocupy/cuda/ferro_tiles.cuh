@@ -7,31 +7,13 @@
 // ---- block order: a 1-D grid of (row of heads) x tiles. Blocks go in groups of up to 16 heads,
 // tile-major inside a group, so the heaviest causal tiles of every head in a group start first
 // (no long block left for the tail) while a group's K/V (16 heads) still shares the L2. ---------
-constexpr u32 HEADS_PER_GROUP = 16;
 __device__ __forceinline__ void block_coords(u32 x, u32 tiles, u32 n_heads, u32& head,
-                                             u32& rank, u32 group = HEADS_PER_GROUP) {
-    const u32 G = n_heads < group ? n_heads : group;
+                                             u32& rank) {
+    const u32 G = n_heads < 16u ? n_heads : 16u;
     const u32 grp = x / (G * tiles), r = x % (G * tiles);
     const u32 in_grp = min(G, n_heads - grp * G);
     rank = r / in_grp;  // 0 = first dispatched
     head = grp * G + r % in_grp;
-}
-
-// Heads per block_coords group for a persistent kernel, whose blocks claim work items in that
-// order to the end: as many (batch, head) rows as keep their K and V within L2_GROUP_BYTES
-// (FlashAttention-3's rule), and at least HEADS_PER_GROUP. At short sequences the groups grow,
-// so the heaviest causal tiles of the last group start while a group's worth of lighter tiles
-// is still left to balance them (with 16 heads at S 1024, each SM's last tile could be a
-// 16-key-tile one started when the others had about 6 tiles' work left).
-constexpr unsigned long long L2_GROUP_BYTES = 32ull << 20;
-template <int ELEM_BYTES>
-__device__ __forceinline__ u32 heads_per_group(const AttnShape& s) {
-    const unsigned long long n = (unsigned long long)s.batch * s.heads;
-    // K and V bytes per query head (a KV head's share among its query heads)
-    const unsigned long long per_head =
-        2ull * s.seq_k * s.head_dim * ELEM_BYTES * s.kv_heads / s.heads;
-    const unsigned long long g = per_head ? L2_GROUP_BYTES / per_head : n;
-    return (u32)max((unsigned long long)HEADS_PER_GROUP, min(g, n));
 }
 
 // ---- one block's query tile (forward and dQ kernels) ---------------------------------------------
@@ -49,19 +31,17 @@ struct QueryTile {
 
 // A 1-D grid over (batch*heads) x query tiles of BM rows in block_coords order, the last tiles
 // (under causal masking, those that see the most keys) first. Each warp owns 16*MT rows.
-// Work item x of that order (a persistent kernel's block takes several; `group`: heads per group,
-// heads_per_group's for it). `from_end`: tiles end at
+// Work item x of that order (a persistent kernel's block takes several). `from_end`: tiles end at
 // seq_q, seq_q - BM, ..., so a short tile (m0 < 0: rows before 0 do not exist) holds the first
 // rows, not the last; under causal masking those see the fewest keys, so the short tile is also
 // the cheapest instead of a long one with most of its block idle.
 template <int BM, int MT>
 __device__ __forceinline__ QueryTile query_tile_at(u32 x, const AttnShape& s, const AttnLayout& lay,
-                                                   Lane L, bool from_end = false,
-                                                   u32 group = HEADS_PER_GROUP) {
+                                                   Lane L, bool from_end = false) {
     QueryTile t;
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
     u32 rank;
-    block_coords(x, q_tiles, s.batch * s.heads, t.bh, rank, group);
+    block_coords(x, q_tiles, s.batch * s.heads, t.bh, rank);
     t.b = t.bh / s.heads;
     t.h = t.bh % s.heads;
     t.hk = t.h / (s.heads / s.kv_heads);

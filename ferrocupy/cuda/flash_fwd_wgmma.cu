@@ -67,7 +67,6 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     (void)vec;  // always 16-byte copies: the backend picks this kernel only then
     // Persistent: at most one block per SM; work items x are query tiles in block_coords order.
     const u32 n_work = (shape.seq_q + BM - 1) / BM * shape.batch * shape.heads;
-    const u32 group = heads_per_group<2>(shape);  // as large as the L2 allows, at least 16
 
     if (threadIdx.x == 0) {
         mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
@@ -104,7 +103,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             const u32 x = item(n);
             if (x >= n_work) break;
             AttnShape s = shape;
-            const QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal, group);
+            const QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal);
             for_batch(s, kv_lens, T.b);  // before anything reads the keys' extent
             long long j_first;
             const int n_tiles = key_tiles<BN>(s, T, j_first);
@@ -133,7 +132,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         if (x >= n_work) break;
         const u32 q_tile = smem_u32(sQ + (n % Q_BUFS) * Q_ELEMS) + (wg - 1) * 64 * 128;  // its 64 rows
         AttnShape s = shape;
-        QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal, group);  // causal: short tile first rows
+        QueryTile T = query_tile_at<BM, 1>(x, s, lay, L, s.causal);  // causal: short tile first rows
         for_batch(s, kv_lens, T.b);
         T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
         long long j_first;
