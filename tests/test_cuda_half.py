@@ -20,7 +20,7 @@ from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from gpu_helpers import (AttnCase, DEAD_ROW_CASES, DROPOUT_SEED, check_forward_with_lse,
                          dead_rows, dev, gpu_pytestmark, grad_floors, kernels,
                          make_case, needs_real_gpu, option_case, option_rows, ref, self_check)
-from half_rule import check_rule, rounded, torch_plain, x64
+from half_rule import check_rule, inherited_errors, rounded, torch_plain, x64
 
 __all__ = ["dev", "kernels", "ref"]
 
@@ -62,8 +62,10 @@ def check_half(dev, case, backward: bool = True) -> dict:
     what = case.describe() + f" dtype={case.q.dtype} mask dtype=" + (
         "-" if case.mask is None else str(case.mask.dtype))
     floors = grad_floors(case) if backward else {}
+    inherited = inherited_errors(case, want) if backward else {}
     ulp = ULP[np.dtype(case.q.dtype)]
-    errs = {n: check_rule(n, got[n], want[n], theirs[n], what, floors.get(n, 0.0), ulp)
+    errs = {n: check_rule(n, got[n], want[n], theirs[n], what, floors.get(n, 0.0), ulp,
+                          inherited.get(n, 0.0))
             for n in got}
     dead = dead_rows(case)
     if dead.any():
