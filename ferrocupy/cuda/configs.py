@@ -207,8 +207,9 @@ class Variant:
         """The grid: a block per tile, or for a persistent kernel at most one per SM. Its blocks
         claim tiles from the tile counter, the heaviest causal tiles first. (Blocks that took
         tiles in a fixed turn left causal calls unbalanced: bf16 S 4096 causal went from 0.726
-        to 0.784 ms at head_dim 128 against a block per tile, while non-causal S 1024 went from
-        0.428 to 0.412; compare.py, H200, 2026-12-03.)"""
+        to 0.784 ms at head_dim 128 against a block per tile. Claimed, it measured 0.723 ms, and with the
+        kernel's second Q buffer d64 S 1024 causal went from 0.329 ms (a block per tile) to
+        0.292; compare.py, H200, 2026-12-03, RESULTS.md.)"""
         tiles = self.tiles(params)
         return min(tiles, sm_count) if self.persistent else tiles
 
