@@ -127,6 +127,11 @@ def _stream(device: torch.device) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether torch's current stream on `device` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> None:
     """Run `op` ("forward" / "backward") on CUDA tensors `named` (None for absent ones): through
     `full()` (the engine, every check) the first time this combination is seen, then straight to
@@ -160,10 +165,16 @@ def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> 
             op, {n: None if t is None else _Raw(t) for n, t in named.items()}, params, layout,
             ptrs)
     device = named["q"].device
+    # A persistent launch captured in a CUDA graph claims its tiles from a counter of its own,
+    # zeroed in the graph before it: torch captures every graph on one side stream, so with that
+    # stream's counter two graphs replayed at once would mix their claims.
+    counter = None
+    if plan.counted and _capturing(device):
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
     # The workspace (decode splits, backward stats) from torch's allocator: ordered on torch's
     # stream, and kept by a CUDA graph that captures the call.
     backend.run_plan(plan, ptrs, _stream(device), alloc=lambda shape: (
-        torch.empty(shape, dtype=torch.float32, device=device)))
+        torch.empty(shape, dtype=torch.float32, device=device)), counter=counter)
 
 
 def _seed_int(seed: Tensor) -> int:

@@ -224,6 +224,11 @@ def test_persistent_forward_takes_its_streams_tile_counter(monkeypatch):
         b.forward(bufs, p, stream=stream)
     assert runs[-2][1]["tile_counter"] == base + 4 * (backend_mod.COUNTER_STREAMS - 1)
     assert runs[-1][1]["tile_counter"] == 0  # the 65th stream: none left
+    assert len(b._counter_of) == backend_mod.COUNTER_STREAMS  # (and nothing kept for it)
+    own = np.zeros(1, np.uint32)  # a counter of the call's own (a launch captured in a graph)
+    plan = next(iter(b._plans.values()))
+    b.run_plan(plan, {n: 0x10000 for n in ("q", "k", "v", "out")}, 7, counter=own)
+    assert runs[-1][1]["tile_counter"] == address(own)
     runs.clear()
     b.forward(forward_buffers(q, k, FLOAT32), params(q, k), stream=7)  # float32: not persistent
     assert [r[0] for r in runs] == ["flash_attn_v2"] and "tile_counter" not in runs[0][1]

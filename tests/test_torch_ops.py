@@ -441,14 +441,17 @@ def test_the_cuda_fast_path_checks_once_and_launches_from_addresses(gen, monkeyp
 
     plans = []
 
+    class Plan(str):
+        counted = True  # a persistent launch: claims tiles from a counter
+
     class Recorder:
         def plan(self, op, buffers, params, layout, ptrs):
             plans.append((op, {n: b and b.dtype for n, b in buffers.items()}))
-            return op
+            return Plan(op)
 
-        def run_plan(self, plan, ptrs, stream, alloc):
+        def run_plan(self, plan, ptrs, stream, alloc, counter=None):
             work = alloc((3, 2))
-            launches.append((plan, dict(ptrs), stream, work.dtype, tuple(work.shape)))
+            launches.append((plan, dict(ptrs), stream, work.dtype, tuple(work.shape), counter))
 
     engine.backend = Recorder()
     engine.backend.name, engine.backend.device, engine.backend.dtypes = \
@@ -464,8 +467,8 @@ def test_the_cuda_fast_path_checks_once_and_launches_from_addresses(gen, monkeyp
         named = {"q": q, "k": k, "v": v, "out": out, "mask": None, "lse": lse, "kv_lens": lens}
         ft._cuda_call("forward", named, opts, full=lambda: pytest.fail("not empty"),
                       fresh=("out", "lse"))
-        plan, ptrs, stream, wdtype, wshape = launches[-1]
-        assert plan == "forward"
+        plan, ptrs, stream, wdtype, wshape, counter = launches[-1]
+        assert plan == "forward" and counter is None  # not capturing: the stream's counter
         assert ptrs["q"] == q.data_ptr() and ptrs["out"] == out.data_ptr()
         assert ptrs["mask"] == 0 and ptrs["lse"] == lse.data_ptr() and stream == 77
         assert wdtype == torch.float32 and wshape == (3, 2)
@@ -474,6 +477,11 @@ def test_the_cuda_fast_path_checks_once_and_launches_from_addresses(gen, monkeyp
     assert plans == [("forward", {"q": np.float32, "k": np.float32, "v": np.float32,
                                   "out": np.float32, "mask": None, "lse": np.float32,
                                   "kv_lens": np.int32})]
+    # Captured in a CUDA graph, the launch gets a zeroed counter of its own (made in the graph).
+    monkeypatch.setattr(ft, "_capturing", lambda device: True)
+    ft._cuda_call("forward", named, opts, full=lambda: pytest.fail("not empty"), fresh=("out", "lse"))
+    counter = launches.pop()[-1]
+    assert counter.dtype == torch.int32 and counter.tolist() == [0]
     lens[1] = 10
     with pytest.raises(ValueError, match=r"kv_lens\[1\] = 10 is outside \[0, seq_k = 9\]"):
         ft._cuda_call("forward", named, opts, full=lambda: None)

@@ -6,6 +6,8 @@ the parameter struct, which each kernel receives by value."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
@@ -19,8 +21,12 @@ _PLANS_MAX = 256  # remembered plans per backend (a long-running job sees few)
 _NOT_ROWS = ("mask", "lse", "kv_lens", "stats", configs.TILE_COUNTER)  # buffers whose alignment picks no copy width
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
-# a launch on any further stream passes none, and its blocks take tiles in a fixed turn.
+# a launch on any further stream passes none, and its blocks take tiles in a fixed turn. Launches
+# on one stream are ordered, so they share its counter; a launch captured in a CUDA graph should
+# get its own (run_plan's `counter`: ferrocupy.torch does), else replays of graphs captured on one
+# stream, run at once, would claim from the same counter.
 COUNTER_STREAMS = 64
+_COUNTER_LOCK = threading.Lock()  # two threads meeting new streams get different counters
 
 
 class CudaBackend:
@@ -141,15 +147,17 @@ class CudaBackend:
             self._plans[key] = plan
         return plan
 
-    def run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc=None) -> None:
+    def run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc=None, counter=None) -> None:
         """Launch `plan` on `stream` with these buffer addresses (name -> int, 0 for an absent
-        one). Its workspace comes from `alloc`, or else is the plan's own for this stream."""
+        one). Its workspace comes from `alloc`, or else is the plan's own for this stream.
+        `counter`: a zeroed uint32 (array or tensor) for a persistent launch to claim tiles from
+        instead of the stream's (a launch captured in a CUDA graph takes one of its own)."""
         if self.xp.cuda.runtime.getDevice() != self._id:
             with self.xp.cuda.Device(self._id):
-                return self._run_plan(plan, ptrs, stream, alloc)
-        self._run_plan(plan, ptrs, stream, alloc)
+                return self._run_plan(plan, ptrs, stream, alloc, counter)
+        self._run_plan(plan, ptrs, stream, alloc, counter)
 
-    def _run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc) -> None:
+    def _run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc, counter=None) -> None:
         """`run_plan` with this backend's device current."""
         keep = None
         if plan.workspace:
@@ -166,7 +174,8 @@ class CudaBackend:
                             for n, shape in plan.workspace.items()}
                 ptrs.update((n, address(a)) for n, a in owned.items())
         if plan.counted:
-            ptrs = dict(ptrs, tile_counter=self._tile_counter(stream))
+            ptrs = dict(ptrs, tile_counter=address(counter) if counter is not None
+                        else self._tile_counter(stream))
         plan.run(ptrs, stream)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
@@ -193,10 +202,12 @@ class CudaBackend:
         """The address of `stream`'s tile counter (0 once every counter has its stream)."""
         addr = self._counter_of.get(stream)
         if addr is None:
-            n = len(self._counter_of)
-            addr = address(self._counters) + 4 * n if n < COUNTER_STREAMS else 0
-            self._counter_of[stream] = addr
-        return addr
+            with _COUNTER_LOCK:
+                addr = self._counter_of.get(stream)
+                n = len(self._counter_of)
+                if addr is None and n < COUNTER_STREAMS:
+                    addr = self._counter_of[stream] = address(self._counters) + 4 * n
+        return addr or 0
 
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,

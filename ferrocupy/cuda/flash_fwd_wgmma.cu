@@ -81,10 +81,10 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         ring_wait_full(tile_ready, n);
         return tile_slot[n % Q_BUFS];
     };
-    // (loader thread 0) Publish item x and claim the next: the claims return 0 .. n_work - 1 once
-    // each (a block claims once per item it got, so once more than the items it runs), so the
-    // claim of n_work - 1 is the launch's last, and its block sets the counter back to 0 for the
-    // next launch on the stream. Claimed one item ahead: the atomic's latency passes while this
+    // (loader thread 0) Publish item x and claim the next: a block claims once per item it runs
+    // (its first, blockIdx.x, is not claimed; the end item claims nothing), so a launch makes
+    // n_work claims, returning 0 .. n_work - 1; the claim of n_work - 1 is the launch's last, and
+    // its block sets the counter back to 0 for the next launch on the stream. Claimed one item ahead: the atomic's latency passes while this
     // item loads.
     auto publish_item = [&](u32 n, u32 x, u32& next) {
         if (tile_counter && x == n_work + gridDim.x - 1) atomicExch(tile_counter, 0u);

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .configs import TILE_COUNTER
+
 NULL = np.uint64(0)  # a null pointer argument: no mask, lse or kv_lens
 
 
@@ -81,7 +83,7 @@ class Plan:
         self.owned: dict = {}
         # A launch claims its tiles from the stream's tile counter (the backend's, not workspace:
         # it must be zero before the launch, and the launch leaves it so)
-        self.counted = any("tile_counter" in x.slot_names for x in self.launches)
+        self.counted = any(TILE_COUNTER in x.slot_names for x in self.launches)
 
     def run(self, pointers: dict, stream: int) -> None:
         for launch in self.launches:
