@@ -18,7 +18,7 @@ from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
 _PLANS_MAX = 256  # remembered plans per backend (a long-running job sees few)
-_NOT_ROWS = ("mask", "lse", "kv_lens", "stats", configs.TILE_COUNTER)  # buffers whose alignment picks no copy width
+_NOT_ROWS = ("mask", "lse", "kv_lens", "stats")  # buffers whose alignment picks no copy width
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
 # a launch on any further stream passes none, and its blocks take tiles in a fixed turn. Launches
