@@ -1,8 +1,9 @@
-"""Time candidate geometries of the streams decode kernel (warps, keys per lane group, buffers)
+"""Time candidate geometries of the streams or the tensor-core decode kernel (warps, keys per
+lane group or per warp tile, buffers)
 at the benchmark's decode shapes, to choose `cuda/configs.py`'s decode entries from measurements
 (issue 9).
 
-    python3 dev/decode_sweep.py [--dtypes bfloat16,float32] [--small] [--parts]
+    python3 dev/decode_sweep.py [--dtypes bfloat16,float32] [--small] [--parts] [--design tensor]
 
 Each candidate runs the whole decode (kernel + combine, as the backend plans it), is checked
 against the table's own choice on the same inputs, then timed with CUDA events (median of 20
@@ -29,7 +30,22 @@ SHAPES = [(16, 32768), (1, 131072), (64, 2048)]  # (batch, keys); H32 / KV heads
 H, HKV, D = 32, 8, 128
 
 
-def candidates(dtype, small: bool = False) -> list[configs.Variant]:
+def tensor_candidates(dtype) -> list[configs.Variant]:
+    """The tensor-core kernel's geometries: warps, keys per warp tile, buffers per warp."""
+    out = []
+    for warps in (2, 4, 8):
+        for tk in (16, 32):
+            for stages in (2, 3, 4):
+                v = configs.Variant(configs.DECODE, dtype, D, warps, 1, warps * tk,
+                                    configs.TENSOR, stages, configs.DECODE_ROWS)
+                if v.shared_bytes <= 227 * 1024:
+                    out.append(v)
+    return out
+
+
+def candidates(dtype, small: bool = False, design: str = configs.STREAMS) -> list[configs.Variant]:
+    if design == configs.TENSOR:
+        return tensor_candidates(dtype)
     out = []
     for warps in (4, 8):
         for lane_dims in ((16,) if small else (16, 8)):
@@ -49,6 +65,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--small", action="store_true", help="16 dims a lane, 2-3 buffers, C 2-4")
+    ap.add_argument("--design", default=configs.STREAMS, help="streams or tensor: whose "
+                    "geometries to time")
     ap.add_argument("--parts", action="store_true", help="the table's plan, launch by launch")
     ap.add_argument("--splits", default="", help="with --parts: also time the plan forced to "
                     "each of these split counts (comma list), to test configs.decode_splits")
@@ -61,7 +79,7 @@ def main() -> None:
         with ThreadPoolExecutor(16) as pool:  # compile every candidate first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
                                      for name in (v.kernel, v.combine_kernel)],
-                          [] if args.parts else candidates(dtype, args.small)))
+                          [] if args.parts else candidates(dtype, args.small, args.design)))
         for B, SK in SHAPES:
             rng = cp.random.default_rng(0)
             mk = lambda *s: rng.standard_normal(s, dtype=cp.float32).astype(dtype)  # noqa: E731
@@ -104,7 +122,7 @@ def main() -> None:
                                      gbytes / ms * 1e3, err))
                     finally:
                         configs.decode_splits = chosen
-            for var in ([] if args.parts else candidates(dtype, args.small)):
+            for var in ([] if args.parts else candidates(dtype, args.small, args.design)):
                 backend.table = dict(configs.TABLE) | {key: (var,)}
                 launches, _work = backend._plan_decode(bufs, p)
                 splits = int(launches[0][4][configs.ARGS[configs.DECODE].index("splits")])
@@ -116,7 +134,9 @@ def main() -> None:
                 run()
                 err = float(cp.linalg.norm(out.astype(cp.float32) - want) / cp.linalg.norm(want))
                 ms = time_ms(run)
-                tag = (f"w{var.warps} l{var.lane_dims} n{var.step} s{var.stages}"
+                tag = (f"w{var.warps} {'t' if var.isa == configs.TENSOR else 'l'}"
+                       f"{var.step // var.warps if var.isa == configs.TENSOR else var.lane_dims}"
+                       f" n{var.step} s{var.stages}"
                        + (" *" if var == default else ""))
                 rows.append((f"b{B} sk{SK}", str(dtype), tag, splits, ms, gbytes / ms * 1e3, err))
             backend.table = configs.TABLE

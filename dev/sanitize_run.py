@@ -60,6 +60,11 @@ def main() -> None:
             lsed = UnifiedTensor.empty((2, H, 1), np.float32, device="cuda")
             eng.flash_attention_v2_with(qd, kd, vd, outd, AttentionOptions(
                 causal=True, causal_offset=699, dropout_prob=0.1, seed=2), lse=lsed, kv_lens=lens)
+            # ... with a mask and a window that starts inside a split (a split's first key odd).
+            maskd = UnifiedTensor.from_numpy(rng.standard_normal((2, 1, 1, 700)).astype(dtype),
+                                             device="cuda")
+            eng.flash_attention_v2_with(qd, kd, vd, outd, AttentionOptions(
+                window=301, causal_offset=600), maskd, lse=lsed)
             # Strided layouts: every tensor a transposed view of SDPA's [B, H, S, D] (the decode
             # cache too), so a wrong stride reads or writes past an allocation.
             def sdpa(x):

@@ -100,7 +100,8 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     ((fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs)), work = \
         b._plan_decode(forward_buffers(q, k, dtype), p)
     assert work == {"part_o": args[3].shape, "part_ml": args[4].shape}
-    assert fn.name == "flash_decode_streams" and comb.name == "flash_decode_combine"
+    want = "flash_decode_streams" if dtype == FLOAT32 else "flash_decode_mma"
+    assert fn.name == want and comb.name == "flash_decode_combine"
     names = configs.ARGS[configs.DECODE]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
     assert blocks == 2 * 8 * splits and splits > 1 and splits * split_keys >= 32768
@@ -118,7 +119,7 @@ def test_decode_with_one_split_writes_out_itself():
     launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
     assert len(launches) == 1
     fn, blocks, _, _, args = launches[0]
-    assert fn.name == "flash_decode_streams" and blocks == 64 * 8
+    assert fn.name == "flash_decode_mma" and blocks == 64 * 8
     assert args[3].size == 0 and args[4].size == 0
 
 
@@ -127,26 +128,33 @@ def test_decode_warps_follow_the_number_of_pairs(batch, warps):
     """Up to one (batch, KV head) pair per SM, the 8-warp streams block; beyond, 4 warps (two
     blocks an SM)."""
     b = backend()
+    b.table = configs.only(configs.STREAMS)
     q, k = (batch, 1, 32, 128), (batch, 2048, 8, 128)
     launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
     assert launches[0][0].name == "flash_decode_streams" and launches[0][2] == 32 * warps
 
 
-@pytest.mark.parametrize("heads, seq_q, offset, design", [
-    (32, 1, 0, configs.STREAMS),  # 4 rows a group
-    (32, 2, 0, configs.STREAMS),  # 8
-    (32, 3, 0, configs.TILES),  # 12: more than the streams kernel holds
-    (32, 1, 2, configs.TILES),  # K rows that take no 16-byte copies
+@pytest.mark.parametrize("dtype, heads, seq_q, offset, capability, design", [
+    (BFLOAT16, 32, 1, 0, 90, configs.TENSOR),  # 4 rows a group
+    (BFLOAT16, 32, 4, 0, 80, configs.TENSOR),  # 16: the tensor kernel takes any group
+    (BFLOAT16, 32, 1, 2, 90, configs.TILES),  # K rows that take no 16-byte copies
+    (BFLOAT16, 32, 1, 0, 75, configs.STREAMS),  # no mma.sync bf16 before sm_80
+    (FLOAT32, 32, 1, 0, 90, configs.STREAMS),  # 4 rows a group
+    (FLOAT32, 32, 2, 0, 90, configs.STREAMS),  # 8
+    (FLOAT32, 32, 3, 0, 90, configs.TILES),  # 12: more than the streams kernel holds
+    (FLOAT32, 32, 1, 1, 90, configs.TILES),  # K rows that take no 16-byte copies
 ])
-def test_decode_design_follows_rows_and_copy_width(heads, seq_q, offset, design):
-    b = backend()
+def test_decode_design_follows_dtype_rows_and_copy_width(dtype, heads, seq_q, offset, capability,
+                                                         design):
+    b = backend(capability)
     q, k = (2, seq_q, heads, 128), (2, 4096, 8, 128)
-    bufs = dict(forward_buffers(q, k, BFLOAT16), k=buf(k, BFLOAT16, offset))
+    bufs = dict(forward_buffers(q, k, dtype), k=buf(k, dtype, offset * dtype.itemsize))
     launches, _ = b._plan_decode(bufs, params(q, k))
-    v = configs.select(configs.DECODE, BFLOAT16, 128, 232448, capability=90,
-                       copy_bytes=16 if not offset else 2, rows=heads // 8 * seq_q)
+    copy_bytes = 16 if not offset else 4 if dtype == FLOAT32 else 2
+    v = configs.select(configs.DECODE, dtype, 128, 232448, capability=capability,
+                       copy_bytes=copy_bytes, rows=heads // 8 * seq_q)
     assert v.isa == design and launches[0][0].name == v.kernel
-    assert len(launches) == 2 or design == configs.STREAMS
+    assert len(launches) == 2 or design != configs.TILES
 
 
 def test_swapping_the_table_forgets_the_chosen_kernels():
@@ -183,7 +191,7 @@ def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
     bufs = forward_buffers(q, k, BFLOAT16)
     b.forward(bufs, p)
     first = runs[:]
-    assert [r[0] for r in first] == ["flash_decode_streams", "flash_decode_combine"]
+    assert [r[0] for r in first] == ["flash_decode_mma", "flash_decode_combine"]
     assert set(first[0][3]) == {"q", "k", "v", "out", "part_o", "part_ml"}  # absent: NULL
     b.forward(dict(bufs, out=buf(q, BFLOAT16, offset=4096)), p)  # another output, same shape
     assert len(b._plans) == 1 and runs[2][1]["out"] == 0x10000 + 4096

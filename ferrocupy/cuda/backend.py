@@ -262,7 +262,7 @@ class CudaBackend:
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
         if pairs * splits > GRID_X_MAX:
             raise ValueError(f"decode: {pairs * splits} blocks exceed the grid limit {GRID_X_MAX}")
-        combined = splits > 1 or v.isa != configs.STREAMS
+        combined = splits > 1 or v.isa == configs.TILES
         # The workspace: per split, each row's unnormalised O and (max, sum); none when the one
         # split writes out itself. Slots when planning (the caller supplies it on each run),
         # else arrays made here.

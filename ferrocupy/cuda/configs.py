@@ -39,10 +39,13 @@ ARGS = {
 }
 TILE_COUNTER = "tile_counter"  # a persistent kernel's claim counter (the backend's, per stream)
 MMA, WGMMA = "mma", "wgmma"
-# The decode kernels' two designs (CUDA cores, any GPU): `streams` (each warp streams its own
-# tiles, no block-wide barrier in the key loop; 16-byte rows, at most 8 rows a group) and `tiles`
-# (the block shares each tile; any row width, up to DECODE_ROWS rows).
-STREAMS, TILES = "streams", "tiles"
+# The decode kernels' three designs: `tensor` (half precision on tensor cores, sm_80+: a KV
+# group's rows are one mma.sync operand's 16 rows, each warp streams its own tiles; 16-byte rows),
+# and on the CUDA cores (any GPU, every dtype) `streams` (each warp streams its own tiles, no
+# block-wide barrier in the key loop; 16-byte rows, at most 8 rows a group) and `tiles` (the block
+# shares each tile; any row width, up to DECODE_ROWS rows).
+TENSOR, STREAMS, TILES = "tensor", "streams", "tiles"
+DECODE_DESIGNS = (TENSOR, STREAMS, TILES)
 SM90A = (WGMMA,)  # built for sm_90a alone
 WGMMA_STAGES = 3  # K/V buffers of the wgmma forwards
 WGMMA_Q_BUFFERS = 2  # Q buffers of the wgmma forward (the next tile's Q loads during this one)
@@ -59,6 +62,7 @@ _SOURCES = {
     (BACKWARD_DKDV, True, WGMMA): ("flash_bwd_dkdv_wgmma.cu", "flash_bwd_dkdv_wgmma"),
     (DECODE, False, TILES): ("flash_decode.cu", "flash_decode"),
     (DECODE, True, TILES): ("flash_decode.cu", "flash_decode"),
+    (DECODE, True, TENSOR): ("flash_decode_mma.cu", "flash_decode_mma"),
     (DECODE, False, STREAMS): ("flash_decode_streams.cu", "flash_decode_streams"),
     (DECODE, True, STREAMS): ("flash_decode_streams.cu", "flash_decode_streams"),
 }
@@ -106,6 +110,8 @@ class Variant:
         `copy_bytes` per row chunk (the backend's `_copy_width` in bytes)."""
         if self.isa in SM90A:
             return capability == 90 and copy_bytes == 16
+        if self.isa == TENSOR:
+            return capability >= 80 and copy_bytes == 16
         if self.isa == STREAMS:
             return copy_bytes == 16
         return True
@@ -154,6 +160,11 @@ class Variant:
         if self.isa == STREAMS:  # per warp, a ring of K and V tiles; reused to merge the warps
             return max(2 * self.stages * self.step * self.head_dim * elem,
                        4 * self.warps * self.rows * (self.head_dim + 2))
+        if self.isa == TENSOR:  # Q; per warp a ring of K and V tiles (pitch + 8), reused to merge
+            pitch = self.head_dim + 8
+            return (elem * DECODE_ROWS * pitch
+                    + max(2 * self.stages * self.step * pitch * elem,
+                          4 * self.warps * DECODE_ROWS * (self.head_dim + 2)))
         if self.op == DECODE:  # K, V x stages (16-byte pad per row); Q, P and row state f32
             rows = DECODE_ROWS
             return (2 * self.stages * self.step * (self.head_dim + 16 // elem) * elem
@@ -300,6 +311,15 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
     return out
 
 
+def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
+    """The tensor-core decode kernel (half precision): `warps` warps, each streaming tiles of 16
+    keys through 3 buffers of its own (two tiles in flight), 16 query rows; 4 warps keep a block
+    under half the SM's shared memory, so two blocks share an SM."""
+    if dtype == FLOAT32:
+        return []
+    return [Variant(DECODE, dtype, dp, 4, 1, 4 * 16, TENSOR, 3, DECODE_ROWS)]
+
+
 def _table() -> dict:
     table = {}
     for op in (FORWARD, BACKWARD_DQ, BACKWARD_DKDV, DECODE):
@@ -307,7 +327,8 @@ def _table() -> dict:
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
                     _wgmma(op, dtype, dp)
-                    + (_decode_streams(dtype, dp) if op == DECODE else [])
+                    + (_decode_tensor(dtype, dp) + _decode_streams(dtype, dp)
+                       if op == DECODE else [])
                     + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
                        for g in _geometry(op, dtype, dp)])
     return table
@@ -381,13 +402,12 @@ def decode_splits(pairs: int, reach: int, step: int, slots: int,
     return best[1], best[2] * step
 
 
-def only(isa: str, table: dict | None = None) -> dict:
-    """The table restricted to one design's variants (to test or time that one): an instruction
-    set (MMA, WGMMA) for the forward and backward, a decode design (STREAMS, TILES) for decode;
-    the other operation's variants stay as they are."""
-    decode_designs = (STREAMS, TILES)
-    return {key: tuple(v for v in vs if v.isa == isa or ((v.isa in decode_designs) !=
-                                                          (isa in decode_designs)))
+def only(*isas: str, table: dict | None = None) -> dict:
+    """The table restricted to some designs' variants (to test or time those), in its own order:
+    instruction sets (MMA, WGMMA) for the forward and backward, decode designs (DECODE_DESIGNS)
+    for decode; the other operation's variants stay as they are."""
+    decode = any(isa in DECODE_DESIGNS for isa in isas)
+    return {key: tuple(v for v in vs if v.isa in isas or ((v.isa in DECODE_DESIGNS) != decode))
             for key, vs in (TABLE if table is None else table).items()}
 
 

@@ -68,6 +68,49 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
     return d;
 }
 
+// A decode block's last step: its warps' partial results for each of its R rows (sO
+// [WARPS][ROWS][FERRO_HEAD_DIM] unnormalised O, sML [WARPS][ROWS][2] (max, sum), max in scaled
+// units, a warp that saw no key of a row leaving (-inf, 0)) merged per row. With one split the
+// block writes out (rounded once) and lse itself; with more, the split's O and (max, sum) go to
+// the workspace for flash_decode_combine.
+template <int WARPS, int ROWS, int THREADS>
+__device__ __forceinline__ void decode_finish(const float* sO, const float* sML, const AttnShape& s,
+                                              const AttnLayout& lay, const DecodeBlock& blk,
+                                              u32 split, u32 splits, T* out, float* lse,
+                                              float* part_o, float* part_ml) {
+    constexpr int DP = FERRO_HEAD_DIM;
+    const u64 rows_total = (u64)s.batch * s.heads * s.seq_q;
+    const float keep_scale = s.dropout_prob > 0.f ? 1.f / (1.f - s.dropout_prob) : 1.f;
+    for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
+        const int r = idx / DP, d = idx % DP;
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
+        const float m_use = M == neg_inf() ? 0.f : M;
+        float L = 0.f, O = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float a = exp2f((sML[(w * ROWS + r) * 2] - m_use) * FERRO_LOG2E);
+            L += sML[(w * ROWS + r) * 2 + 1] * a;
+            O += sO[(w * ROWS + r) * DP + d] * a;
+        }
+        const u32 h = blk.hk * blk.G + r / s.seq_q, i = r % s.seq_q;
+        const u64 row = ((u64)blk.b * s.heads + h) * s.seq_q + i;
+        if (splits == 1) {  // the only split: this block writes the answer
+            const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
+            if (d < (int)s.head_dim)
+                out[(u64)blk.b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = from_f(O * inv);
+            if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+        } else {
+            part_o[((u64)split * rows_total + row) * DP + d] = O;
+            if (d == 0) {
+                part_ml[((u64)split * rows_total + row) * 2] = M;
+                part_ml[((u64)split * rows_total + row) * 2 + 1] = L;
+            }
+        }
+    }
+}
+
 // One block of COMBINE_THREADS per output row (b, h, i): the splits' weights exp(m_s - M) once,
 // into shared memory (threads across splits), then each thread a column of O over every split
 // (independent loads, coalesced across the row); writes out (rounded once) and lse. At most

@@ -282,33 +282,5 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
     __syncthreads();
 
-    const u64 rows_total = (u64)s.batch * s.heads * s.seq_q;
-    const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
-    for (int idx = tid; idx < R * DP; idx += THREADS) {
-        const int r = idx / DP, d = idx % DP;
-        float M = neg_inf();
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
-        const float m_use = M == neg_inf() ? 0.f : M;
-        float L = 0.f, O = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float a = exp2f((sML[(w * ROWS + r) * 2] - m_use) * FERRO_LOG2E);
-            L += sML[(w * ROWS + r) * 2 + 1] * a;
-            O += sO[(w * ROWS + r) * DP + d] * a;
-        }
-        const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
-        const u64 row = ((u64)b * s.heads + h) * s.seq_q + i;
-        if (splits == 1) {  // the only split: this block writes the answer
-            const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
-            if (d < D) out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = from_f(O * inv);
-            if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
-        } else {
-            part_o[((u64)split * rows_total + row) * DP + d] = O;
-            if (d == 0) {
-                part_ml[((u64)split * rows_total + row) * 2] = M;
-                part_ml[((u64)split * rows_total + row) * 2 + 1] = L;
-            }
-        }
-    }
+    decode_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, split, splits, out, lse, part_o, part_ml);
 }
