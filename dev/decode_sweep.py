@@ -46,6 +46,8 @@ def tensor_candidates(dtype) -> list[configs.Variant]:
 def candidates(dtype, small: bool = False, design: str = configs.STREAMS) -> list[configs.Variant]:
     if design == configs.TENSOR:
         return tensor_candidates(dtype)
+    if design == configs.TILES:
+        return [v for v in configs.TABLE[(configs.DECODE, dtype, D)] if v.isa == configs.TILES]
     out = []
     for warps in (4, 8):
         for lane_dims in ((16,) if small else (16, 8)):
@@ -65,8 +67,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--small", action="store_true", help="16 dims a lane, 2-3 buffers, C 2-4")
-    ap.add_argument("--design", default=configs.STREAMS, help="streams or tensor: whose "
+    ap.add_argument("--design", default=configs.STREAMS, help="streams, tensor or tiles: whose "
                     "geometries to time")
+    ap.add_argument("--sq", type=int, default=1, help="query rows per head (KV group rows: "
+                    "4 x sq)")
     ap.add_argument("--parts", action="store_true", help="the table's plan, launch by launch")
     ap.add_argument("--splits", default="", help="with --parts: also time the plan forced to "
                     "each of these split counts (comma list), to test configs.decode_splits")
@@ -75,7 +79,7 @@ def main() -> None:
     rows = []
     for dtype in (parse(x) for x in args.dtypes.split(",")):
         key = (configs.DECODE, dtype, D)
-        default = backend.variant(configs.DECODE, dtype, D, 16, 4)
+        default = backend.variant(configs.DECODE, dtype, D, 16, 4 * args.sq)
         with ThreadPoolExecutor(16) as pool:  # compile every candidate first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
                                      for name in (v.kernel, v.combine_kernel)],
@@ -83,7 +87,7 @@ def main() -> None:
         for B, SK in SHAPES:
             rng = cp.random.default_rng(0)
             mk = lambda *s: rng.standard_normal(s, dtype=cp.float32).astype(dtype)  # noqa: E731
-            q, k, v = mk(B, 1, H, D), mk(B, SK, HKV, D), mk(B, SK, HKV, D)
+            q, k, v = mk(B, args.sq, H, D), mk(B, SK, HKV, D), mk(B, SK, HKV, D)
             out = cp.empty_like(q)
             bufs = dict(q=q, k=k, v=v, out=out, mask=None, lse=None, kv_lens=None)
             p = AttentionDims.new(q, k).params(AttentionOptions())
@@ -146,7 +150,7 @@ def main() -> None:
                 from torch.nn.attention import SDPBackend, sdpa_kernel
 
                 tdt = getattr(torch, str(dtype))
-                tq = torch.randn(B, H, 1, D, device="cuda", dtype=tdt)
+                tq = torch.randn(B, H, args.sq, D, device="cuda", dtype=tdt)
                 tk, tv = (torch.randn(B, SK, HKV, D, device="cuda", dtype=tdt).transpose(1, 2)
                           for _ in range(2))
                 for name, be in (("flash", SDPBackend.FLASH_ATTENTION),

@@ -4,7 +4,8 @@
 
 FERRO_FWD_ISA=mma (say) profiles that forward kernel instead of the table's first choice.
 FERRO_DECODE=B,SK (say 1,131072) runs one bf16 decode step instead (Sq 1, H32 / KV heads 8,
-D128: compare.py's decode shapes), its decode kernel and combine:
+D128: compare.py's decode shapes), its decode kernel and combine; FERRO_DECODE_DESIGN=streams
+(or tensor, tiles) restricts the decode kernels to that design:
 
     FERRO_DECODE=1,131072 ncu --clock-control none --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy python3 dev/profile_once.py
@@ -19,6 +20,10 @@ B, S, H, D = 4, 4096, 16, 128
 eng = ComputeEngine("cuda", quiet=True)
 if os.environ.get("FERRO_DECODE"):
     b, sk = (int(x) for x in os.environ["FERRO_DECODE"].split(","))
+    if os.environ.get("FERRO_DECODE_DESIGN"):
+        from ferrocupy.cuda import configs
+
+        eng.backend.table = configs.only(os.environ["FERRO_DECODE_DESIGN"])
     rng = cp.random.default_rng(0)
     q, k, v = (UnifiedTensor(rng.standard_normal(s, dtype=cp.float32).astype("bfloat16"))
                for s in ((b, 1, 32, D), (b, sk, 8, D), (b, sk, 8, D)))
