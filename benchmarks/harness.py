@@ -63,7 +63,7 @@ class Case:
             return f"rope-{self.dtype}-{'x'.join(map(str, self.shape))}"
         if self.kind == "decode":
             return (f"decode-{self.dtype}-b{self.batch}-h{self.heads}kv{self.kv_heads}"
-                    f"-d{self.head_dim}-sk{self.seq_k}")
+                    f"-d{self.head_dim}-sk{self.seq_k}" + (f"-q{self.seq_q}" if self.seq_q > 1 else ""))
         mask = "causal" if self.causal else "noncausal"
         heads = f"-h{self.heads}kv{self.kv_heads}" if self.suite == "gqa" else ""
         return (f"{'gqa' if self.suite == 'gqa' else 'attn'}-{self.direction}-{self.dtype}"
@@ -141,6 +141,9 @@ def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
                                   direction=direction, suite="gqa"))
         for batch, keys in DECODE_SHAPES[:1] if quick else DECODE_SHAPES:  # 1 GiB of f32 K+V
             cases.append(Case("decode", dt, batch, 1, keys, 32, 8, 128, True, keys - 1,
+                              suite="decode"))
+        if not quick:  # 4 query rows a head (16 a KV group), every key visible to each
+            cases.append(Case("decode", dt, 16, 4, 32768, 32, 8, 128, True, 32767,
                               suite="decode"))
         cases.append(Case("rope", dt, shape=ROPE_SHAPE, suite="rope"))
         if dt == "float32":

@@ -65,6 +65,15 @@ def main() -> None:
                                              device="cuda")
             eng.flash_attention_v2_with(qd, kd, vd, outd, AttentionOptions(
                 window=301, causal_offset=600), maskd, lse=lsed)
+            # ... with 5 query rows a head (10 a KV group: the tensor-core decode kernel in half
+            # precision at 16-byte rows), every option at once.
+            qm = put((2, 5, H, d))
+            outm = UnifiedTensor.empty(qm.shape, dtype, device="cuda")
+            maskm = UnifiedTensor.from_numpy(rng.standard_normal((2, 1, 5, 700)).astype(dtype),
+                                             device="cuda")
+            eng.flash_attention_v2_with(qm, kd, vd, outm, AttentionOptions(
+                causal=True, causal_offset=695, window=301, dropout_prob=0.1, seed=5), maskm,
+                lse=UnifiedTensor.empty((2, H, 5), np.float32, device="cuda"), kv_lens=lens)
             # Strided layouts: every tensor a transposed view of SDPA's [B, H, S, D] (the decode
             # cache too), so a wrong stride reads or writes past an allocation.
             def sdpa(x):

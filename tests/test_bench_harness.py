@@ -49,8 +49,8 @@ def test_case_counts_and_units():
 
 
 def test_case_list_sizes():
-    assert len(build_cases(["float32"])) == 48 + 2 + 3 + 2
-    assert len(build_cases(harness.DTYPES)) == 3 * (48 + 2 + 3 + 1) + 1
+    assert len(build_cases(["float32"])) == 48 + 2 + 4 + 2  # grid, GQA, decode (3 at one row a head, 1 at four), RoPE
+    assert len(build_cases(harness.DTYPES)) == 3 * (48 + 2 + 4 + 1) + 1
     assert len(build_cases(["float32"], quick=True)) == 8 + 1 + 2
     assert len(build_cases(harness.DTYPES, quick=True)) == 3 * (8 + 1 + 1) + 1
     assert not [c for c in build_cases(["bfloat16", "float16"]) if c.floor]
@@ -77,7 +77,7 @@ def test_floor_cases_are_issue_3s():
 def test_filters_and_dtype_names():
     cases = build_cases(["float32"])
     assert all("s4096" in c.id for c in harness.filter_cases(cases, "s4096"))
-    assert len(harness.filter_cases(cases, "decode,rope")) == 5
+    assert len(harness.filter_cases(cases, "decode,rope")) == 6  # 4 decode, 2 RoPE
     assert harness.filter_cases(cases, "") == cases
     assert harness.parse_dtypes("fp32, bf16,float16,fp32") == ["float32", "bfloat16", "float16"]
     with pytest.raises(ValueError, match="float64"):

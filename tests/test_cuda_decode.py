@@ -1,6 +1,6 @@
 """The decode path (issue 9): few query rows per KV group (heads / kv_heads * seq_q <= 16)
-against a long cache go through a split-KV decode kernel (streams or tiles, each tested: the
-`decoders` fixture) and its combine. Compared with the
+against a long cache go through a split-KV decode kernel (the engine's pick, the tensor-core
+design and the tiles design, each tested: the `decoders` fixture) and its combine. Compared with the
 reference at decode shapes: seq_q 1-8, GQA 1-8, up to 128k keys, uneven kv_lens with NaN past
 them, split counts that do not divide the keys, every forward option; out and lse.
 
@@ -40,6 +40,11 @@ CASES = {
                                         seed=5), "mask", [3001, 1500]),
     "sq1-gqa2-d48-window": (1, 1, 4, 2, 48, 9000, dict(window=333, causal_offset=8000), None,
                             None),
+    # 12 rows a group (the tensor-core design in half precision) with a window that starts
+    # at an odd key inside a split (dropout's keys j, j + 1 can straddle a Philox group).
+    "sq3-gqa4-d128-window-mask-dropout": (2, 3, 8, 2, 128, 4099,
+                                          dict(window=777, causal_offset=4096, dropout_prob=0.15,
+                                               seed=11), "mask", [4099, 2222]),
     # Enough (batch, KV head) pairs that one split fills the GPU: the block writes out itself.
     "b40-sq1-gqa4-d128-one-split": (40, 1, 8, 2, 128, 250, dict(causal=True, causal_offset=249),
                                     None, [250 - 6 * i for i in range(40)]),

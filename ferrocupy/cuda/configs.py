@@ -312,12 +312,23 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
 
 
 def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
-    """The tensor-core decode kernel (half precision): `warps` warps, each streaming tiles of 16
-    keys through 3 buffers of its own (two tiles in flight), 16 query rows; 4 warps keep a block
-    under half the SM's shared memory, so two blocks share an SM."""
+    """The tensor-core decode kernel (half precision, any group of up to 16 rows): each warp
+    streams tiles of 16 keys through buffers of its own; 8 warps with 2 buffers where each block
+    has an SM to itself, 4 warps with 3 (two blocks an SM) beyond (`select`'s `many_blocks`).
+
+    It comes after the streams kernel, which takes groups of up to 8 rows: dev/decode_sweep.py
+    (H200, 2026-12-03, bf16 H32/KV8 D128; GB/s at B16 Sk32k, B1 Sk128k, B64 Sk2k) gave it 4132,
+    3466, 3116 (8 warps) and 3988, 3265, 3392 (4 warps) at 4 rows a group, where the streams
+    kernel had measured 4296-4354, 3552-3693, 3433-3646 (same script, earlier that day). ncu (B1 Sk128k) saw why the CUDA cores
+    were not the limit: the streams kernel issued in 66% of cycles and read DRAM at 81% of peak,
+    the tensor kernel issued in 33% and read at 83%, but its 33 splits cost a longer combine
+    (12.9 us against 8.5). At 16 rows a group (4 query rows a head) it is what the design is for:
+    3988-4132, 3265-3466, 3194-3250 GB/s, against the tiles kernel's 513-542, 477-500, 479-527
+    and torch SDPA cudnn's 1402, 349, 1262 in the same runs."""
     if dtype == FLOAT32:
         return []
-    return [Variant(DECODE, dtype, dp, 4, 1, 4 * 16, TENSOR, 3, DECODE_ROWS)]
+    return [Variant(DECODE, dtype, dp, 8, 1, 8 * 16, TENSOR, 2, DECODE_ROWS),
+            Variant(DECODE, dtype, dp, 4, 1, 4 * 16, TENSOR, 3, DECODE_ROWS)]
 
 
 def _table() -> dict:
@@ -327,7 +338,7 @@ def _table() -> dict:
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
                     _wgmma(op, dtype, dp)
-                    + (_decode_tensor(dtype, dp) + _decode_streams(dtype, dp)
+                    + (_decode_streams(dtype, dp) + _decode_tensor(dtype, dp)
                        if op == DECODE else [])
                     + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
                        for g in _geometry(op, dtype, dp)])
@@ -348,7 +359,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
-    over the 8-warp streams kernels: two 4-warp blocks per SM overlap one's start-up and merge
+    over the 8-warp streams and tensor kernels: two 4-warp blocks per SM overlap one's start-up and merge
     with the other's stream, which dev/decode_sweep.py measured faster there (bf16 B64 Sk2k:
     3433-3646 GB/s against 3171-3355), while 8 warps win when each block has an SM to itself
     (B16 Sk32k, B1 Sk128k: see _decode_streams). `plain` (the call has no mask and no dropout)
@@ -356,7 +367,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
-        if (many_blocks and v.isa == STREAMS and v.warps > 4) or (v.plain and not plain):
+        if (many_blocks and v.isa in (STREAMS, TENSOR) and v.warps > 4) or (v.plain and not plain):
             continue
         if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
                 and v.rows >= rows):
