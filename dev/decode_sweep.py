@@ -15,8 +15,6 @@ its own (the decode kernel, then the combine), to see where a shape's time goes.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import cupy as cp
@@ -27,9 +25,6 @@ from ferrocupy.cuda import configs
 from ferrocupy.cuda.backend import CudaBackend
 from ferrocupy.dtypes import parse
 from tile_sweep import time_ms  # same folder: CUDA-event median after warm-up
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from harness import FULL, time_calls  # noqa: E402
 
 SHAPES = [(16, 32768), (1, 131072), (64, 2048)]  # (batch, keys); H32 / KV heads 8, D128, Sq1
 H, HKV, D = 32, 8, 128
@@ -51,9 +46,8 @@ def tensor_candidates(dtype) -> list[configs.Variant]:
 def candidates(dtype, small: bool = False, design: str = configs.STREAMS) -> list[configs.Variant]:
     if design == configs.TENSOR:
         return tensor_candidates(dtype)
-    if design in (configs.TILES, "table"):  # "table": the table's streams kernels (bulk or not)
-        isa = configs.STREAMS if design == "table" else design
-        return [v for v in configs.TABLE[(configs.DECODE, dtype, D)] if v.isa == isa]
+    if design == configs.TILES:
+        return [v for v in configs.TABLE[(configs.DECODE, dtype, D)] if v.isa == configs.TILES]
     out = []
     for warps in (4, 8):
         for lane_dims in ((16,) if small else (16, 8)):
@@ -73,11 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--small", action="store_true", help="16 dims a lane, 2-3 buffers, C 2-4")
-    ap.add_argument("--design", default=configs.STREAMS, help="streams, tensor, tiles or table "
-                    "(the table's own streams kernels, bulk copies or not): whose "
+    ap.add_argument("--design", default=configs.STREAMS, help="streams, tensor or tiles: whose "
                     "geometries to time")
-    ap.add_argument("--harness-timer", action="store_true", help="compare.py's timer (calls "
-                    "back to back, no host wait between them) instead of one call at a time")
     ap.add_argument("--sq", type=int, default=1, help="query rows per head (KV group rows: "
                     "4 x sq)")
     ap.add_argument("--parts", action="store_true", help="the table's plan, launch by launch")
@@ -146,9 +137,8 @@ def main() -> None:
                 out.fill(np.nan)
                 run()
                 err = float(cp.linalg.norm(out.astype(cp.float32) - want) / cp.linalg.norm(want))
-                ms = (time_calls(run, cp.cuda.get_current_stream(), FULL).median_ms
-                      if args.harness_timer else time_ms(run))
-                tag = ("B " if var.bulk else "") + (f"w{var.warps} {'t' if var.isa == configs.TENSOR else 'l'}"
+                ms = time_ms(run)
+                tag = (f"w{var.warps} {'t' if var.isa == configs.TENSOR else 'l'}"
                        f"{var.step // var.warps if var.isa == configs.TENSOR else var.lane_dims}"
                        f" n{var.step} s{var.stages}"
                        + (" *" if var == default else ""))
@@ -168,8 +158,7 @@ def main() -> None:
                     try:
                         with sdpa_kernel(be):
                             fn = lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)  # noqa: E731,E501
-                            ms = (time_calls(fn, cp.cuda.get_current_stream(), FULL).median_ms
-                                  if args.harness_timer else time_ms(fn))
+                            ms = time_ms(fn)
                         rows.append((f"b{B} sk{SK}", str(dtype), f"torch-{name}", 0, ms,
                                      gbytes / ms * 1e3, 0.0))
                     except RuntimeError as e:

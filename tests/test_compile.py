@@ -150,7 +150,7 @@ def _table_jobs() -> tuple[list, list]:
         for arch in archs:
             job = (CUDA_DIR / v.source, arch, defines,
                    f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}"
-                   f"{'-plain' if v.plain else ''}{'-bulk' if v.bulk else ''}-sm_{arch}")
+                   f"{'-plain' if v.plain else ''}-sm_{arch}")
             nvrtc.append(job)
             if first and v.head_dim == widest:
                 nvcc.append(job)

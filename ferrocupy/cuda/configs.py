@@ -83,9 +83,6 @@ class Variant:
     # mask and dropout compiled out: only for calls with neither (FERRO_PLAIN); for dQ, also only
     # for calls that pass the forward's lse (the kernel has no statistics pass)
     plain: bool = False
-    # streams decode: each K/V row one cp.async.bulk (sm_90's copy engine, completing on a
-    # barrier) instead of 16-byte cp.async per lane (FERRO_BULK)
-    bulk: bool = False
 
     @property
     def half(self) -> bool:
@@ -102,7 +99,7 @@ class Variant:
     @property
     def arch(self) -> str | None:
         """The one architecture the variant is built for (None: CuPy's default, the device's)."""
-        return "90a" if self.isa in SM90A else "90" if self.bulk else None
+        return "90a" if self.isa in SM90A else None
 
     @property
     def options(self) -> tuple:
@@ -113,8 +110,6 @@ class Variant:
         `copy_bytes` per row chunk (the backend's `_copy_width` in bytes)."""
         if self.isa in SM90A:
             return capability == 90 and copy_bytes == 16
-        if self.bulk and capability < 90:
-            return False
         if self.isa == TENSOR:
             return capability >= 80 and copy_bytes == 16
         if self.isa == STREAMS:
@@ -162,11 +157,9 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
-        if self.isa == STREAMS:  # per warp, a ring of K and V tiles; reused to merge the warps;
-            # with bulk copies, then each buffer's barrier
-            return (max(2 * self.stages * self.step * self.head_dim * elem,
-                        4 * self.warps * self.rows * (self.head_dim + 2))
-                    + (8 * self.warps * self.stages if self.bulk else 0))
+        if self.isa == STREAMS:  # per warp, a ring of K and V tiles; reused to merge the warps
+            return max(2 * self.stages * self.step * self.head_dim * elem,
+                       4 * self.warps * self.rows * (self.head_dim + 2))
         if self.isa == TENSOR:  # Q; per warp a ring of K and V tiles (pitch + 8), reused to merge
             pitch = self.head_dim + 8
             return (elem * DECODE_ROWS * pitch
@@ -208,8 +201,6 @@ class Variant:
             d["FERRO_KEY_LANES"] = self.key_lanes
         if self.plain:
             d["FERRO_PLAIN"] = 1
-        if self.bulk:
-            d["FERRO_BULK"] = 1
         return d
 
     @property
@@ -239,7 +230,6 @@ class Variant:
                 + (f", {self.stages} buffers" if self.stages else "")
                 + (f", {self.rows} query rows" if self.rows else "")
                 + (", no mask or dropout" if self.plain else "")
-                + (", bulk copies" if self.bulk else "")
                 + f", {self.shared_bytes} B shared")
 
 
@@ -317,9 +307,7 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
         c = max(1, min(4, 16 // rows, DECODE_STAGE_BYTES // (kw * key_bytes)))
         stages = min(8, 1 + DECODE_IN_FLIGHT // (kw * c * key_bytes))
         for warps in ((8, 4) if dtype != FLOAT32 and rows <= 4 else (4,)):
-            for bulk in (True, False):  # bulk copies where the GPU has them (sm_90)
-                out.append(Variant(DECODE, dtype, dp, warps, 1, warps * kw * c, STREAMS, stages,
-                                   rows, bulk=bulk))
+            out.append(Variant(DECODE, dtype, dp, warps, 1, warps * kw * c, STREAMS, stages, rows))
     return out
 
 

@@ -22,9 +22,6 @@
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
 #include "ferro_decode.cuh"
-#ifdef FERRO_BULK
-#include "ferro_mbarrier.cuh"
-#endif
 
 namespace {
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, THREADS = 32 * WARPS;
@@ -43,14 +40,8 @@ constexpr int TILE_BYTES = 2 * TK * ROW_BYTES;  // K rows, then V rows
 constexpr int MERGE_BYTES = 4 * WARPS * ROWS * (DP + 2);  // each warp's O and (max, sum)
 static_assert(TX >= 1 && TX <= 32 && (TX & (TX - 1)) == 0, "lane groups of a power of two");
 static_assert(DP % 16 == 0 && C >= 1 && C * KW * WARPS == FERRO_BN, "decode tile geometry");
-constexpr int AREA_BYTES = WARPS * STAGES * TILE_BYTES > MERGE_BYTES ? WARPS * STAGES * TILE_BYTES
-                                                                    : MERGE_BYTES;
-#ifdef FERRO_BULK
-constexpr int BAR_BYTES = 8 * WARPS * STAGES;  // a barrier per buffer, past the area merge reuses
-#else
-constexpr int BAR_BYTES = 0;
-#endif
-static_assert(AREA_BYTES % 8 == 0 && AREA_BYTES + BAR_BYTES == FERRO_SMEM_BYTES,
+static_assert((WARPS * STAGES * TILE_BYTES > MERGE_BYTES ? WARPS * STAGES * TILE_BYTES
+                                                          : MERGE_BYTES) == FERRO_SMEM_BYTES,
               "shared memory = configs.py's");
 }  // namespace
 
@@ -64,9 +55,6 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane / TX, x = lane % TX;  // lane group (its key), lane within the group
     unsigned char* ring = smem_d + warp * STAGES * TILE_BYTES;
-#ifdef FERRO_BULK
-    u64* bar = reinterpret_cast<u64*>(smem_d + AREA_BYTES) + warp * STAGES;  // this warp's
-#endif
 
     AttnShape s = attn_shape(p, mask_kind);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
@@ -104,51 +92,6 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
     }
 
-#ifdef FERRO_BULK
-    // Tile u of this warp: keys jt + [0, TK), key row k at k * ROW_BYTES (K, then V at TK *
-    // ROW_BYTES): each row one bulk copy of D elements by one lane, completing on the buffer's
-    // barrier (lane 0 arrives, expecting the tile's bytes); rows past j_hi zero-filled by their
-    // lane. Bytes past D are zeroed here once: no copy writes them.
-    if (lane == 0) {
-        for (int i = 0; i < STAGES; ++i) mbar_init(&bar[i], 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    if (D * (int)sizeof(T) < ROW_BYTES) {
-        for (int r = lane; r < 2 * STAGES * TK; r += 32)
-            for (int bb = D * (int)sizeof(T); bb < ROW_BYTES; bb += 2)
-                *reinterpret_cast<u16*>(ring + r * ROW_BYTES + bb) = 0;
-    }
-    __syncwarp();
-    const u32 row_copy = (u32)D * sizeof(T);
-    auto load = [&](int u) {
-        if (u < n_mine) {
-            const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
-            unsigned char* buf = ring + (u % STAGES) * TILE_BYTES;
-            u64* b_u = &bar[u % STAGES];
-            if (lane == 0) {
-                const long long n = min((long long)TK, j_hi - jt);
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                             ::"r"((u32)__cvta_generic_to_shared(b_u)), "r"((u32)(2 * n) * row_copy)
-                             : "memory");
-            }
-            for (int r = lane; r < 2 * TK; r += 32) {
-                const int key = r < TK ? r : r - TK;
-                const long long j = jt + key;
-                unsigned char* dst = buf + r * ROW_BYTES;
-                if (j < j_hi) {
-                    const T* src = r < TK ? kb + (u64)j * rk.stride : vb + (u64)j * rv.stride;
-                    asm volatile(
-                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                        "[%0], [%1], %2, [%3];" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
-                        "r"(row_copy), "r"((u32)__cvta_generic_to_shared(b_u)) : "memory");
-                } else {
-                    for (int c = 0; c < ROW_BYTES; c += 16)
-                        *reinterpret_cast<uint4*>(dst + c) = make_uint4(0, 0, 0, 0);
-                }
-            }
-        }
-    };
-#else
     // Tile u of this warp: keys jt + c * KW + g for c < C. A lane copies chunks x + TX * cc of
     // its group's keys; past j_hi (the split's end, or the reach) and past D, zero-filled.
     auto load = [&](int u) {
@@ -176,7 +119,6 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         cp_async_commit();  // one group per tile, maybe empty: the wait below counts tiles
     };
 
-#endif
     const bool dropout = s.dropout_prob > 0.f;
     const u32 thr = dropout_threshold(s.dropout_prob);
     float m[ROWS], l[ROWS], o[ROWS][DL];
@@ -190,18 +132,10 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
     for (int u = 0; u < STAGES - 1; ++u) load(u);
     for (int u = 0; u < n_mine; ++u) {
-        // The buffer refilled here was read in iteration u - 1 (by this lane alone, or with bulk
-        // copies by the warp: then the copy engine's writes come after the warp's reads).
+        // The buffer refilled here was read (by this lane alone) in iteration u - 1.
         __syncwarp();
-#ifdef FERRO_BULK
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        load(u + STAGES - 1);
-        mbar_wait(&bar[u % STAGES], (u / STAGES) & 1);  // tile u's rows have landed
-        __syncwarp();  // and the rows past j_hi that other lanes zeroed
-#else
         load(u + STAGES - 1);
         cp_async_wait<STAGES - 1>();  // this lane's copies of tile u have landed
-#endif
         const unsigned char* buf = ring + (u % STAGES) * TILE_BYTES;
         const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
 
@@ -308,9 +242,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
             }
         }
     }
-#ifndef FERRO_BULK
     cp_async_wait<0>();
-#endif
 
     // Merge the lane groups of the warp (each streamed its own keys): (max, sum, O) pairwise.
 #pragma unroll
