@@ -299,7 +299,9 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
     B1 Sk128k, B64 Sk2k) gave bf16 8 warps 4296-4354, 3552-3693, 3171-3355 against 4 warps'
     4078-4178, 3452-3547, 3433-3646; float32 was best at 4 warps (4442, 4039, 4154). A warp per
     (batch, KV head, split), with no block sharing its key range, was slower (bf16 4005, 3251,
-    3466): its scattered streams read DRAM less well."""
+    3466): its scattered streams read DRAM less well. Each K/V row as one sm_90 `cp.async.bulk`
+    instead of 16-byte cp.async per lane was a third slower (bf16 2996, 2743, 2779; compare.py,
+    2026-12-03 21:44 UTC, RESULTS.md), and reverted."""
     out = []
     for rows in (4, 8):
         kw = 32 // Variant(DECODE, dtype, dp, 4, 1, 0, STREAMS, 0, rows).key_lanes
