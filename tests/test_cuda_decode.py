@@ -14,7 +14,7 @@ import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import check_forward_with_lse, decoders, gpu_pytestmark, ref  # noqa: F401
+from gpu_helpers import check_forward_with_lse, decoders, dev, gpu_pytestmark, ref  # noqa: F401
 
 pytestmark = gpu_pytestmark()
 
@@ -45,9 +45,19 @@ CASES = {
     "sq3-gqa4-d128-window-mask-dropout": (2, 3, 8, 2, 128, 4099,
                                           dict(window=777, causal_offset=4096, dropout_prob=0.15,
                                                seed=11), "mask", [4099, 2222]),
-    # Enough (batch, KV head) pairs that one split fills the GPU: the block writes out itself.
+    # Enough (batch, KV head) pairs that most blocks of the balanced grid hold whole pairs
+    # (written directly) and a few share one.
     "b40-sq1-gqa4-d128-one-split": (40, 1, 8, 2, 128, 250, dict(causal=True, causal_offset=249),
                                     None, [250 - 6 * i for i in range(40)]),
+    # The balanced grid: each pair shared by about ten blocks whose shares end at keys that are
+    # no tile boundary of any split, uneven kv_lens (a pair with no key, one with one) with NaN
+    # past them; and a GQA-8 case whose pairs straddle block ends with a mask and dropout.
+    "b7-sq1-gqa4-d128-shared-pairs": (7, 1, 8, 2, 128, 20000,
+                                      dict(causal=True, causal_offset=19999), None,
+                                      [20000, 1, 0, 19999, 7777, 16, 12345]),
+    "b9-sq1-gqa8-d64-straddle-mask-dropout": (9, 1, 16, 2, 64, 1500,
+                                              dict(dropout_prob=0.1, seed=3), "mask",
+                                              [1500 - 150 * i for i in range(9)]),
 }
 
 
@@ -65,3 +75,36 @@ def test_decode_matches_the_reference(decoders, ref, rng, dtype, name):  # noqa:
         for i, n in enumerate(kv_lens):
             k[i, n:], v[i, n:] = np.nan, np.nan
     check_forward_with_lse(decoders, ref, q, k, v, opts, m, kv_lens, what=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_repeats_exactly_on_one_stream_and_on_another(dev, ref, rng, dtype):  # noqa: F811
+    """The balanced grid's counters are back at 0 after each launch: the same call again on the
+    stream, and on another stream, writes every element (poisoned before) with the same bits
+    (a shared pair's slots merge in block order, whichever block finishes last)."""
+    b, h, hkv, d, sk = 5, 32, 8, 128, 9000
+    q = rng.standard_normal((b, 1, h, d)).astype(np.float32).astype(dtype)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+    lens = np.array([9000, 4500, 1, 8999, 3], np.int32)
+    opts = AttentionOptions(causal=True, causal_offset=sk - 1)
+    check_forward_with_lse(dev, ref, q, k, v, opts, None, lens, what="first call")
+    qd, kd, vd, ld = dev.put(q), dev.put(k), dev.put(v), dev.put(lens)
+
+    def run():
+        out = dev.poisoned(q.shape, dtype=dtype)
+        lse = dev.poisoned((b, h, 1), dtype=np.float32)
+        dev.engine.flash_attention_v2_with(qd, kd, vd, out, opts, None, lse=lse, kv_lens=ld)
+        return dev.get(out), dev.get(lse)
+
+    first = run()
+    assert not np.isnan(first[0].astype(np.float32)).any()
+    for _ in range(3):
+        again = run()
+        assert all((x.view(np.uint8) == y.view(np.uint8)).all() for x, y in zip(first, again))
+    if dev.where == "cuda":
+        import cupy
+
+        with cupy.cuda.Stream(non_blocking=True):
+            other = run()
+        assert all((x.view(np.uint8) == y.view(np.uint8)).all() for x, y in zip(first, other))

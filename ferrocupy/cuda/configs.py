@@ -37,7 +37,11 @@ ARGS = {
     DECODE: ("q", "k", "v", "part_o", "part_ml", "out", "lse", "mask", "kv_lens", "splits",
              "split_keys"),
 }
-TILE_COUNTER = "tile_counter"  # a persistent kernel's claim counter (the backend's, per stream)
+TILE_COUNTER = "tile_counter"  # persistent and balanced kernels' counters (the backend's, per stream)
+# uint32 counters a stream's block holds: the wgmma forward claims tiles from the first, the
+# balanced decode kernel counts the blocks that share each pair in one per block (so it launches
+# at most this many blocks). Each launch leaves them all at 0.
+COUNTER_WORDS = 1024
 MMA, WGMMA = "mma", "wgmma"
 # The decode kernels' three designs: `tensor` (half precision on tensor cores, sm_80+: a KV
 # group's rows are one mma.sync operand's 16 rows, each warp streams its own tiles; 16-byte rows),
@@ -119,9 +123,10 @@ class Variant:
     @property
     def args(self) -> tuple:
         """Buffer names in the kernel's parameter order; then `vec`, `mask_kind`, the struct. A
-        persistent kernel also takes `tile_counter` (a uint32 at 0 before the launch, which the
-        launch leaves at 0: its blocks claim their query tiles from it)."""
-        return ARGS[self.op] + ((TILE_COUNTER,) if self.persistent else ())
+        persistent or balanced kernel also takes `tile_counter` (COUNTER_WORDS uint32 at 0 before
+        the launch, which the launch leaves at 0: the persistent kernel's blocks claim their query
+        tiles from the first, the balanced kernel's count the blocks that share a pair)."""
+        return ARGS[self.op] + ((TILE_COUNTER,) if self.persistent or self.balanced else ())
 
     @property
     def threads(self) -> int:
@@ -202,6 +207,12 @@ class Variant:
         if self.plain:
             d["FERRO_PLAIN"] = 1
         return d
+
+    @property
+    def balanced(self) -> bool:
+        """The decode kernel shares all pairs' keys out evenly among its blocks (decode_share),
+        and merges the blocks of a pair itself: no combine launch."""
+        return self.isa == STREAMS
 
     @property
     def persistent(self) -> bool:
@@ -413,6 +424,37 @@ def decode_splits(pairs: int, reach: int, step: int, slots: int,
         if best is None or cost < best[0]:
             best = (cost, n_used, per)
     return best[1], best[2] * step
+
+
+def key_span(params) -> int:
+    """Keys [lo, key_reach) that some row of the call may see, lo the first row's window start:
+    no batch's own span (kv_lens) is longer (its rows and reach move together)."""
+    lo = 0
+    if int(params["window"]):
+        lo = max(0, int(params["causal_offset"]) - int(params["window"]) + 1)
+    return max(key_reach(params) - lo, 0)
+
+
+def decode_share(pairs: int, span: int, unit_keys: int, warps: int, slots: int) -> tuple[int, int]:
+    """(blocks, units per pair) of the balanced decode grid: each (batch, KV head) pair's `span`
+    keys cut into units of `unit_keys` (a warp tile; at least one unit, so that a row that sees
+    nothing is still written), all pairs' units shared out evenly among at most `slots` blocks
+    (as many as the GPU holds at once: one wave), at least 4 units a warp, and at most
+    COUNTER_WORDS (a counter per block)."""
+    pair_units = max(1, -(-span // unit_keys))
+    units = pairs * pair_units
+    blocks = max(1, min(slots, COUNTER_WORDS, -(-units // (4 * warps))))
+    return blocks, pair_units
+
+
+def share_start(units: int, blocks: int, i: int) -> int:
+    """Block i's first unit (ferro_decode.cuh's share_start)."""
+    return units * i // blocks
+
+
+def share_block_of(units: int, blocks: int, u: int) -> int:
+    """The block whose share holds unit u (ferro_decode.cuh's share_block_of)."""
+    return ((u + 1) * blocks - 1) // units
 
 
 def only(*isas: str, table: dict | None = None) -> dict:

@@ -33,39 +33,68 @@ __device__ __forceinline__ void load16(const T* src, float (&f)[4]) {
 }
 #endif
 
-// A split's keys [j_lo, j_hi): split * split_keys on, clipped to what some row of the call can
-// see and to the reach (past it nothing is read).
+// The keys [j_lo, j_hi) some row of the call can see, clipped to the reach (past it nothing is
+// read).
+__device__ __forceinline__ void seen_keys_range(const AttnShape& s, long long& j_lo,
+                                                long long& j_hi) {
+    visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, j_lo, j_hi);
+    if (j_hi > s.kv_reach) j_hi = s.kv_reach;
+    if (j_hi < j_lo) j_hi = j_lo;
+}
+// A split's keys: split * split_keys on, within seen_keys_range.
 __device__ __forceinline__ void split_keys_range(const AttnShape& s, u32 split, u32 split_keys,
                                                  long long& j_lo, long long& j_hi) {
     long long lo, hi;
-    visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, lo, hi);
-    if (hi > s.kv_reach) hi = s.kv_reach;
+    seen_keys_range(s, lo, hi);
     j_lo = max(lo, (long long)split * split_keys);
     j_hi = min(hi, (long long)(split + 1) * split_keys);
 }
 
-// One decode block's work: (batch b, KV head hk) and its split of the keys [j_lo, j_hi). Blocks
-// go in (batch, KV head, split) order. (The KV head fastest, so that blocks running at once read
-// neighbouring heads' slices of the same keys, measured 1-4% slower in 7 of the 9 compare.py
-// decode cases, H200, 2026-12-03.) `s` becomes batch b's shape (its kv_lens entry).
+// One decode block's work: (batch b, KV head hk) and its keys [j_lo, j_hi). `s` becomes batch
+// b's shape (its kv_lens entry).
 struct DecodeBlock {
     u32 b, hk, G;          // G: query heads per KV head
     int R;                 // rows: row r is head hk * G + r / seq_q, query r % seq_q
     Rows rk, rv;           // (b, hk)'s rows of K and V
-    long long j_lo, j_hi;  // this split's keys
+    long long j_lo, j_hi;  // this block's keys
 };
-__device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_lens,
-                                                    const AttnLayout& lay, u32 splits,
-                                                    u32 split_keys) {
+// The pair bhk = b * kv_heads + hk with all the keys some row of it can see, up to the reach.
+__device__ __forceinline__ DecodeBlock decode_pair(AttnShape& s, const int* kv_lens,
+                                                   const AttnLayout& lay, u64 bhk) {
     DecodeBlock d;
-    const u32 split = blockIdx.x % splits, bhk = blockIdx.x / splits;
-    d.b = bhk / s.kv_heads, d.hk = bhk % s.kv_heads;
+    d.b = (u32)(bhk / s.kv_heads), d.hk = (u32)(bhk % s.kv_heads);
     for_batch(s, kv_lens, d.b);
     d.G = s.heads / s.kv_heads;
     d.R = (int)(d.G * s.seq_q);
     d.rk = rows_of(lay.k, d.b, d.hk), d.rv = rows_of(lay.v, d.b, d.hk);
+    seen_keys_range(s, d.j_lo, d.j_hi);
+    return d;
+}
+// A split block's work (the tensor and tiles kernels): blocks go in (batch, KV head, split)
+// order. (The KV head fastest, so that blocks running at once read neighbouring heads' slices
+// of the same keys, measured 1-4% slower in 7 of the 9 compare.py decode cases, H200,
+// 2026-12-03.)
+__device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_lens,
+                                                    const AttnLayout& lay, u32 splits,
+                                                    u32 split_keys) {
+    const u32 split = blockIdx.x % splits;
+    DecodeBlock d = decode_pair(s, kv_lens, lay, blockIdx.x / splits);
     split_keys_range(s, split, split_keys, d.j_lo, d.j_hi);
     return d;
+}
+
+// The balanced grid (the streams kernel). Each pair's keys, from the first one it sees, are cut
+// into `pair_units` units (warp tiles); the pairs' units in a row, units = pairs * pair_units,
+// are shared out evenly: block i takes [share_start(i), share_start(i + 1)), which may end
+// inside one pair and go on into the next. Every SM streams the same number of keys, with no
+// wave of blocks left half full (the split grid kept 4 of the H200's 132 SMs idle at B16 and B1,
+// and ran B64 in 1.94 waves).
+__device__ __forceinline__ u64 share_start(u64 units, u32 blocks, u32 i) {
+    return units * i / blocks;
+}
+// The block whose share holds unit u: the last i with share_start(i) <= u.
+__device__ __forceinline__ u32 share_block_of(u64 units, u32 blocks, u64 u) {
+    return (u32)(((u + 1) * blocks - 1) / units);
 }
 
 // A decode block's last step: its warps' partial results for each of its R rows (sO
@@ -108,6 +137,81 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
                 part_ml[((u64)split * rows_total + row) * 2 + 1] = L;
             }
         }
+    }
+}
+
+// The last step of a block of the balanced grid for a pair it shares with other blocks: its
+// warps' partial results (as decode_finish takes them) merged per row go to its slot of the
+// workspace (part_o [2 * blocks][ROWS][FERRO_HEAD_DIM], part_ml [2 * blocks][ROWS][2]: slot 2i
+// holds the pair block i's share starts in, 2i + 1 the one it ends in). The pair's blocks count
+// themselves in counters[f], f the pair's first block (a block's share ends inside at most one
+// pair, so no two shared pairs have the same f); the last to arrive merges every slot of the pair
+// into out and lse and sets the count back to 0, so a counter is 0 before each launch and after
+// it. No block waits for another: blocks may run in any order.
+template <int WARPS, int ROWS, int THREADS>
+__device__ __forceinline__ void decode_share_finish(const float* sO, const float* sML,
+                                                    const AttnShape& s, const AttnLayout& lay,
+                                                    const DecodeBlock& blk, u64 pair, u64 units,
+                                                    u32 pair_units, u32* counters, T* out,
+                                                    float* lse, float* part_o, float* part_ml) {
+    constexpr int DP = FERRO_HEAD_DIM;
+    __shared__ u32 last_block;
+    const u32 nb = gridDim.x;
+    const u64 first_unit = pair * pair_units;
+    const u32 f = share_block_of(units, nb, first_unit);
+    const u32 l = share_block_of(units, nb, first_unit + pair_units - 1);
+    auto slot_of = [&](u32 i) -> u64 {
+        return 2ull * i + (share_start(units, nb, i) >= first_unit ? 0 : 1);
+    };
+    const u64 mine = slot_of(blockIdx.x);
+    for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
+        const int r = idx / DP, d = idx % DP;
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
+        const float m_use = M == neg_inf() ? 0.f : M;
+        float L = 0.f, O = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float a = exp2f((sML[(w * ROWS + r) * 2] - m_use) * FERRO_LOG2E);
+            L += sML[(w * ROWS + r) * 2 + 1] * a;
+            O += sO[(w * ROWS + r) * DP + d] * a;
+        }
+        part_o[(mine * ROWS + r) * DP + d] = O;
+        if (d == 0) part_ml[(mine * ROWS + r) * 2] = M, part_ml[(mine * ROWS + r) * 2 + 1] = L;
+    }
+    __threadfence();  // this thread's slot writes, before the count that publishes them
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 before = atomicAdd(counters + f, 1u);
+        last_block = before == l - f;
+        if (last_block) counters[f] = 0;  // every block of the pair has counted
+    }
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();  // the other blocks' slots, after their counts
+    const float keep_scale = s.dropout_prob > 0.f ? 1.f / (1.f - s.dropout_prob) : 1.f;
+    for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
+        const int r = idx / DP, d = idx % DP;
+        float M = neg_inf(), L = 0.f, O = 0.f;
+        for (u32 i = f; i <= l; ++i) {  // an online merge of the slots, each read from L2
+            const u64 sl = slot_of(i);
+            const float l_i = __ldcg(part_ml + (sl * ROWS + r) * 2 + 1);
+            if (l_i == 0.f) continue;  // a share that saw no key of this row
+            const float m_i = __ldcg(part_ml + (sl * ROWS + r) * 2);
+            const float o_i = __ldcg(part_o + (sl * ROWS + r) * DP + d);
+            const float mx = fmaxf(M, m_i);
+            const float a = exp2f((M - mx) * FERRO_LOG2E), a_i = exp2f((m_i - mx) * FERRO_LOG2E);
+            L = L * a + l_i * a_i;
+            O = O * a + o_i * a_i;
+            M = mx;
+        }
+        const u32 h = blk.hk * blk.G + r / s.seq_q, qi = r % s.seq_q;
+        const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
+        if (d < (int)s.head_dim)
+            out[(u64)blk.b * lay.out.b + (u64)qi * lay.out.s + (u64)h * lay.out.h + d] = from_f(O * inv);
+        if (lse && d == 0)
+            lse[((u64)blk.b * s.heads + h) * s.seq_q + qi] = L == 0.f ? neg_inf() : M + logf(L);
     }
 }
 
