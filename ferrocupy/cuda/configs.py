@@ -380,7 +380,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
-        if (many_blocks and v.isa in (STREAMS, TENSOR) and v.warps > 4) or (v.plain and not plain):
+        if (many_blocks and v.isa == TENSOR and v.warps > 4) or (v.plain and not plain):
             continue
         if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
                 and v.rows >= rows):
