@@ -3,25 +3,26 @@
 # CUDA-graph captures take counters of their own), compare.py's decode cases (the gate), the
 # streams design's geometries at the gate shapes, and compute-sanitizer on the decode calls of
 # dev/sanitize_run.py. Logs under $OUT; each stage has its own time limit so the call ends.
-# Usage (on the device): bash dev/decode_round.sh   (SKIP_TESTS=1, SKIP_SWEEP=1, SKIP_SAN=1)
+# Usage (on the device): bash dev/decode_round.sh   (SKIP_TESTS=1, SKIP_SWEEP=1, SKIP_SAN=1,
+# TORCH_TESTS= to leave the torch suite out; the first GPU run compiles every kernel it meets)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ -z "${SKIP_TESTS:-}" ]; then
-    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda_decode.py tests/test_cuda_torch.py \
-        -q -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 | tee "$OUT/decode_tests.log" \
-        | grep -E "passed|failed|Error" | tail -4
-    timeout 100 python3 -m pytest tests/test_cuda_reach.py tests/test_layouts.py -k decode -q \
-        -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 | tee "$OUT/decode_tests2.log" \
-        | grep -E "passed|failed|Error" | tail -4
-fi
 timeout "${COMPARE_TIMEOUT:-150}" python3 benchmarks/compare.py --cases decode \
     --dtype "${DTYPES:-bfloat16,float16,float32}" --json "$OUT/results-decode.json" \
     > "$OUT/compare.txt" 2>&1
 if [ -z "${SKIP_SWEEP:-}" ]; then
     timeout 120 python3 dev/decode_sweep.py --small --dtypes bfloat16,float32 > "$OUT/sweep.txt" 2>&1
+fi
+if [ -z "${SKIP_TESTS:-}" ]; then
+    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda_decode.py ${TORCH_TESTS:-tests/test_cuda_torch.py} \
+        -q -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 | tee "$OUT/decode_tests.log" \
+        | grep -E "passed|failed|Error" | tail -4
+    timeout 100 python3 -m pytest tests/test_cuda_reach.py tests/test_layouts.py -k decode -q \
+        -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 | tee "$OUT/decode_tests2.log" \
+        | grep -E "passed|failed|Error" | tail -4
 fi
 if [ -z "${SKIP_SAN:-}" ]; then
     for tool in memcheck racecheck; do

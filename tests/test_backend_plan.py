@@ -108,7 +108,8 @@ def test_decode_plan_shares_the_keys_out_in_one_launch(dtype):
     names = v.args
     pair_units, unit_keys = (int(args[names.index(n)]) for n in ("splits", "split_keys"))
     assert unit_keys == v.step // v.warps and pair_units == -(-32768 // unit_keys)
-    assert blocks == 132 * (1 if v.warps == 8 else 2) == b.sm_count * 256 // threads
+    wave = b.sm_count * 256 // threads  # one 8-warp or two 4-warp blocks an SM
+    assert blocks == wave // 8 * 8  # the same number of blocks for each of the 8 KV heads
     assert args[names.index("tile_counter")] == address(b._counters)  # CuPy's current stream's
     assert work == {"part_o": (2 * blocks, v.rows, 128), "part_ml": (2 * blocks, v.rows, 2)}
     assert args[3].shape == work["part_o"] and args[4].shape == work["part_ml"]
@@ -138,22 +139,32 @@ def test_decode_balanced_grid_is_small_for_few_keys():
     q, k = (1, 1, 32, 128), (1, 300, 8, 128)
     (launch,), _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
     v = configs.select(configs.DECODE, BFLOAT16, 128, 232448, capability=90, copy_bytes=16, rows=4)
-    units = 8 * -(-300 // (v.step // v.warps))
-    assert launch[1] == -(-units // (4 * v.warps))
-    assert configs.decode_share(8, 0, 16, 8, 132) == (1, 1)
-    assert configs.decode_share(10**6, 10**6, 16, 4, 10**5)[0] == configs.COUNTER_WORDS
+    units = -(-300 // (v.step // v.warps))  # one head's: batch 1
+    assert launch[1] == max(1, -(-units // (4 * v.warps)) // 8) * 8
+    assert configs.decode_share(1, 8, 0, 16, 8, 132) == (8, 1)
+    assert configs.decode_share(10**6, 8, 10**6, 16, 4, 10**5)[0] == configs.COUNTER_WORDS
 
 
-@pytest.mark.parametrize("seq_q", [1, 4])
 @pytest.mark.parametrize("batch, warps", [(1, 8), (16, 8), (64, 4)])
-def test_decode_warps_follow_the_number_of_pairs(batch, warps, seq_q):
-    """Up to one (batch, KV head) pair per SM, the 8-warp streams or tensor block; beyond, 4 warps
-    (two blocks an SM)."""
+def test_tensor_decode_warps_follow_the_number_of_pairs(batch, warps):
+    """Up to one (batch, KV head) pair per SM, the 8-warp tensor block; beyond, 4 warps (two
+    blocks an SM)."""
     b = backend()
-    q, k = (batch, seq_q, 32, 128), (batch, 2048, 8, 128)
+    q, k = (batch, 4, 32, 128), (batch, 2048, 8, 128)
     launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
-    name = "flash_decode_streams" if seq_q == 1 else "flash_decode_mma"
-    assert launches[0][0].name == name and launches[0][2] == 32 * warps
+    assert launches[0][0].name == "flash_decode_mma" and launches[0][2] == 32 * warps
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_streams_decode_takes_the_tables_first_variant_at_any_batch(batch):
+    """The balanced grid fills the GPU whatever the number of pairs: no choice by batch."""
+    b = backend()
+    q, k = (batch, 1, 32, 128), (batch, 2048, 8, 128)
+    launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
+    first = next(v for v in configs.TABLE[(configs.DECODE, BFLOAT16, 128)]
+                 if v.isa == configs.STREAMS)
+    assert launches[0][0].name == "flash_decode_streams"
+    assert launches[0][2] == first.threads
 
 
 @pytest.mark.parametrize("dtype, heads, seq_q, offset, capability, design", [

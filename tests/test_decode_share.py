@@ -1,8 +1,10 @@
-"""The balanced decode grid's bookkeeping without a GPU: configs.py's share_start and
-share_block_of mirror ferro_decode.cuh's, and this walks every block's segments the way
+"""The balanced decode grid's bookkeeping without a GPU: configs.py's share_start and share_of
+mirror ferro_decode.cuh's DecodeShares, and this walks every block's segments the way
 flash_decode_streams does, checking what the kernel relies on: every unit of every pair is
 streamed by exactly one block, a pair's blocks know how many they are and which block counts
-them, no two shared pairs count in the same counter, and no two (block, pair) write one slot."""
+them, no two shared pairs count in the same counter, and no two (block, pair) write one slot.
+Each KV head's batches are cut alike, so one head's walk (batches as the "pairs" here, its
+per_head shares as the blocks) is every head's."""
 
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ def check(pairs: int, pair_units: int, blocks: int) -> None:
     counters, slots = set(), set()
     for pair, members in by_pair.items():
         first = pair * pair_units
-        f = configs.share_block_of(units, blocks, first)
-        last = configs.share_block_of(units, blocks, first + pair_units - 1)
+        f = configs.share_of(units, blocks, first)
+        last = configs.share_of(units, blocks, first + pair_units - 1)
         assert members == list(range(f, last + 1))  # the kernel's contributor count: l - f + 1
         if len(members) == 1:  # whole: t0 == 0 and t1 == pair_units, written directly
             continue
@@ -67,8 +69,15 @@ def test_random_grids():
         check(pairs, pair_units, rng.randint(1, pairs * pair_units))
 
 
-def test_the_plan_keeps_within_the_counters():
-    for pairs, span in ((8, 131072), (512, 2048), (10**5, 64)):
-        blocks, pair_units = configs.decode_share(pairs, span, 16, 4, 264)
-        assert blocks <= min(264, configs.COUNTER_WORDS, pairs * pair_units)
-        assert pair_units * 16 >= span
+@pytest.mark.parametrize("batch, kv_heads, span, slots", [
+    (1, 8, 131072, 264), (64, 8, 2048, 264), (16, 8, 32768, 132), (10**5, 3, 64, 264),
+    (2, 1, 300, 132), (1, 2000, 4096, 264), (4, 256, 8192, 2000)])
+def test_the_plan_fills_one_wave_within_the_counters(batch, kv_heads, span, slots):
+    blocks, pair_units = configs.decode_share(batch, kv_heads, span, 16, 4, slots)
+    per_head = blocks // kv_heads
+    assert blocks % kv_heads == 0 and pair_units * 16 >= span > (pair_units - 1) * 16
+    assert per_head <= batch * pair_units  # no share without a unit
+    if per_head > 1:  # shared pairs count in counters f * kv_heads + hk < blocks
+        assert blocks <= min(slots, configs.COUNTER_WORDS)
+    if batch * pair_units >= 16 * slots:  # a long cache: the wave is filled to a head's worth
+        assert blocks > slots - kv_heads

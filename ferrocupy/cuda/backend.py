@@ -270,11 +270,12 @@ class CudaBackend:
         wave = self._resident(fn, v) * self.sm_count  # blocks the GPU holds at once
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
         if v.balanced:
-            # One wave of blocks sharing every pair's keys evenly; a pair's blocks merge their
+            # One wave of blocks sharing each KV head's keys evenly; a pair's blocks merge their
             # results themselves. Workspace: two slots a block (the pairs its share starts and
             # ends in) of each row's unnormalised O and (max, sum).
-            blocks, splits = configs.decode_share(pairs, configs.key_span(params),
-                                                  v.step // v.warps, v.warps, wave)
+            blocks, splits = configs.decode_share(int(params["batch"]), int(params["kv_heads"]),
+                                                  configs.key_span(params), v.step // v.warps,
+                                                  v.warps, wave)
             split_keys = v.step // v.warps
             combined = False
             workspace = {"part_o": (2 * blocks, v.rows, v.head_dim),

@@ -435,26 +435,27 @@ def key_span(params) -> int:
     return max(key_reach(params) - lo, 0)
 
 
-def decode_share(pairs: int, span: int, unit_keys: int, warps: int, slots: int) -> tuple[int, int]:
+def decode_share(batch: int, kv_heads: int, span: int, unit_keys: int, warps: int,
+                 slots: int) -> tuple[int, int]:
     """(blocks, units per pair) of the balanced decode grid: each (batch, KV head) pair's `span`
     keys cut into units of `unit_keys` (a warp tile; at least one unit, so that a row that sees
-    nothing is still written), all pairs' units shared out evenly among at most `slots` blocks
-    (as many as the GPU holds at once: one wave), at least 4 units a warp, and at most
-    COUNTER_WORDS (a counter per block)."""
+    nothing is still written); each KV head's units of all batches shared out evenly among the
+    same number of blocks, `per_head`, cut alike for every head (ferro_decode.cuh's DecodeShares):
+    as many as fill `slots` (the blocks the GPU holds at once: one wave), at least 4 units a warp,
+    and with a counter each (COUNTER_WORDS). One block a head shares no pair and needs none."""
     pair_units = max(1, -(-span // unit_keys))
-    units = pairs * pair_units
-    blocks = max(1, min(slots, COUNTER_WORDS, -(-units // (4 * warps))))
-    return blocks, pair_units
+    per_head = min(slots, COUNTER_WORDS, -(-batch * pair_units // (4 * warps))) // kv_heads
+    return max(1, per_head) * kv_heads, pair_units
 
 
-def share_start(units: int, blocks: int, i: int) -> int:
-    """Block i's first unit (ferro_decode.cuh's share_start)."""
-    return units * i // blocks
+def share_start(units: int, per_head: int, share: int) -> int:
+    """A share's first unit of its head's `units` (ferro_decode.cuh's DecodeShares::start)."""
+    return units * share // per_head
 
 
-def share_block_of(units: int, blocks: int, u: int) -> int:
-    """The block whose share holds unit u (ferro_decode.cuh's share_block_of)."""
-    return ((u + 1) * blocks - 1) // units
+def share_of(units: int, per_head: int, u: int) -> int:
+    """The share holding unit u (ferro_decode.cuh's DecodeShares::share_of)."""
+    return ((u + 1) * per_head - 1) // units
 
 
 def only(*isas: str, table: dict | None = None) -> dict:

@@ -84,18 +84,26 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
 }
 
 // The balanced grid (the streams kernel). Each pair's keys, from the first one it sees, are cut
-// into `pair_units` units (warp tiles); the pairs' units in a row, units = pairs * pair_units,
-// are shared out evenly: block i takes [share_start(i), share_start(i + 1)), which may end
-// inside one pair and go on into the next. Every SM streams the same number of keys, with no
-// wave of blocks left half full (the split grid kept 4 of the H200's 132 SMs idle at B16 and B1,
-// and ran B64 in 1.94 waves).
-__device__ __forceinline__ u64 share_start(u64 units, u32 blocks, u32 i) {
-    return units * i / blocks;
-}
-// The block whose share holds unit u: the last i with share_start(i) <= u.
-__device__ __forceinline__ u32 share_block_of(u64 units, u32 blocks, u64 u) {
-    return (u32)(((u + 1) * blocks - 1) / units);
-}
+// into `pair_units` units (warp tiles). For each KV head its batches' units in a row (batch *
+// pair_units) are shared out evenly among `per_head` blocks, cut the same way for every head:
+// block share * kv_heads + hk takes head hk's units [share_start(share), share_start(share + 1)),
+// which may end inside one batch and go on into the next. Every SM streams the same number of
+// keys, with no wave of blocks left half full (the split grid kept 4 of the H200's 132 SMs idle
+// at B16 and B1, and ran B64 in 1.94 waves), and the blocks of one share, neighbours in launch
+// order, read the same keys of every head at once: in [B, S, Hkv, D] one key's rows of all
+// heads lie together. (Shares cut from the pairs' units in a row, each head's blocks at other
+// keys, read DRAM a quarter slower: bf16 B1 Sk128k 2922 GB/s against the split grid's 3806,
+// compare.py, H200, 2026-12-04.)
+struct DecodeShares {
+    u64 units;       // one head's units: batch * pair_units
+    u32 per_head;    // blocks per KV head (gridDim.x = per_head * kv_heads)
+    u32 kv_heads, pair_units;
+    __device__ __forceinline__ u64 start(u32 share) const { return units * share / per_head; }
+    // The share holding unit u: the last one starting at or before it.
+    __device__ __forceinline__ u32 share_of(u64 u) const {
+        return (u32)(((u + 1) * per_head - 1) / units);
+    }
+};
 
 // A decode block's last step: its warps' partial results for each of its R rows (sO
 // [WARPS][ROWS][FERRO_HEAD_DIM] unnormalised O, sML [WARPS][ROWS][2] (max, sum), max in scaled
@@ -143,27 +151,26 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
 // The last step of a block of the balanced grid for a pair it shares with other blocks: its
 // warps' partial results (as decode_finish takes them) merged per row go to its slot of the
 // workspace (part_o [2 * blocks][ROWS][FERRO_HEAD_DIM], part_ml [2 * blocks][ROWS][2]: slot 2i
-// holds the pair block i's share starts in, 2i + 1 the one it ends in). The pair's blocks count
+// holds the batch block i's share starts in, 2i + 1 the one it ends in). The pair's blocks count
 // themselves in counters[f], f the pair's first block (a block's share ends inside at most one
-// pair, so no two shared pairs have the same f); the last to arrive merges every slot of the pair
-// into out and lse and sets the count back to 0, so a counter is 0 before each launch and after
-// it. No block waits for another: blocks may run in any order.
+// batch, so no two shared pairs have the same f); the last to arrive merges every slot of the
+// pair into out and lse and sets the count back to 0, so a counter is 0 before each launch and
+// after it. No block waits for another: blocks may run in any order.
 template <int WARPS, int ROWS, int THREADS>
 __device__ __forceinline__ void decode_share_finish(const float* sO, const float* sML,
                                                     const AttnShape& s, const AttnLayout& lay,
-                                                    const DecodeBlock& blk, u64 pair, u64 units,
-                                                    u32 pair_units, u32* counters, T* out,
-                                                    float* lse, float* part_o, float* part_ml) {
+                                                    const DecodeBlock& blk, const DecodeShares& sh,
+                                                    u32* counters, T* out, float* lse,
+                                                    float* part_o, float* part_ml) {
     constexpr int DP = FERRO_HEAD_DIM;
     __shared__ u32 last_block;
-    const u32 nb = gridDim.x;
-    const u64 first_unit = pair * pair_units;
-    const u32 f = share_block_of(units, nb, first_unit);
-    const u32 l = share_block_of(units, nb, first_unit + pair_units - 1);
-    auto slot_of = [&](u32 i) -> u64 {
-        return 2ull * i + (share_start(units, nb, i) >= first_unit ? 0 : 1);
+    const u64 first_unit = (u64)blk.b * sh.pair_units;
+    const u32 f = sh.share_of(first_unit), l = sh.share_of(first_unit + sh.pair_units - 1);
+    auto slot_of = [&](u32 share) -> u64 {  // the slot of the pair's block of this share
+        return 2ull * (share * sh.kv_heads + blk.hk) + (sh.start(share) >= first_unit ? 0 : 1);
     };
-    const u64 mine = slot_of(blockIdx.x);
+    const u32 counter = f * sh.kv_heads + blk.hk;
+    const u64 mine = slot_of(blockIdx.x / sh.kv_heads);
     for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
         const int r = idx / DP, d = idx % DP;
         float M = neg_inf();
@@ -183,9 +190,9 @@ __device__ __forceinline__ void decode_share_finish(const float* sO, const float
     __threadfence();  // this thread's slot writes, before the count that publishes them
     __syncthreads();
     if (threadIdx.x == 0) {
-        const u32 before = atomicAdd(counters + f, 1u);
+        const u32 before = atomicAdd(counters + counter, 1u);
         last_block = before == l - f;
-        if (last_block) counters[f] = 0;  // every block of the pair has counted
+        if (last_block) counters[counter] = 0;  // every block of the pair has counted
     }
     __syncthreads();
     if (!last_block) return;

@@ -1,10 +1,10 @@
 // Decoding from a KV cache, bound by memory: few query rows (a KV group's heads x seq_q, at most
 // ROWS) against many keys, each key read once per group.
 //
-// The grid is balanced (ferro_decode.cuh, share_start): the (batch, KV head) pairs' keys, cut
-// into warp tiles, are shared out evenly among the blocks, one or two a multiprocessor, so every
-// SM streams the same number of keys. A block's share is one or more segments, each the keys of
-// one pair; inside a segment nothing waits for anything but its own copies: every warp streams
+// The grid is balanced (ferro_decode.cuh, DecodeShares): each KV head's keys of all batches, cut
+// into warp tiles, are shared out evenly among its blocks, one wave of them, so every SM streams
+// the same number of keys. A block's share is one or more segments, each the keys of one (batch,
+// KV head) pair; inside a segment nothing waits for anything but its own copies: every warp streams
 // its own tiles (tiles warp, warp + WARPS, ...) through its own ring of STAGES shared-memory
 // buffers, and inside a warp each group of TX lanes takes one key at a time, a lane holding DL of
 // the head's dims (16-byte chunks x, x + TX, ...: a group's 16-byte reads are contiguous in global
@@ -60,15 +60,18 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane / TX, x = lane % TX;  // lane group (its key), lane within the group
     unsigned char* ring = smem_d + warp * STAGES * TILE_BYTES;
-    // This block's share of the units (warp tiles of TK = unit_keys keys, pair_units a pair).
-    const u64 units = (u64)p.batch * p.kv_heads * pair_units;
-    const u64 u_begin = share_start(units, gridDim.x, blockIdx.x);
-    const u64 u_end = share_start(units, gridDim.x, blockIdx.x + 1);
-    for (u64 pair = u_begin / pair_units; u_begin < u_end && pair * pair_units < u_end; ++pair) {
+    // This block's share of its KV head's units (warp tiles of TK = unit_keys keys, pair_units
+    // a batch); the blocks of one share are neighbours, one per head.
+    const DecodeShares sh{(u64)p.batch * pair_units, gridDim.x / p.kv_heads, p.kv_heads,
+                          pair_units};
+    const u32 hk_mine = blockIdx.x % p.kv_heads, share = blockIdx.x / p.kv_heads;
+    const u64 u_begin = sh.start(share), u_end = sh.start(share + 1);
+    for (u64 bb = u_begin / pair_units; u_begin < u_end && bb * pair_units < u_end; ++bb) {
+        const u64 pair = bb * p.kv_heads + hk_mine;
         AttnShape s = attn_shape(p, mask_kind);
         DecodeBlock blk = decode_pair(s, kv_lens, lay, pair);
-        const u64 t_begin = max(u_begin, pair * pair_units) - pair * pair_units;
-        const u64 t_end = min(u_end, (pair + 1) * pair_units) - pair * pair_units;
+        const u64 t_begin = max(u_begin, bb * pair_units) - bb * pair_units;
+        const u64 t_end = min(u_end, (bb + 1) * pair_units) - bb * pair_units;
         const bool whole = t_begin == 0 && t_end == pair_units;  // no other block shares the pair
         // The segment's keys; the warp's share of its tiles.
         const long long pair_lo = blk.j_lo;
@@ -300,8 +303,8 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (whole)  // the pair's only block
             decode_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, 0, 1, out, lse, part_o, part_ml);
         else
-            decode_share_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, pair, units, pair_units,
-                                                      counters, out, lse, part_o, part_ml);
+            decode_share_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, sh, counters, out,
+                                                      lse, part_o, part_ml);
         __syncthreads();  // sO and sML are read: the next segment's copies may overwrite them
     }
 }
