@@ -61,17 +61,28 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int g = lane / TX, x = lane % TX;  // lane group (its key), lane within the group
     unsigned char* ring = smem_d + warp * STAGES * TILE_BYTES;
     // This block's share of its KV head's units (warp tiles of TK = unit_keys keys, pair_units
-    // a batch); the blocks of one share are neighbours, one per head.
-    const DecodeShares sh{(u64)p.batch * pair_units, gridDim.x / p.kv_heads, p.kv_heads,
-                          pair_units};
-    const u32 hk_mine = blockIdx.x % p.kv_heads, share = blockIdx.x / p.kv_heads;
-    const u64 u_begin = sh.start(share), u_end = sh.start(share + 1);
-    for (u64 bb = u_begin / pair_units; u_begin < u_end && bb * pair_units < u_end; ++bb) {
-        const u64 pair = bb * p.kv_heads + hk_mine;
+    // a batch); the blocks of one share are neighbours, one per head. The share's ends live in
+    // shared memory, not in registers across the key loop: the kernel's registers are at the
+    // cap, and ~10 more live values (the u64 ends, the share arithmetic) made the key loop a
+    // quarter slower (bf16 B1 Sk128k, same grid: 2971 GB/s against the split kernel's ~3600,
+    // dev/decode_sweep.py, H200, 2026-12-04).
+    __shared__ unsigned long long share_ends[2];
+    if (tid == 0) {
+        const DecodeShares sh = decode_shares(p, pair_units);
+        share_ends[0] = sh.start(blockIdx.x / p.kv_heads);
+        share_ends[1] = sh.start(blockIdx.x / p.kv_heads + 1);
+    }
+    __syncthreads();
+    const u32 bb_first = (u32)(share_ends[0] / pair_units);
+    const u32 bb_end = share_ends[0] < share_ends[1]
+                           ? (u32)((share_ends[1] + pair_units - 1) / pair_units) : bb_first;
+    for (u32 bb = bb_first; bb < bb_end; ++bb) {  // the batches the share touches
+        const u64 pair = (u64)bb * p.kv_heads + blockIdx.x % p.kv_heads;
         AttnShape s = attn_shape(p, mask_kind);
         DecodeBlock blk = decode_pair(s, kv_lens, lay, pair);
-        const u64 t_begin = max(u_begin, bb * pair_units) - bb * pair_units;
-        const u64 t_end = min(u_end, (bb + 1) * pair_units) - bb * pair_units;
+        const u64 first = (u64)bb * pair_units;
+        const u64 t_begin = max((u64)share_ends[0], first) - first;
+        const u64 t_end = min((u64)share_ends[1], first + pair_units) - first;
         const bool whole = t_begin == 0 && t_end == pair_units;  // no other block shares the pair
         // The segment's keys; the warp's share of its tiles.
         const long long pair_lo = blk.j_lo;
@@ -303,8 +314,9 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (whole)  // the pair's only block
             decode_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, 0, 1, out, lse, part_o, part_ml);
         else
-            decode_share_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, sh, counters, out,
-                                                      lse, part_o, part_ml);
+            decode_share_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk,
+                                                      decode_shares(p, pair_units), counters,
+                                                      out, lse, part_o, part_ml);
         __syncthreads();  // sO and sML are read: the next segment's copies may overwrite them
     }
 }
