@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Issue 9's round in one device call: the decode GPU tests (with the torch interop suite, whose
-# CUDA-graph captures take counters of their own), compare.py's decode cases (the gate), the
-# streams design's geometries at the gate shapes, and compute-sanitizer on the decode calls of
-# dev/sanitize_run.py. Logs under $OUT; each stage has its own time limit so the call ends.
+# Issue 9's round in one device call: compare.py's decode cases (the gate), the streams design's
+# geometries at the gate shapes, the decode GPU tests (with the torch interop suite), and
+# compute-sanitizer on the decode calls of dev/sanitize_run.py. Logs under $OUT; each stage has its own time limit so the call ends.
 # Usage (on the device): bash dev/decode_round.sh   (SKIP_TESTS=1, SKIP_SWEEP=1, SKIP_SAN=1,
 # TORCH_TESTS= to leave the torch suite out; the first GPU run compiles every kernel it meets)
 set -uo pipefail

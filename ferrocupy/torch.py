@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from .cuda.backend import alignment  # imports no CuPy
-from .cuda.configs import COUNTER_WORDS
 from .dtypes import BFLOAT16
 from .engine import AttentionOptions, ComputeEngine, check_kv_lens_values
 from .tensor import UnifiedTensor
@@ -171,7 +170,7 @@ def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> 
     # stream's counter two graphs replayed at once would mix their claims.
     counter = None
     if plan.counted and _capturing(device):
-        counter = torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
     # The workspace (decode splits, backward stats) from torch's allocator: ordered on torch's
     # stream, and kept by a CUDA graph that captures the call.
     backend.run_plan(plan, ptrs, _stream(device), alloc=lambda shape: (

@@ -32,8 +32,7 @@ def backend(capability=90):
     b.xp, b._id, b.device, b.loader = np, 0, "cuda:0", FakeLoader()
     b._table, b._kernels = configs.TABLE, {}
     b._smem_limit, b._smem_per_sm, b.sm_count, b.capability = 232448, 233472, 132, capability
-    b._counters = np.zeros(64 * configs.COUNTER_WORDS, np.uint32)
-    b._counter_of = {}
+    b._counters, b._counter_of = np.zeros(64, np.uint32), {}
     fake_runtime(b)
     return b
 
@@ -93,78 +92,46 @@ def test_unaligned_rows_or_another_gpu_take_the_mma_kernel():
 
 
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
-def test_decode_plan_shares_the_keys_out_in_one_launch(dtype):
-    """The streams design: one wave of blocks (the occupancy bound: one 8-warp or two 4-warp
-    blocks an SM here) sharing all pairs' warp tiles, the stream's counters, two workspace slots
-    a block, no combine launch."""
+def test_decode_plan_splits_the_keys_and_combines(dtype):
     b = backend()
     q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)
     assert configs.decode_wanted(p)
-    (launch,), work = b._plan_decode(forward_buffers(q, k, dtype), p)
-    fn, blocks, threads, smem, args = launch
-    assert fn.name == "flash_decode_streams"
-    v = configs.select(configs.DECODE, dtype, 128, 232448, capability=90, copy_bytes=16, rows=4)
-    names = v.args
-    pair_units, unit_keys = (int(args[names.index(n)]) for n in ("splits", "split_keys"))
-    assert unit_keys == v.step // v.warps and pair_units == -(-32768 // unit_keys)
-    wave = b.sm_count * 256 // threads  # one 8-warp or two 4-warp blocks an SM
-    assert blocks == wave // 8 * 8  # the same number of blocks for each of the 8 KV heads
-    assert args[names.index("tile_counter")] == address(b._counters)  # CuPy's current stream's
-    assert work == {"part_o": (2 * blocks, v.rows, 128), "part_ml": (2 * blocks, v.rows, 2)}
-    assert args[3].shape == work["part_o"] and args[4].shape == work["part_ml"]
-    assert smem == fn.max_dynamic_shared_size_bytes <= 232448
-    b._plan_decode(forward_buffers(q, k, dtype), p)
-    assert len(b.loader.compiled) == 1  # chosen once, and no combine
-
-
-def test_decode_split_designs_combine():
-    """12 rows a group: the tensor design, split per pair, then the combine."""
-    b = backend()
-    q, k = (2, 3, 32, 128), (2, 32768, 8, 128)
-    ((fn, blocks, _, _, args), (comb, cblocks, cthreads, csmem, _)), work = \
-        b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
-    assert fn.name == "flash_decode_mma" and comb.name == "flash_decode_combine"
+    ((fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs)), work = \
+        b._plan_decode(forward_buffers(q, k, dtype), p)
+    assert work == {"part_o": args[3].shape, "part_ml": args[4].shape}
+    assert fn.name == "flash_decode_streams" and comb.name == "flash_decode_combine"
     names = configs.ARGS[configs.DECODE]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
     assert blocks == 2 * 8 * splits and splits > 1 and splits * split_keys >= 32768
-    assert work == {"part_o": (splits, 2 * 32 * 3, 128), "part_ml": (splits, 2 * 32 * 3, 2)}
-    assert cblocks == 2 * 32 * 3 and cthreads == configs.COMBINE_THREADS and csmem == 0
+    assert args[3].shape == (splits, 2 * 32, 128) and args[4].shape == (splits, 2 * 32, 2)
+    assert cblocks == 2 * 32 and cthreads == configs.COMBINE_THREADS and csmem == 0
+    assert smem == fn.max_dynamic_shared_size_bytes <= 232448
+    b._plan_decode(forward_buffers(q, k, dtype), p)
+    assert len(b.loader.compiled) == 2  # both kernels chosen once
 
 
-def test_decode_balanced_grid_is_small_for_few_keys():
-    """At least 4 warp tiles a warp: a short cache takes fewer blocks than the GPU holds, and a
-    call that sees no key still has one unit a pair (its rows are written: 0, lse -inf)."""
+def test_decode_with_one_split_writes_out_itself():
+    """Enough (batch, KV head) pairs to fill the GPU: one split, no workspace, no combine."""
     b = backend()
-    q, k = (1, 1, 32, 128), (1, 300, 8, 128)
-    (launch,), _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
-    v = configs.select(configs.DECODE, BFLOAT16, 128, 232448, capability=90, copy_bytes=16, rows=4)
-    units = -(-300 // (v.step // v.warps))  # one head's: batch 1
-    assert launch[1] == max(1, -(-units // (4 * v.warps)) // 8) * 8
-    assert configs.decode_share(1, 8, 0, 16, 8, 132) == (8, 1)
-    assert configs.decode_share(10**6, 8, 10**6, 16, 4, 10**5)[0] == configs.COUNTER_WORDS
+    q, k = (64, 1, 32, 128), (64, 2048, 8, 128)
+    launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
+    assert len(launches) == 1
+    fn, blocks, _, _, args = launches[0]
+    assert fn.name == "flash_decode_streams" and blocks == 64 * 8
+    assert args[3].size == 0 and args[4].size == 0
 
 
+@pytest.mark.parametrize("seq_q", [1, 4])
 @pytest.mark.parametrize("batch, warps", [(1, 8), (16, 8), (64, 4)])
-def test_tensor_decode_warps_follow_the_number_of_pairs(batch, warps):
-    """Up to one (batch, KV head) pair per SM, the 8-warp tensor block; beyond, 4 warps (two
-    blocks an SM)."""
+def test_decode_warps_follow_the_number_of_pairs(batch, warps, seq_q):
+    """Up to one (batch, KV head) pair per SM, the 8-warp streams or tensor block; beyond, 4 warps
+    (two blocks an SM)."""
     b = backend()
-    q, k = (batch, 4, 32, 128), (batch, 2048, 8, 128)
+    q, k = (batch, seq_q, 32, 128), (batch, 2048, 8, 128)
     launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
-    assert launches[0][0].name == "flash_decode_mma" and launches[0][2] == 32 * warps
-
-
-@pytest.mark.parametrize("batch", [1, 16, 64])
-def test_streams_decode_takes_the_tables_first_variant_at_any_batch(batch):
-    """The balanced grid fills the GPU whatever the number of pairs: no choice by batch."""
-    b = backend()
-    q, k = (batch, 1, 32, 128), (batch, 2048, 8, 128)
-    launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
-    first = next(v for v in configs.TABLE[(configs.DECODE, BFLOAT16, 128)]
-                 if v.isa == configs.STREAMS)
-    assert launches[0][0].name == "flash_decode_streams"
-    assert launches[0][2] == first.threads
+    name = "flash_decode_streams" if seq_q == 1 else "flash_decode_mma"
+    assert launches[0][0].name == name and launches[0][2] == 32 * warps
 
 
 @pytest.mark.parametrize("dtype, heads, seq_q, offset, capability, design", [
@@ -206,7 +173,7 @@ def fake_runtime(b, stream=7):
     record their runs instead of launching."""
     runs = []
     b._plans = {}
-    b.xp = SimpleNamespace(empty=np.empty, zeros=np.zeros, cuda=SimpleNamespace(
+    b.xp = SimpleNamespace(empty=np.empty, cuda=SimpleNamespace(
         runtime=SimpleNamespace(getDevice=lambda: 0),
         get_current_stream=lambda: SimpleNamespace(ptr=stream),
         ExternalStream=lambda ptr, device: contextlib.nullcontext()))
@@ -226,11 +193,11 @@ def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
     bufs = forward_buffers(q, k, BFLOAT16)
     b.forward(bufs, p)
     first = runs[:]
-    assert [r[0] for r in first] == ["flash_decode_streams"]  # balanced: no combine
-    assert set(first[0][3]) == {"q", "k", "v", "out", "part_o", "part_ml", "tile_counter"}
+    assert [r[0] for r in first] == ["flash_decode_streams", "flash_decode_combine"]
+    assert set(first[0][3]) == {"q", "k", "v", "out", "part_o", "part_ml"}  # absent: NULL
     b.forward(dict(bufs, out=buf(q, BFLOAT16, offset=4096)), p)  # another output, same shape
-    assert len(b._plans) == 1 and runs[1][1]["out"] == 0x10000 + 4096
-    assert runs[1][1]["part_o"] == runs[0][1]["part_o"]  # the workspace, reused on its stream
+    assert len(b._plans) == 1 and runs[2][1]["out"] == 0x10000 + 4096
+    assert runs[2][1]["part_o"] == runs[0][1]["part_o"]  # the workspace, reused on its stream
     plan = next(iter(b._plans.values()))
     assert set(plan.workspace) == {"part_o", "part_ml"} and set(plan.owned) == {7}
     b.xp.cuda.get_current_stream = lambda: SimpleNamespace(ptr=8)
@@ -245,9 +212,9 @@ def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
 
 
 def test_persistent_forward_takes_its_streams_tile_counter(monkeypatch):
-    """Each stream has its own counters (calls on one stream are ordered, so they share them);
-    past the backend's COUNTER_STREAMS streams the plan makes zeroed counters of its own for the
-    stream. Plans without a persistent launch take none."""
+    """Each stream has its own tile counter (calls on one stream are ordered, so they share it);
+    past the backend's COUNTER_STREAMS streams a launch gets none (NULL: blocks take tiles in a
+    fixed turn). Plans without a persistent launch take none."""
     from ferrocupy.cuda import backend as backend_mod
     from ferrocupy.cuda import launch
 
@@ -261,20 +228,15 @@ def test_persistent_forward_takes_its_streams_tile_counter(monkeypatch):
     base = address(b._counters)
     for stream in (7, 8, 7):
         b.forward(bufs, p, stream=stream)
-    words = 4 * configs.COUNTER_WORDS
-    assert [r[1]["tile_counter"] for r in runs] == [base, base + words, base]
+    assert [r[1]["tile_counter"] for r in runs] == [base, base + 4, base]
     assert next(iter(b._plans.values())).counted
     for stream in range(100, 100 + backend_mod.COUNTER_STREAMS - 1):  # 2 taken: 63 more calls
         b.forward(bufs, p, stream=stream)
-    assert runs[-2][1]["tile_counter"] == base + words * (backend_mod.COUNTER_STREAMS - 1)
+    assert runs[-2][1]["tile_counter"] == base + 4 * (backend_mod.COUNTER_STREAMS - 1)
+    assert runs[-1][1]["tile_counter"] == 0  # the 65th stream: none left
+    assert len(b._counter_of) == backend_mod.COUNTER_STREAMS  # (and nothing kept for it)
+    own = np.zeros(1, np.uint32)  # a counter of the call's own (a launch captured in a graph)
     plan = next(iter(b._plans.values()))
-    # the 65th stream: the backend's are all taken, the plan's own for it (zeroed, kept)
-    assert runs[-1][1]["tile_counter"] == address(plan.counters[162])
-    assert not plan.counters[162].any() and plan.counters[162].size == words // 4
-    assert len(b._counter_of) == backend_mod.COUNTER_STREAMS
-    b.forward(bufs, p, stream=162)
-    assert runs[-1][1]["tile_counter"] == address(plan.counters[162])
-    own = np.zeros(configs.COUNTER_WORDS, np.uint32)  # a call's own (a launch captured in a graph)
     b.run_plan(plan, {n: 0x10000 for n in ("q", "k", "v", "out")}, 7, counter=own)
     assert runs[-1][1]["tile_counter"] == address(own)
     runs.clear()

@@ -20,11 +20,11 @@ GRID_X_MAX = 2**31 - 1
 _PLANS_MAX = 256  # remembered plans per backend (a long-running job sees few)
 _NOT_ROWS = ("mask", "lse", "kv_lens", "stats")  # buffers whose alignment picks no copy width
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
-# Streams that get counters of the backend's (configs.COUNTER_WORDS: a persistent kernel's blocks
-# claim tiles from them, a balanced one's count the blocks of each pair); a plan run on any further
-# stream makes its own for it. Launches on one stream are ordered, so they share its counters; a
-# launch captured in a CUDA graph should get its own (run_plan's `counter`: ferrocupy.torch does),
-# else replays of graphs captured on one stream, run at once, would count in the same ones.
+# Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
+# a launch on any further stream passes none, and its blocks take tiles in a fixed turn. Launches
+# on one stream are ordered, so they share its counter; a launch captured in a CUDA graph should
+# get its own (run_plan's `counter`: ferrocupy.torch does), else replays of graphs captured on one
+# stream, run at once, would claim from the same counter.
 COUNTER_STREAMS = 64
 _COUNTER_LOCK = threading.Lock()  # two threads meeting new streams get different counters
 
@@ -51,9 +51,9 @@ class CudaBackend:
         self._smem_per_sm = attrs["MaxSharedMemoryPerMultiprocessor"]
         self.sm_count = attrs["MultiProcessorCount"]
         self.capability = int(cupy.cuda.Device(self._id).compute_capability)  # e.g. 90
-        # The persistent and balanced kernels' counters, COUNTER_WORDS per stream: zero now, and
-        # each launch leaves them at zero again, so calls on a stream (ordered) share them.
-        self._counters = cupy.zeros(COUNTER_STREAMS * configs.COUNTER_WORDS, dtype=np.uint32)
+        # The persistent kernels' tile counters, one per stream: zero now, and each launch
+        # leaves its counter at zero again, so calls on a stream (ordered) share one.
+        self._counters = cupy.zeros(COUNTER_STREAMS, dtype=np.uint32)
         cupy.cuda.Device(self._id).synchronize()  # zero before a kernel on any stream reads it
         self._counter_of: dict = {}  # stream -> its counter's address
 
@@ -150,7 +150,7 @@ class CudaBackend:
     def run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc=None, counter=None) -> None:
         """Launch `plan` on `stream` with these buffer addresses (name -> int, 0 for an absent
         one). Its workspace comes from `alloc`, or else is the plan's own for this stream.
-        `counter`: COUNTER_WORDS zeroed uint32 (array or tensor) for a persistent or balanced launch
+        `counter`: a zeroed uint32 (array or tensor) for a persistent launch to claim tiles from
         instead of the stream's (a launch captured in a CUDA graph takes one of its own)."""
         if self.xp.cuda.runtime.getDevice() != self._id:
             with self.xp.cuda.Device(self._id):
@@ -174,15 +174,8 @@ class CudaBackend:
                             for n, shape in plan.workspace.items()}
                 ptrs.update((n, address(a)) for n, a in owned.items())
         if plan.counted:
-            addr = address(counter) if counter is not None else self._tile_counter(stream)
-            if not addr:  # a stream past COUNTER_STREAMS: the plan's own counters for it
-                own = plan.counters.get(stream)
-                if own is None:
-                    with self.xp.cuda.ExternalStream(stream, self._id):  # zeroed in stream order
-                        own = plan.counters[stream] = self.xp.zeros(configs.COUNTER_WORDS,
-                                                                    dtype=np.uint32)
-                addr = address(own)
-            ptrs = dict(ptrs, tile_counter=addr)
+            ptrs = dict(ptrs, tile_counter=address(counter) if counter is not None
+                        else self._tile_counter(stream))
         plan.run(ptrs, stream)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
@@ -213,8 +206,7 @@ class CudaBackend:
                 addr = self._counter_of.get(stream)
                 n = len(self._counter_of)
                 if addr is None and n < COUNTER_STREAMS:
-                    addr = self._counter_of[stream] = (address(self._counters)
-                                                       + 4 * configs.COUNTER_WORDS * n)
+                    addr = self._counter_of[stream] = address(self._counters) + 4 * n
         return addr or 0
 
     # --- planning ---------------------------------------------------------------------------------
@@ -253,11 +245,9 @@ class CudaBackend:
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
 
     def _plan_decode(self, buffers: dict, params, slots=(), layout=None) -> tuple[list, dict]:
-        """The decode kernel: the streams design over a balanced grid (one wave of blocks sharing
-        all pairs' keys evenly, merging a shared pair's results itself), the others over (batch,
-        KV head, split) blocks, then (with more than one split, or the tiles design, which always
-        leaves its result in the workspace) the combine. Every launch is planned (compiled,
-        checked) before any runs."""
+        """The decode kernel over (batch, KV head, split) blocks, then (with more than one split,
+        or the tiles design, which always leaves its result in the workspace) the combine. Every
+        launch is planned (compiled, checked) before any runs."""
         if layout is None:
             layout = contiguous_layout(params)
         d = int(params["head_dim"])
@@ -267,32 +257,17 @@ class CudaBackend:
         pairs = int(params["batch"]) * int(params["kv_heads"])
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows,
                              pairs > self.sm_count)
-        wave = self._resident(fn, v) * self.sm_count  # blocks the GPU holds at once
+        splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
+                                                   self._resident(fn, v) * self.sm_count)
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
-        if v.balanced:
-            # One wave of blocks sharing each KV head's keys evenly; a pair's blocks merge their
-            # results themselves. Workspace: two slots a block (the pairs its share starts and
-            # ends in) of each row's unnormalised O and (max, sum).
-            blocks, splits = configs.decode_share(int(params["batch"]), int(params["kv_heads"]),
-                                                  configs.key_span(params), v.step // v.warps,
-                                                  v.warps, wave)
-            split_keys = v.step // v.warps
-            combined = False
-            workspace = {"part_o": (2 * blocks, v.rows, v.head_dim),
-                         "part_ml": (2 * blocks, v.rows, 2)}
-        else:
-            splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
-                                                       wave)
-            blocks = pairs * splits
-            if blocks > GRID_X_MAX:
-                raise ValueError(f"decode: {blocks} blocks exceed the grid limit {GRID_X_MAX}")
-            combined = splits > 1 or v.isa == configs.TILES
-            # The workspace: per split, each row's unnormalised O and (max, sum); none when the
-            # one split writes out itself.
-            workspace = {"part_o": (splits, rows, v.head_dim), "part_ml": (splits, rows, 2)} \
-                if combined else {}
-        # Slots when planning (the caller supplies the workspace on each run), else arrays
-        # made here.
+        if pairs * splits > GRID_X_MAX:
+            raise ValueError(f"decode: {pairs * splits} blocks exceed the grid limit {GRID_X_MAX}")
+        combined = splits > 1 or v.isa == configs.TILES
+        # The workspace: per split, each row's unnormalised O and (max, sum); none when the one
+        # split writes out itself. Slots when planning (the caller supplies it on each run),
+        # else arrays made here.
+        workspace = {"part_o": (splits, rows, v.head_dim), "part_ml": (splits, rows, 2)} \
+            if combined else {}
         if slots:
             part_o, part_ml = (Slot(n) if n in workspace else NULL for n in ("part_o", "part_ml"))
         else:
@@ -308,12 +283,8 @@ class CudaBackend:
 
         args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, opt("out"),
                 opt("lse"), opt("mask"), opt("kv_lens"), np.uint32(splits),
-                np.uint32(split_keys))
-        if v.balanced:  # the stream's counters: filled in on each run, or CuPy's current stream's
-            args += (Slot(configs.TILE_COUNTER) if slots else np.uint64(
-                self._tile_counter(self.xp.cuda.get_current_stream().ptr)),)
-        args += (np.uint32(vec), mask_kind, layout)
-        launches = [(fn, blocks, v.threads, v.shared_bytes, args)]
+                np.uint32(split_keys), np.uint32(vec), mask_kind, layout)
+        launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
         if combined:
             combine = self._kernels.get(v)
             if combine is None:

@@ -37,11 +37,7 @@ ARGS = {
     DECODE: ("q", "k", "v", "part_o", "part_ml", "out", "lse", "mask", "kv_lens", "splits",
              "split_keys"),
 }
-TILE_COUNTER = "tile_counter"  # persistent and balanced kernels' counters (the backend's, per stream)
-# uint32 counters a stream's block holds: the wgmma forward claims tiles from the first, the
-# balanced decode kernel counts the blocks that share each pair in one per block (so it launches
-# at most this many blocks). Each launch leaves them all at 0.
-COUNTER_WORDS = 1024
+TILE_COUNTER = "tile_counter"  # a persistent kernel's claim counter (the backend's, per stream)
 MMA, WGMMA = "mma", "wgmma"
 # The decode kernels' three designs: `tensor` (half precision on tensor cores, sm_80+: a KV
 # group's rows are one mma.sync operand's 16 rows, each warp streams its own tiles; 16-byte rows),
@@ -123,10 +119,9 @@ class Variant:
     @property
     def args(self) -> tuple:
         """Buffer names in the kernel's parameter order; then `vec`, `mask_kind`, the struct. A
-        persistent or balanced kernel also takes `tile_counter` (COUNTER_WORDS uint32 at 0 before
-        the launch, which the launch leaves at 0: the persistent kernel's blocks claim their query
-        tiles from the first, the balanced kernel's count the blocks that share a pair)."""
-        return ARGS[self.op] + ((TILE_COUNTER,) if self.persistent or self.balanced else ())
+        persistent kernel also takes `tile_counter` (a uint32 at 0 before the launch, which the
+        launch leaves at 0: its blocks claim their query tiles from it)."""
+        return ARGS[self.op] + ((TILE_COUNTER,) if self.persistent else ())
 
     @property
     def threads(self) -> int:
@@ -207,12 +202,6 @@ class Variant:
         if self.plain:
             d["FERRO_PLAIN"] = 1
         return d
-
-    @property
-    def balanced(self) -> bool:
-        """The decode kernel shares all pairs' keys out evenly among its blocks (decode_share),
-        and merges the blocks of a pair itself: no combine launch."""
-        return self.isa == STREAMS
 
     @property
     def persistent(self) -> bool:
@@ -312,7 +301,11 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
     (batch, KV head, split), with no block sharing its key range, was slower (bf16 4005, 3251,
     3466): its scattered streams read DRAM less well. Each K/V row as one sm_90 `cp.async.bulk`
     instead of 16-byte cp.async per lane was a third slower (bf16 2996, 2743, 2779; compare.py,
-    2026-12-03 21:44 UTC, RESULTS.md), and reverted."""
+    2026-12-03 21:44 UTC, RESULTS.md), and reverted. A balanced grid (one wave of blocks, each
+    KV head's keys of all batches shared out evenly, the blocks of a shared pair merged by the
+    last to finish, no combine launch; commits 2c2ca38-008aef7) was slower at B1 and B64 (bf16
+    0.154 and 0.161-0.172 ms against this grid's 0.143 and 0.145, compare.py A/B in one call,
+    2026-12-04, RESULTS.md), and reverted."""
     out = []
     for rows in (4, 8):
         kw = 32 // Variant(DECODE, dtype, dp, 4, 1, 0, STREAMS, 0, rows).key_lanes
@@ -380,7 +373,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
-        if (many_blocks and v.isa == TENSOR and v.warps > 4) or (v.plain and not plain):
+        if (many_blocks and v.isa in (STREAMS, TENSOR) and v.warps > 4) or (v.plain and not plain):
             continue
         if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
                 and v.rows >= rows):
@@ -424,38 +417,6 @@ def decode_splits(pairs: int, reach: int, step: int, slots: int,
         if best is None or cost < best[0]:
             best = (cost, n_used, per)
     return best[1], best[2] * step
-
-
-def key_span(params) -> int:
-    """Keys [lo, key_reach) that some row of the call may see, lo the first row's window start:
-    no batch's own span (kv_lens) is longer (its rows and reach move together)."""
-    lo = 0
-    if int(params["window"]):
-        lo = max(0, int(params["causal_offset"]) - int(params["window"]) + 1)
-    return max(key_reach(params) - lo, 0)
-
-
-def decode_share(batch: int, kv_heads: int, span: int, unit_keys: int, warps: int,
-                 slots: int) -> tuple[int, int]:
-    """(blocks, units per pair) of the balanced decode grid: each (batch, KV head) pair's `span`
-    keys cut into units of `unit_keys` (a warp tile; at least one unit, so that a row that sees
-    nothing is still written); each KV head's units of all batches shared out evenly among the
-    same number of blocks, `per_head`, cut alike for every head (ferro_decode.cuh's DecodeShares):
-    as many as fill `slots` (the blocks the GPU holds at once: one wave), at least 4 units a warp,
-    and with a counter each (COUNTER_WORDS). One block a head shares no pair and needs none."""
-    pair_units = max(1, -(-span // unit_keys))
-    per_head = min(slots, COUNTER_WORDS, -(-batch * pair_units // (4 * warps))) // kv_heads
-    return max(1, per_head) * kv_heads, pair_units
-
-
-def share_start(units: int, per_head: int, share: int) -> int:
-    """A share's first unit of its head's `units` (ferro_decode.cuh's DecodeShares::start)."""
-    return units * share // per_head
-
-
-def share_of(units: int, per_head: int, u: int) -> int:
-    """The share holding unit u (ferro_decode.cuh's DecodeShares::share_of)."""
-    return ((u + 1) * per_head - 1) // units
 
 
 def only(*isas: str, table: dict | None = None) -> dict:

@@ -33,80 +33,39 @@ __device__ __forceinline__ void load16(const T* src, float (&f)[4]) {
 }
 #endif
 
-// The keys [j_lo, j_hi) some row of the call can see, clipped to the reach (past it nothing is
-// read).
-__device__ __forceinline__ void seen_keys_range(const AttnShape& s, long long& j_lo,
-                                                long long& j_hi) {
-    visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, j_lo, j_hi);
-    if (j_hi > s.kv_reach) j_hi = s.kv_reach;
-    if (j_hi < j_lo) j_hi = j_lo;
-}
-// A split's keys: split * split_keys on, within seen_keys_range.
+// A split's keys [j_lo, j_hi): split * split_keys on, clipped to what some row of the call can
+// see and to the reach (past it nothing is read).
 __device__ __forceinline__ void split_keys_range(const AttnShape& s, u32 split, u32 split_keys,
                                                  long long& j_lo, long long& j_hi) {
     long long lo, hi;
-    seen_keys_range(s, lo, hi);
+    visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, lo, hi);
+    if (hi > s.kv_reach) hi = s.kv_reach;
     j_lo = max(lo, (long long)split * split_keys);
     j_hi = min(hi, (long long)(split + 1) * split_keys);
 }
 
-// One decode block's work: (batch b, KV head hk) and its keys [j_lo, j_hi). `s` becomes batch
-// b's shape (its kv_lens entry).
+// One decode block's work: (batch b, KV head hk) and its split of the keys [j_lo, j_hi). Blocks
+// go in (batch, KV head, split) order. (The KV head fastest, so that blocks running at once read
+// neighbouring heads' slices of the same keys, measured 1-4% slower in 7 of the 9 compare.py
+// decode cases, H200, 2026-12-03.) `s` becomes batch b's shape (its kv_lens entry).
 struct DecodeBlock {
     u32 b, hk, G;          // G: query heads per KV head
     int R;                 // rows: row r is head hk * G + r / seq_q, query r % seq_q
     Rows rk, rv;           // (b, hk)'s rows of K and V
-    long long j_lo, j_hi;  // this block's keys
+    long long j_lo, j_hi;  // this split's keys
 };
-// The pair bhk = b * kv_heads + hk with all the keys some row of it can see, up to the reach.
-__device__ __forceinline__ DecodeBlock decode_pair(AttnShape& s, const int* kv_lens,
-                                                   const AttnLayout& lay, u64 bhk) {
+__device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_lens,
+                                                    const AttnLayout& lay, u32 splits,
+                                                    u32 split_keys) {
     DecodeBlock d;
-    d.b = (u32)(bhk / s.kv_heads), d.hk = (u32)(bhk % s.kv_heads);
+    const u32 split = blockIdx.x % splits, bhk = blockIdx.x / splits;
+    d.b = bhk / s.kv_heads, d.hk = bhk % s.kv_heads;
     for_batch(s, kv_lens, d.b);
     d.G = s.heads / s.kv_heads;
     d.R = (int)(d.G * s.seq_q);
     d.rk = rows_of(lay.k, d.b, d.hk), d.rv = rows_of(lay.v, d.b, d.hk);
-    seen_keys_range(s, d.j_lo, d.j_hi);
-    return d;
-}
-// A split block's work (the tensor and tiles kernels): blocks go in (batch, KV head, split)
-// order. (The KV head fastest, so that blocks running at once read neighbouring heads' slices
-// of the same keys, measured 1-4% slower in 7 of the 9 compare.py decode cases, H200,
-// 2026-12-03.)
-__device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_lens,
-                                                    const AttnLayout& lay, u32 splits,
-                                                    u32 split_keys) {
-    const u32 split = blockIdx.x % splits;
-    DecodeBlock d = decode_pair(s, kv_lens, lay, blockIdx.x / splits);
     split_keys_range(s, split, split_keys, d.j_lo, d.j_hi);
     return d;
-}
-
-// The balanced grid (the streams kernel). Each pair's keys, from the first one it sees, are cut
-// into `pair_units` units (warp tiles). For each KV head its batches' units in a row (batch *
-// pair_units) are shared out evenly among `per_head` blocks, cut the same way for every head:
-// block share * kv_heads + hk takes head hk's units [share_start(share), share_start(share + 1)),
-// which may end inside one batch and go on into the next. Every SM streams the same number of
-// keys, with no wave of blocks left half full (the split grid kept 4 of the H200's 132 SMs idle
-// at B16 and B1, and ran B64 in 1.94 waves), and the blocks of one share, neighbours in launch
-// order, read the same keys of every head at once: in [B, S, Hkv, D] one key's rows of all
-// heads lie together. (Shares cut from the pairs' units in a row, each head's blocks at other
-// keys, read DRAM a quarter slower: bf16 B1 Sk128k 2922 GB/s against the split grid's 3806,
-// compare.py, H200, 2026-12-04.)
-struct DecodeShares {
-    u64 units;       // one head's units: batch * pair_units
-    u32 per_head;    // blocks per KV head (gridDim.x = per_head * kv_heads)
-    u32 kv_heads, pair_units;
-    __device__ __forceinline__ u64 start(u32 share) const { return units * share / per_head; }
-    // The share holding unit u: the last one starting at or before it.
-    __device__ __forceinline__ u32 share_of(u64 u) const {
-        return (u32)(((u + 1) * per_head - 1) / units);
-    }
-};
-__device__ __forceinline__ DecodeShares decode_shares(const FlashV2Params& p, u32 pair_units) {
-    return DecodeShares{(u64)p.batch * pair_units, gridDim.x / p.kv_heads, p.kv_heads,
-                        pair_units};
 }
 
 // A decode block's last step: its warps' partial results for each of its R rows (sO
@@ -149,85 +108,6 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
                 part_ml[((u64)split * rows_total + row) * 2 + 1] = L;
             }
         }
-    }
-}
-
-// The last step of a block of the balanced grid for a pair it shares with other blocks: its
-// warps' partial results (as decode_finish takes them) merged per row go to its slot of the
-// workspace (part_o [2 * blocks][ROWS][FERRO_HEAD_DIM], part_ml [2 * blocks][ROWS][2]: slot 2i
-// holds the batch block i's share starts in, 2i + 1 the one it ends in). The pair's blocks count
-// themselves in counters[f], f the pair's first block (a block's share ends inside at most one
-// batch, so no two shared pairs have the same f); the last to arrive merges every slot of the
-// pair into out and lse and sets the count back to 0, so a counter is 0 before each launch and
-// after it. No block waits for another: blocks may run in any order.
-template <int WARPS, int ROWS, int THREADS>
-__device__ __forceinline__ void decode_share_finish(const float* sO, const float* sML,
-                                                    const AttnShape& s, const AttnLayout& lay,
-                                                    const DecodeBlock& blk, const DecodeShares& sh,
-                                                    u32* counters, T* out, float* lse,
-                                                    float* part_o, float* part_ml) {
-    constexpr int DP = FERRO_HEAD_DIM;
-    __shared__ u32 last_block;
-    const u64 first_unit = (u64)blk.b * sh.pair_units;
-    const u32 f = sh.share_of(first_unit), l = sh.share_of(first_unit + sh.pair_units - 1);
-    // The slot of the pair's block of share i: 2 (i * kv_heads + hk), + 1 for the first share
-    // when the pair starts inside it (the pair is the one that share ends in).
-    const u32 f_odd = sh.start(f) < first_unit ? 1u : 0u;
-    auto slot_of = [&](u32 i) -> u64 {
-        return 2ull * (i * sh.kv_heads + blk.hk) + (i == f ? f_odd : 0u);
-    };
-    const u32 counter = f * sh.kv_heads + blk.hk;
-    const u64 mine = slot_of(blockIdx.x / sh.kv_heads);
-    for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
-        const int r = idx / DP, d = idx % DP;
-        float M = neg_inf();
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
-        const float m_use = M == neg_inf() ? 0.f : M;
-        float L = 0.f, O = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float a = exp2f((sML[(w * ROWS + r) * 2] - m_use) * FERRO_LOG2E);
-            L += sML[(w * ROWS + r) * 2 + 1] * a;
-            O += sO[(w * ROWS + r) * DP + d] * a;
-        }
-        part_o[(mine * ROWS + r) * DP + d] = O;
-        if (d == 0) part_ml[(mine * ROWS + r) * 2] = M, part_ml[(mine * ROWS + r) * 2 + 1] = L;
-    }
-    __threadfence();  // this thread's slot writes, before the count that publishes them
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 before = atomicAdd(counters + counter, 1u);
-        last_block = before == l - f;
-        if (last_block) counters[counter] = 0;  // every block of the pair has counted
-    }
-    __syncthreads();
-    if (!last_block) return;
-    __threadfence();  // the other blocks' slots, after their counts
-    const float keep_scale = s.dropout_prob > 0.f ? 1.f / (1.f - s.dropout_prob) : 1.f;
-    for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
-        const int r = idx / DP, d = idx % DP;
-        // Two passes of independent loads (each a round trip to L2 the last block waits for at
-        // the end of the launch: an online merge, one slot after another, kept bf16 B1 Sk128k,
-        // 16 blocks a pair, 30 us slower): the max, then the weighted sums. A share that saw no
-        // key of the row left (-inf, 0): weight 0.
-        float M = neg_inf(), L = 0.f, O = 0.f;
-#pragma unroll 8
-        for (u32 i = f; i <= l; ++i) M = fmaxf(M, __ldcg(part_ml + (slot_of(i) * ROWS + r) * 2));
-        const float m_use = M == neg_inf() ? 0.f : M;
-#pragma unroll 8
-        for (u32 i = f; i <= l; ++i) {
-            const u64 sl = slot_of(i);
-            const float a = exp2f((__ldcg(part_ml + (sl * ROWS + r) * 2) - m_use) * FERRO_LOG2E);
-            L = fmaf(__ldcg(part_ml + (sl * ROWS + r) * 2 + 1), a, L);
-            O = fmaf(__ldcg(part_o + (sl * ROWS + r) * DP + d), a, O);
-        }
-        const u32 h = blk.hk * blk.G + r / s.seq_q, qi = r % s.seq_q;
-        const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
-        if (d < (int)s.head_dim)
-            out[(u64)blk.b * lay.out.b + (u64)qi * lay.out.s + (u64)h * lay.out.h + d] = from_f(O * inv);
-        if (lse && d == 0)
-            lse[((u64)blk.b * s.heads + h) * s.seq_q + qi] = L == 0.f ? neg_inf() : M + logf(L);
     }
 }
 

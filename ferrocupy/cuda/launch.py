@@ -73,10 +73,9 @@ class Slot:
 class Plan:
     """The launches of one operation, in order; the float32 workspace they take (name -> shape,
     slots filled on each run like the buffers'); the workspace the backend made for it, by stream
-    (when the caller supplies none); whether a launch takes the stream's counters (and the plan's own
-counters, by stream, where the backend has none for the stream)."""
+    (when the caller supplies none); whether a launch takes the stream's tile counter."""
 
-    __slots__ = ("launches", "workspace", "owned", "counted", "counters")
+    __slots__ = ("launches", "workspace", "owned", "counted")
 
     def __init__(self, launches, workspace=None):
         self.launches = [x for x in launches if x.blocks]  # an empty grid launches nothing
@@ -85,7 +84,6 @@ counters, by stream, where the backend has none for the stream)."""
         # A launch claims its tiles from the stream's tile counter (the backend's, not workspace:
         # it must be zero before the launch, and the launch leaves it so)
         self.counted = any(TILE_COUNTER in x.slot_names for x in self.launches)
-        self.counters: dict = {}  # by stream, for streams the backend has no counters for
 
     def run(self, pointers: dict, stream: int) -> None:
         for launch in self.launches:
