@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Issue 9's round in one device call: compare.py's decode cases (the gate), the streams design's
 # geometries at the gate shapes, the decode GPU tests (with the torch interop suite), and
-# compute-sanitizer on the decode calls of dev/sanitize_run.py. Logs under $OUT; each stage has its own time limit so the call ends.
+# compute-sanitizer on the decode calls of dev/sanitize_run.py. Logs under $OUT; each stage has
+# its own time limit so the call ends.
 # Usage (on the device): bash dev/decode_round.sh   (SKIP_TESTS=1, SKIP_SWEEP=1, SKIP_SAN=1,
-# TORCH_TESTS= to leave the torch suite out; the first GPU run compiles every kernel it meets)
+# TORCH_TESTS= (set, empty) leaves the torch suite out; a fresh machine's first run compiles
+# every kernel it meets: the decode and torch suites took 200 s there, 2026-12-04)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,7 +18,7 @@ if [ -z "${SKIP_SWEEP:-}" ]; then
     timeout 120 python3 dev/decode_sweep.py --small --dtypes bfloat16,float32 > "$OUT/sweep.txt" 2>&1
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
-    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda_decode.py ${TORCH_TESTS:-tests/test_cuda_torch.py} \
+    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda_decode.py ${TORCH_TESTS-tests/test_cuda_torch.py} \
         -q -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 | tee "$OUT/decode_tests.log" \
         | grep -E "passed|failed|Error" | tail -4
     timeout 100 python3 -m pytest tests/test_cuda_reach.py tests/test_layouts.py -k decode -q \
