@@ -1,6 +1,7 @@
 """The decode path (issue 9): few query rows per KV group (heads / kv_heads * seq_q <= 16)
-against a long cache go through a split-KV decode kernel (the engine's pick, the tensor-core
-design and the tiles design, each tested: the `decoders` fixture) and its combine. Compared with the
+against a long cache go through a split-KV decode kernel (the engine's pick, which on sm_90 is
+the bulk design where the KV heads allow, and the streams, tensor-core and tiles designs, each
+tested: the `decoders` fixture) and its combine. Compared with the
 reference at decode shapes: seq_q 1-8, GQA 1-8, up to 128k keys, uneven kv_lens with NaN past
 them, split counts that do not divide the keys, every forward option; out and lse.
 
@@ -56,6 +57,23 @@ CASES = {
     "b9-sq1-gqa8-d64-short-mask-dropout": (9, 1, 16, 2, 64, 1500,
                                               dict(dropout_prob=0.1, seed=3), "mask",
                                               [1500 - 150 * i for i in range(9)]),
+    # The bulk design (sm_90: KV heads in groups of 8, keys cut evenly among one block per SM):
+    # a group's keys one copy (8 KV heads), with NaN past uneven kv_lens (one of 0 keys, one of
+    # 1); a key one copy per group of 16 KV heads with a window starting mid-tile; 8 rows a group
+    # with a mask and dropout; many short pairs, each wholly inside one block (it writes out);
+    # and one pair cut among every block.
+    "b4-sq1-gqa4-kv8-d128-cache": (4, 1, 32, 8, 128, 5000, dict(causal=True, causal_offset=4999),
+                                   None, [5000, 3333, 0, 1]),
+    "b2-sq1-gqa2-kv16-d64-window": (2, 1, 32, 16, 64, 20000,
+                                    dict(causal=True, causal_offset=19999, window=4099), None,
+                                    [20000, 11111]),
+    "b2-sq2-gqa4-kv8-d128-mask-dropout": (2, 2, 32, 8, 128, 3001,
+                                          dict(causal=True, causal_offset=2999,
+                                               dropout_prob=0.2, seed=5), "mask", [3001, 1500]),
+    "b300-sq1-gqa2-kv8-d16-short": (300, 1, 16, 8, 16, 64, dict(causal=True, causal_offset=63),
+                                    None, [64 - i % 60 for i in range(300)]),
+    "b1-sq1-gqa4-kv8-d128-100k": (1, 1, 32, 8, 128, 100003,
+                                  dict(causal=True, causal_offset=100002), None, None),
 }
 
 
