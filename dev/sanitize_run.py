@@ -74,6 +74,22 @@ def main() -> None:
             eng.flash_attention_v2_with(qm, kd, vd, outm, AttentionOptions(
                 causal=True, causal_offset=695, window=301, dropout_prob=0.1, seed=5), maskm,
                 lse=UnifiedTensor.empty((2, H, 5), np.float32, device="cuda"), kv_lens=lens)
+            # The bulk decode kernel (sm_90; 8 KV heads: a tile of the group one copy, 16: a key
+            # of the group one copy), each pair cut among blocks (the merge) with per-sequence
+            # lengths and dropout; 2 rows a head with a mask and a window starting mid-tile.
+            for hkv in (8, 16):
+                qb = put((2, 2, 2 * hkv, d))
+                kb, vb = put((2, 3000, hkv, d)), put((2, 3000, hkv, d))
+                lensb = UnifiedTensor.from_numpy(np.array([3000, 1111], np.int32), device="cuda")
+                outb = UnifiedTensor.empty(qb.shape, dtype, device="cuda")
+                lseb = UnifiedTensor.empty((2, 2 * hkv, 2), np.float32, device="cuda")
+                eng.flash_attention_v2_with(qb, kb, vb, outb, AttentionOptions(
+                    causal=True, causal_offset=2998, dropout_prob=0.1, seed=6), lse=lseb,
+                    kv_lens=lensb)
+                maskb = UnifiedTensor.from_numpy(
+                    rng.standard_normal((2, 1, 2, 3000)).astype(dtype), device="cuda")
+                eng.flash_attention_v2_with(qb, kb, vb, outb, AttentionOptions(
+                    causal=True, causal_offset=2998, window=1001), maskb, lse=lseb)
             # Strided layouts: every tensor a transposed view of SDPA's [B, H, S, D] (the decode
             # cache too), so a wrong stride reads or writes past an allocation.
             def sdpa(x):
