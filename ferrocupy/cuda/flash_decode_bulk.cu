@@ -54,28 +54,29 @@ static_assert(DP % 16 == 0 && C >= 1 && TK % SUB == 0 && TK <= 64, "decode tile 
 static_assert(STAGES * TILE_BYTES + 16 * STAGES == FERRO_SMEM_BYTES, "shared memory = configs.py's");
 }  // namespace
 
-// Which keys of tile t (the t-th of every pair's tiles laid end to end) are copied: those of
-// [lo, hi) (within [j0, j0 + TK)) that some row of its pair may see; b and hg name the pair.
-struct BulkTile {
-    u32 b, hg;
-    long long j0, lo, hi;
-};
-__device__ __forceinline__ BulkTile bulk_tile(const AttnShape& s0, const int* kv_lens, u64 t,
-                                              u32 pair_tiles, u32 key0, u32 groups) {
-    BulkTile bt;
-    const u64 pair = t / pair_tiles;
-    bt.b = (u32)(pair / groups), bt.hg = (u32)(pair % groups);
-    AttnShape s = s0;
-    for_batch(s, kv_lens, bt.b);
-    long long lo, hi;
+// The keys some row of a pair may see, [lo, hi) (s: its batch's shape): a tile copies only
+// those of its own keys.
+__device__ __forceinline__ void pair_keys(const AttnShape& s, long long& lo, long long& hi) {
     visible_key_range(s, s.offset, (long long)s.seq_q - 1 + s.offset, lo, hi);
     if (hi > s.kv_reach) hi = s.kv_reach;
-    bt.j0 = (long long)key0 + (long long)(t % pair_tiles) * TK;
-    bt.lo = max(lo, bt.j0);
-    bt.hi = min(hi, bt.j0 + TK);
-    if (bt.hi < bt.lo) bt.hi = bt.lo;
-    return bt;
+    if (hi < lo) hi = lo;
 }
+
+// A block's walk over its tiles [t_begin, t_end): the pair (batch b, head group hg) and the
+// tile's place u in it, stepped along without divisions (the loading and the computing warps
+// walk alike).
+struct TileWalk {
+    u64 pair;
+    u32 u, pair_tiles, groups;
+    __device__ __forceinline__ TileWalk(u64 t, u32 pair_tiles_, u32 groups_)
+        : pair(t / pair_tiles_), u((u32)(t % pair_tiles_)), pair_tiles(pair_tiles_), groups(groups_) {}
+    __device__ __forceinline__ u32 b() const { return (u32)(pair / groups); }
+    __device__ __forceinline__ u32 hg() const { return (u32)(pair % groups); }
+    __device__ __forceinline__ bool last_of_pair() const { return u + 1 == pair_tiles; }
+    __device__ __forceinline__ void next() {
+        if (++u == pair_tiles) u = 0, ++pair;
+    }
+};
 
 // The block that holds tile t when `total` tiles are cut into `blocks` ranges
 // [w * total / blocks, (w + 1) * total / blocks).
@@ -110,6 +111,7 @@ flash_decode_bulk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     const u64 total = (u64)s0.batch * groups * pair_tiles;
     const u64 t_begin = (u64)blockIdx.x * total / gridDim.x;
     const u64 t_end = (u64)(blockIdx.x + 1) * total / gridDim.x;
+    const u32 n_tiles = (u32)(t_end - t_begin);
     if (tid == 0) {
         for (int i = 0; i < STAGES; ++i) {
             mbar_init(&full[i], 1);    // the loader's arrival (with the tile's bytes)
@@ -122,26 +124,35 @@ flash_decode_bulk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     if (warp >= HB) {  // ---- the loading warpgroup: its first warp copies, the others leave ----
         regs_shrink<24>();  // its registers go to the computing warps (which take 240)
         if (warp > HB) return;
-        for (u64 t = t_begin; t < t_end; ++t) {
-            const u32 n = (u32)(t - t_begin), stage = n % STAGES;
-            const BulkTile bt = bulk_tile(s0, kv_lens, t, pair_tiles, key0, groups);
-            const u32 cnt = (u32)(bt.hi - bt.lo);
+        TileWalk tw(t_begin, pair_tiles, groups);
+        long long L = 0, H = 0;
+        Rows rk{0, 0}, rv{0, 0};
+        for (u32 n = 0; n < n_tiles; ++n, tw.next()) {
+            const u32 stage = n % STAGES;
+            if (n == 0 || tw.u == 0) {  // a new pair: its keys and rows
+                AttnShape s = s0;
+                for_batch(s, kv_lens, tw.b());
+                pair_keys(s, L, H);
+                rk = rows_of(lay.k, tw.b(), tw.hg() * HB), rv = rows_of(lay.v, tw.b(), tw.hg() * HB);
+            }
+            const long long j0 = (long long)key0 + (long long)tw.u * TK;
+            const long long lo = max(L, j0), hi = min(H, j0 + TK);
+            const u32 cnt = hi > lo ? (u32)(hi - lo) : 0u;
             if (n >= STAGES) mbar_wait(&empty[stage], ((n / STAGES) - 1) & 1);
-            unsigned char* kdst = smem_b + stage * TILE_BYTES + (bt.lo - bt.j0) * KEY_BYTES;
-            unsigned char* vdst = kdst + TK * KEY_BYTES;
             if (lane == 0) {
                 if (cnt) mbar_arrive_expect(&full[stage], 2 * cnt * KEY_BYTES);
                 else mbar_arrive(&full[stage]);  // nothing to copy: the tile is ready as it is
             }
             __syncwarp();  // the bytes are expected before any copy can complete
             if (cnt == 0) continue;
-            const Rows rk = rows_of(lay.k, bt.b, bt.hg * HB), rv = rows_of(lay.v, bt.b, bt.hg * HB);
-            const T* ks = k + rk.off + (u64)bt.lo * rk.stride;
-            const T* vs = v + rv.off + (u64)bt.lo * rv.stride;
+            unsigned char* kdst = smem_b + stage * TILE_BYTES + (lo - j0) * KEY_BYTES;
+            unsigned char* vdst = kdst + TK * KEY_BYTES;
+            const T* ks = k + rk.off + (u64)lo * rk.stride;
+            const T* vs = v + rv.off + (u64)lo * rv.stride;
             if (rk.stride == (u64)HB * DP && rv.stride == (u64)HB * DP) {  // the keys are contiguous
                 if (lane == 0) bulk_copy(kdst, ks, cnt * KEY_BYTES, &full[stage]);
                 if (lane == 1) bulk_copy(vdst, vs, cnt * KEY_BYTES, &full[stage]);
-            } else {  // a copy per key: lanes [0, cnt) take K, [32 - cnt, 32) ... in turn
+            } else {  // a copy per key and tensor, a lane each
                 for (u32 i = lane; i < 2 * cnt; i += 32) {
                     const bool is_v = i >= cnt;
                     const u32 key = is_v ? i - cnt : i;
@@ -171,15 +182,16 @@ flash_decode_bulk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     AttnShape s = s0;
     u32 b = 0, hk = 0;
 
-    for (u64 t = t_begin; t < t_end; ++t) {
-        const u32 n = (u32)(t - t_begin), stage = n % STAGES;
-        const u32 u = (u32)(t % pair_tiles);
-        if (t == t_begin || u == 0) {  // a segment of a new pair: its shape, rows and Q
-            const u64 pair = t / pair_tiles;
-            b = (u32)(pair / groups);
-            hk = (u32)(pair % groups) * HB + warp;
+    long long L = 0, H = 0;  // the pair's keys some row sees (those copied)
+    TileWalk tw(t_begin, pair_tiles, groups);
+    for (u32 n = 0; n < n_tiles; ++n, tw.next()) {
+        const u32 stage = n % STAGES;
+        if (n == 0 || tw.u == 0) {  // a segment of a new pair: its shape, rows and Q
+            b = tw.b();
+            hk = tw.hg() * HB + warp;
             s = s0;
             for_batch(s, kv_lens, b);
+            pair_keys(s, L, H);
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 const u32 qi = r < R ? r % s.seq_q : 0, head = hk * G + (r < R ? r / s.seq_q : 0);
@@ -201,15 +213,16 @@ flash_decode_bulk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                 for (int e = 0; e < DL; ++e) o[r][e] = 0.f;
             }
         }
-        const BulkTile bt = bulk_tile(s0, kv_lens, t, pair_tiles, key0, groups);
+        const long long j0 = (long long)key0 + (long long)tw.u * TK;
+        const long long lo_k = max(L, j0), hi_k = max(lo_k, min(H, j0 + TK));
         mbar_wait(&full[stage], (n / STAGES) & 1);
         const unsigned char* kbuf = smem_b + stage * TILE_BYTES;
         const unsigned char* vbuf = kbuf + TK * KEY_BYTES;
-        const u32 lo = (u32)bt.lo, hi = (u32)bt.hi;  // keys copied (others are stale: zeros)
+        const u32 lo = (u32)lo_k, hi = (u32)hi_k;  // keys copied (others are stale: zeros)
 
-        for (int sub = 0; sub < TK / SUB && bt.j0 + sub * SUB < bt.hi; ++sub) {
-            if (bt.j0 + (sub + 1) * SUB <= bt.lo) continue;  // no copied key in this step
-            const u32 rel0 = (u32)bt.j0 + sub * SUB + g;      // key c of the group: rel0 + c * KW
+        for (int sub = 0; sub < TK / SUB && j0 + sub * SUB < hi_k; ++sub) {
+            if (j0 + (sub + 1) * SUB <= lo_k) continue;  // no copied key in this step
+            const u32 rel0 = (u32)j0 + sub * SUB + g;     // key c of the group: rel0 + c * KW
             float sc[C][ROWS];  // scores, then P
 #pragma unroll
             for (int c = 0; c < C; ++c) {
@@ -322,7 +335,7 @@ flash_decode_bulk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
         __syncwarp();  // every lane's reads of the tile are done
         if (lane == 0) mbar_arrive(&empty[stage]);
 
-        if (t + 1 == t_end || u + 1 == pair_tiles) {  // the segment ends: merge the lane groups
+        if (n + 1 == n_tiles || tw.last_of_pair()) {  // the segment ends: merge the lane groups
 #pragma unroll
             for (int w = TX; w < 32; w <<= 1) {
 #pragma unroll
@@ -341,9 +354,8 @@ flash_decode_bulk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                 }
             }
             // The pair's blocks: its first tile's and its last tile's owners.
-            const u64 pair = t / pair_tiles;
-            const u32 first = bulk_owner(pair * pair_tiles, total, gridDim.x);
-            const u32 last = bulk_owner((pair + 1) * pair_tiles - 1, total, gridDim.x);
+            const u32 first = bulk_owner(tw.pair * pair_tiles, total, gridDim.x);
+            const u32 last = bulk_owner((tw.pair + 1) * pair_tiles - 1, total, gridDim.x);
             const u64 slot = blockIdx.x - first;
             if (g == 0) {
 #pragma unroll
