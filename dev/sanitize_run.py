@@ -28,6 +28,8 @@ def main() -> None:
     # FERRO_SANITIZE=bfloat16:64,128 runs only those dtypes (and head_dims): a quicker round.
     only = dict(part.split(":") if ":" in part else (part, "")
                 for part in os.environ.get("FERRO_SANITIZE", "").split(";") if part)
+    # FERRO_SANITIZE_DECODE=1 runs the decode calls alone (a quick round on those kernels).
+    decode_only = bool(os.environ.get("FERRO_SANITIZE_DECODE"))
     for dtype in ATTENTION_DTYPES:
         if only and np.dtype(dtype).name not in only:
             continue
@@ -46,12 +48,13 @@ def main() -> None:
             lse = UnifiedTensor.empty((B, H, Sq), np.float32, device="cuda")
             opts = AttentionOptions(causal=True, causal_offset=20, window=40, dropout_prob=0.2,
                                     seed=3)
-            eng.flash_attention_v2_with(q, k, v, out, opts, mask, lse=lse)
             grads = [UnifiedTensor.empty(x.shape, dtype, device="cuda") for x in (q, k, v)]
-            eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, opts, mask, lse=lse)
-            eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, opts, mask)
-            eng.flash_attention_v2_with(q, k, v, out)  # no options: the tile fast paths
-            eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, lse=None)
+            if not decode_only:
+                eng.flash_attention_v2_with(q, k, v, out, opts, mask, lse=lse)
+                eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, opts, mask, lse=lse)
+                eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, opts, mask)
+                eng.flash_attention_v2_with(q, k, v, out)  # no options: the tile fast paths
+                eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, lse=None)
             # The decode kernels: one row per head, GQA 2, a long cache with per-sequence lengths.
             qd = put((2, 1, H, d))
             kd, vd = put((2, 700, Hkv, d)), put((2, 700, Hkv, d))
@@ -98,12 +101,13 @@ def main() -> None:
                 return UnifiedTensor(a.buffer().transpose(0, 2, 1, 3))
             qt, kt, vt, got, outt = (sdpa(x) for x in (q, k, v, go, out))
             gradst = [sdpa(x) for x in grads]
-            eng.flash_attention_v2_with(qt, kt, vt, outt, opts, mask, lse=lse)
-            eng.flash_attention_v2_backward_with(qt, kt, vt, outt, got, *gradst, opts, mask,
-                                                 lse=lse)
+            if not decode_only:
+                eng.flash_attention_v2_with(qt, kt, vt, outt, opts, mask, lse=lse)
+                eng.flash_attention_v2_backward_with(qt, kt, vt, outt, got, *gradst, opts, mask,
+                                                     lse=lse)
             eng.flash_attention_v2_with(sdpa(qd), sdpa(kd), sdpa(vd), sdpa(outd), AttentionOptions(
                 causal=True, causal_offset=699), lse=lsed, kv_lens=lens)
-            if d in (64, 128) and dtype != np.float32:
+            if d in (64, 128) and dtype != np.float32 and not decode_only:
                 # More query tiles than SMs (the persistent wgmma forward's blocks claim several
                 # from the stream's tile counter): per-sequence lengths, then a mask and dropout;
                 # then causal (the short tile first) with a window, and its backward.
@@ -122,7 +126,7 @@ def main() -> None:
                 gradsp = [UnifiedTensor.empty(x.shape, dtype, device="cuda") for x in (qp, kp, vp)]
                 eng.flash_attention_v2_backward_with(qp, kp, vp, outp, gop, *gradsp, causal,
                                                      lse=lsep)
-            if d % 2 == 0:
+            if d % 2 == 0 and not decode_only:
                 eng.rope(q, d, 3)
             import cupy
 
