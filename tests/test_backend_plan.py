@@ -202,8 +202,9 @@ def test_bulk_decode_pairs_inside_one_block_write_out_themselves():
 
 
 def test_bulk_decode_tiles_start_at_the_first_key_a_row_sees():
-    """A window: keys before the first row's reach are in no tile (without kv_lens, whose rows
-    sit earlier and so start the tiles at key 0)."""
+    """A window: keys before the first row's reach are in no tile. A call with kv_lens keeps the
+    split grid (the even cut of the bulk design would leave the blocks holding short sequences'
+    empty tiles idle)."""
     b = backend()
     q, k = (2, 1, 32, 128), (2, 10000, 8, 128)
     p = params(q, k, causal=True, causal_offset=9999, window=1000)
@@ -214,8 +215,8 @@ def test_bulk_decode_tiles_start_at_the_first_key_a_row_sees():
         configs.DECODE, BFLOAT16, 128, 232448, capability=90, copy_bytes=16, rows=4,
         group_heads=8).step)
     with_lens = dict(forward_buffers(q, k, BFLOAT16), kv_lens=buf((2,), np.int32))
-    (fn, _, _, _, args), *_ = b._plan_decode(with_lens, p)[0]
-    assert int(args[10]) == 0
+    (fn, *_), *_ = b._plan_decode(with_lens, p)[0]
+    assert fn.name == "flash_decode_streams"
 
 
 @pytest.mark.parametrize("kv_heads, head_dim, head_stride, capability", [

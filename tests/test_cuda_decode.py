@@ -57,11 +57,12 @@ CASES = {
     "b9-sq1-gqa8-d64-short-mask-dropout": (9, 1, 16, 2, 64, 1500,
                                               dict(dropout_prob=0.1, seed=3), "mask",
                                               [1500 - 150 * i for i in range(9)]),
-    # The bulk design (sm_90: KV heads in groups of 8, keys cut evenly among one block per SM):
-    # a group's keys one copy (8 KV heads), with NaN past uneven kv_lens (one of 0 keys, one of
-    # 1); a key one copy per group of 16 KV heads with a window starting mid-tile; 8 rows a group
-    # with a mask and dropout; many short pairs, each wholly inside one block (it writes out);
-    # and one pair cut among every block.
+    # 8 and 16 KV heads with uneven kv_lens (one of 0 keys, one of 1) and NaN past them, a
+    # window starting mid-tile, 8 rows a group with a mask and dropout, many short pairs: calls
+    # with kv_lens keep the split grid on sm_90 too. Without kv_lens (the bulk design there: KV
+    # heads in groups of 8, keys cut evenly among one block per SM): one pair cut among every
+    # block; a tile of 8 heads one copy with a window; a key of the group one copy (16 KV heads)
+    # with 8 rows a group, a mask and dropout; many short pairs, each inside one block.
     "b4-sq1-gqa4-kv8-d128-cache": (4, 1, 32, 8, 128, 5000, dict(causal=True, causal_offset=4999),
                                    None, [5000, 3333, 0, 1]),
     "b2-sq1-gqa2-kv16-d64-window": (2, 1, 32, 16, 64, 20000,
@@ -74,6 +75,14 @@ CASES = {
                                     None, [64 - i % 60 for i in range(300)]),
     "b1-sq1-gqa4-kv8-d128-100k": (1, 1, 32, 8, 128, 100003,
                                   dict(causal=True, causal_offset=100002), None, None),
+    "b3-sq1-gqa4-kv8-d64-window": (3, 1, 32, 8, 64, 7000,
+                                   dict(causal=True, causal_offset=6999, window=2501), None, None),
+    "b2-sq2-gqa4-kv16-d128-mask-dropout": (2, 2, 64, 16, 128, 3001,
+                                           dict(causal=True, causal_offset=2999,
+                                                dropout_prob=0.2, seed=7), "mask", None),
+    "b300-sq1-gqa2-kv8-d16-short-whole-pairs": (300, 1, 16, 8, 16, 64,
+                                                dict(causal=True, causal_offset=63), None, None),
+    "b5-sq1-gqa4-kv8-d96-merge": (5, 1, 32, 8, 96, 3000, dict(), None, None),
 }
 
 
@@ -94,18 +103,47 @@ def test_decode_matches_the_reference(decoders, ref, rng, dtype, name):  # noqa:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_repeats_exactly_on_one_stream_and_on_another(dev, ref, rng, dtype):  # noqa: F811
+@pytest.mark.parametrize("kv_heads", [8, 16])
+def test_decode_nan_past_the_reach_changes_nothing(dev, rng, dtype, kv_heads):  # noqa: F811
+    """A preallocated cache with NaN past the last key a row sees (causal with an offset), at the
+    bulk design's shapes (8 and 16 KV heads, 1 and 2 rows a head): out and lse bit for bit what
+    zeros there give."""
+    b, sk, reach = 3, 6000, 4001
+    for sq in (1, 2):
+        q = rng.standard_normal((b, sq, 4 * kv_heads, 128)).astype(np.float32).astype(dtype)
+        k = rng.standard_normal((b, sk, kv_heads, 128)).astype(np.float32).astype(dtype)
+        v = rng.standard_normal((b, sk, kv_heads, 128)).astype(np.float32).astype(dtype)
+        opts = AttentionOptions(causal=True, causal_offset=reach - sq)
+        got = []
+        for fill in (0.0, np.nan):
+            k[:, reach:], v[:, reach:] = fill, fill
+            out = dev.poisoned(q.shape, dtype=dtype)
+            lse = dev.poisoned((b, 4 * kv_heads, sq), dtype=np.float32)
+            dev.engine.flash_attention_v2_with(dev.put(q), dev.put(k), dev.put(v), out, opts,
+                                               lse=lse)
+            got.append((dev.get(out).astype(np.float32), dev.get(lse)))
+        assert not np.isnan(got[1][0]).any() and not np.isnan(got[1][1]).any()
+        np.testing.assert_array_equal(got[1][0], got[0][0])
+        np.testing.assert_array_equal(got[1][1], got[0][1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_lens", [True, False], ids=["kv_lens", "no-kv_lens"])
+def test_decode_repeats_exactly_on_one_stream_and_on_another(dev, ref, rng, dtype,  # noqa: F811
+                                                             with_lens):
     """The same call again on the stream, and on another stream, writes every element (poisoned
     before) with the same bits: nothing in the decode path depends on which block finishes
-    first, or on state a launch leaves behind (a workspace, a counter)."""
+    first, or on state a launch leaves behind (a workspace, a counter). With kv_lens the split
+    grid runs, without them (on sm_90) the bulk design."""
     b, h, hkv, d, sk = 5, 32, 8, 128, 9000
     q = rng.standard_normal((b, 1, h, d)).astype(np.float32).astype(dtype)
     k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
     v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
-    lens = np.array([9000, 4500, 1, 8999, 3], np.int32)
+    lens = np.array([9000, 4500, 1, 8999, 3], np.int32) if with_lens else None
     opts = AttentionOptions(causal=True, causal_offset=sk - 1)
     check_forward_with_lse(dev, ref, q, k, v, opts, None, lens, what="first call")
-    qd, kd, vd, ld = dev.put(q), dev.put(k), dev.put(v), dev.put(lens)
+    qd, kd, vd = dev.put(q), dev.put(k), dev.put(v)
+    ld = dev.put(lens) if with_lens else None
 
     def run():
         out = dev.poisoned(q.shape, dtype=dtype)

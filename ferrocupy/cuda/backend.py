@@ -257,8 +257,11 @@ class CudaBackend:
         group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
         kv_heads = int(params["kv_heads"])
         pairs = int(params["batch"]) * kv_heads
-        # each key's KV heads one run of elements (the bulk design copies a key of a head group)
-        packed = d % 16 == 0 and all(int(layout[f"{n}_h"]) == d for n in ("k", "v"))
+        # each key's KV heads one run of elements (the bulk design copies a key of a head group;
+        # it cuts the keys up to the call's reach evenly, so calls with kv_lens, whose short
+        # sequences would leave some of its blocks idle, keep the split grid)
+        packed = (d % 16 == 0 and all(int(layout[f"{n}_h"]) == d for n in ("k", "v"))
+                  and buffers.get("kv_lens") is None)
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows,
                              pairs > self.sm_count, group_heads=kv_heads if packed else 0)
         if v.isa == configs.BULK:

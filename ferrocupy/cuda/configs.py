@@ -47,7 +47,8 @@ MMA, WGMMA = "mma", "wgmma"
 # shares each tile; any row width, up to DECODE_ROWS rows).
 # Before them all `bulk` (sm_90a: a block per SM takes KV heads in groups of `warps`, a loading
 # warp copies each key of the group with one cp.async.bulk, the keys of every (batch, head group)
-# cut evenly among the blocks; 16-byte rows, at most 8 rows a group, each key's heads contiguous).
+# cut evenly among the blocks; 16-byte rows, at most 8 rows a group, each key's heads contiguous,
+# calls without kv_lens).
 TENSOR, STREAMS, TILES, BULK = "tensor", "streams", "tiles", "bulk"
 DECODE_DESIGNS = (BULK, TENSOR, STREAMS, TILES)
 BULK_HEADS = 8  # KV heads a bulk decode block takes (one computing warp each)

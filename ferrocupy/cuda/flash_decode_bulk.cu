@@ -23,7 +23,11 @@
 // kv_lens, dead rows -> 0; keys past every row's reach are never read (tiles outside a pair's
 // visible keys copy nothing, and their stale shared memory is read as zeros).
 // The backend takes this kernel only on sm_90 with head_dim a multiple of 16, 16-byte aligned
-// rows, each key's KV heads contiguous (head stride head_dim) and kv_heads a multiple of HB.
+// rows, each key's KV heads contiguous (head stride head_dim) and kv_heads a multiple of HB, and
+// only for calls without kv_lens: the even cut counts each pair's tiles up to the call's reach,
+// so with short sequences in a long cache the blocks holding their empty tiles would idle while
+// the others read everything (the split grid's many blocks refill the SMs instead). The kernel
+// itself honours kv_lens (each batch's keys and rows), as every forward kernel does.
 // Geometry (HB, ROWS, TX, TK, STAGES) from configs.py.
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
@@ -449,17 +453,19 @@ flash_decode_merge(const float* __restrict__ part_o, const float* __restrict__ p
         L += ml[1] * w;
     }
     L = merge_reduce(L, false, scratch);  // its barriers also publish `weight`
+    // (MERGE_THREADS need not be whole groups: at head_dim 48, 80, 96, 112 the last threads
+    // take no slot and write no sum.)
     const int grp = tid / MERGE_LANES, c4 = tid % MERGE_LANES;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
-    for (u32 sp = grp; sp < n; sp += MERGE_GROUPS) {
+    for (u32 sp = grp; grp < MERGE_GROUPS && sp < n; sp += MERGE_GROUPS) {
         const float w = weight[sp];
         if (w == 0.f) continue;  // an empty slot's O is 0, but never multiply what was not summed
         const float4 x = *reinterpret_cast<const float4*>(part_o + (sp * rows_total + row) * DP + 4 * c4);
         acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y);
         acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
     }
-    sums[grp][c4] = acc;
+    if (grp < MERGE_GROUPS) sums[grp][c4] = acc;
     __syncthreads();
     if (tid < MERGE_LANES) {
         float4 a = sums[0][tid];
