@@ -20,7 +20,7 @@ timeout "${COMPARE_TIMEOUT:-150}" python3 benchmarks/compare.py --cases decode \
 echo "compare: rc $?"
 if [ -z "${SKIP_TESTS:-}" ]; then
     timeout "${TEST_TIMEOUT:-180}" $pyt tests/test_cuda_decode.py tests/test_cuda_reach.py \
-        tests/test_layouts.py -k decode > "$OUT/decode_tests.log" 2>&1
+        tests/test_layouts.py -k "${TEST_K:-decode}" > "$OUT/decode_tests.log" 2>&1
     echo "tests: rc $?, $(tail -1 "$OUT/decode_tests.log")"
     grep -E "^FAILED|Error" "$OUT/decode_tests.log" | head -6
 fi
