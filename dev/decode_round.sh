@@ -4,6 +4,7 @@
 # compute-sanitizer on the decode calls of dev/sanitize_run.py. Logs under $OUT; each stage has
 # its own time limit so the call ends.
 # Usage (on the device): bash dev/decode_round.sh   (SKIP_TESTS=1, SKIP_SWEEP=1, SKIP_SAN=1,
+# SAN_DECODE_ONLY= (set, empty) sanitizes every kernel of dev/sanitize_run.py, not its decode calls alone,
 # TORCH_TESTS= (set, empty) leaves the torch suite out; a fresh machine's first run compiles
 # every kernel it meets: the decode and torch suites took 200 s there, 2026-12-04)
 set -uo pipefail
@@ -27,6 +28,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 if [ -z "${SKIP_SAN:-}" ]; then
     for tool in memcheck racecheck; do
+        FERRO_SANITIZE_DECODE=${SAN_DECODE_ONLY-1} \
         FERRO_SANITIZE="${SAN_DTYPES:-bfloat16:128;float32:64}" timeout 120 compute-sanitizer \
             --tool $tool python3 dev/sanitize_run.py > "$OUT/sanitize_$tool.log" 2>&1
         echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"

@@ -77,9 +77,9 @@ def main() -> None:
             eng.flash_attention_v2_with(qm, kd, vd, outm, AttentionOptions(
                 causal=True, causal_offset=695, window=301, dropout_prob=0.1, seed=5), maskm,
                 lse=UnifiedTensor.empty((2, H, 5), np.float32, device="cuda"), kv_lens=lens)
-            # The bulk decode kernel (sm_90; 8 KV heads: a tile of the group one copy, 16: a key
-            # of the group one copy), each pair cut among blocks (the merge) with per-sequence
-            # lengths and dropout; 2 rows a head with a mask and a window starting mid-tile.
+            # Decode at compare.py's head counts (8 KV heads) and 16, 2 rows a head: keys split
+            # many ways with per-sequence lengths and dropout; a mask and a window starting
+            # mid-split.
             for hkv in (8, 16):
                 qb = put((2, 2, 2 * hkv, d))
                 kb, vb = put((2, 3000, hkv, d)), put((2, 3000, hkv, d))

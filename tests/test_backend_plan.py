@@ -27,10 +27,10 @@ class FakeLoader:
         return SimpleNamespace(name=name, max_dynamic_shared_size_bytes=0)
 
 
-def backend(capability=90, table=None):
+def backend(capability=90):
     b = object.__new__(CudaBackend)
     b.xp, b._id, b.device, b.loader = np, 0, "cuda:0", FakeLoader()
-    b._table, b._kernels = configs.TABLE if table is None else table, {}
+    b._table, b._kernels = configs.TABLE, {}
     b._smem_limit, b._smem_per_sm, b.sm_count, b.capability = 232448, 233472, 132, capability
     b._counters, b._counter_of = np.zeros(64, np.uint32), {}
     fake_runtime(b)
@@ -41,12 +41,6 @@ def buf(shape, dtype, offset=0):
     """An array-like with the attributes the planner reads (dtype, data.ptr)."""
     return SimpleNamespace(shape=shape, dtype=np.dtype(dtype),
                            data=SimpleNamespace(ptr=0x10000 + offset))
-
-
-def split_grid(capability=90):
-    """A fake backend without the bulk decode design: the split grid's plans (streams, tensor,
-    tiles), which calls the bulk design cannot take still get."""
-    return backend(capability, configs.only(configs.STREAMS, configs.TENSOR, configs.TILES))
 
 
 def forward_buffers(shape_q, shape_k, dtype, offset=0):
@@ -99,7 +93,7 @@ def test_unaligned_rows_or_another_gpu_take_the_mma_kernel():
 
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
 def test_decode_plan_splits_the_keys_and_combines(dtype):
-    b = split_grid()
+    b = backend()
     q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)
     assert configs.decode_wanted(p)
@@ -119,7 +113,7 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
 
 def test_decode_with_one_split_writes_out_itself():
     """Enough (batch, KV head) pairs to fill the GPU: one split, no workspace, no combine."""
-    b = split_grid()
+    b = backend()
     q, k = (64, 1, 32, 128), (64, 2048, 8, 128)
     launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
     assert len(launches) == 1
@@ -133,7 +127,7 @@ def test_decode_with_one_split_writes_out_itself():
 def test_decode_warps_follow_the_number_of_pairs(batch, warps, seq_q):
     """Up to one (batch, KV head) pair per SM, the 8-warp streams or tensor block; beyond, 4 warps
     (two blocks an SM)."""
-    b = split_grid()
+    b = backend()
     q, k = (batch, seq_q, 32, 128), (batch, 2048, 8, 128)
     launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
     name = "flash_decode_streams" if seq_q == 1 else "flash_decode_mma"
@@ -141,17 +135,14 @@ def test_decode_warps_follow_the_number_of_pairs(batch, warps, seq_q):
 
 
 @pytest.mark.parametrize("dtype, heads, seq_q, offset, capability, design", [
-    (BFLOAT16, 32, 1, 0, 90, configs.BULK),  # 4 rows a group
-    (BFLOAT16, 32, 2, 0, 90, configs.BULK),  # 8
-    (BFLOAT16, 32, 1, 0, 80, configs.STREAMS),  # 4 rows a group before sm_90
-    (BFLOAT16, 32, 2, 0, 89, configs.STREAMS),  # 8
+    (BFLOAT16, 32, 1, 0, 90, configs.STREAMS),  # 4 rows a group
+    (BFLOAT16, 32, 2, 0, 90, configs.STREAMS),  # 8
     (BFLOAT16, 32, 3, 0, 90, configs.TENSOR),  # 12: the tensor kernel takes up to 16
     (BFLOAT16, 32, 4, 0, 80, configs.TENSOR),  # 16
     (BFLOAT16, 32, 1, 2, 90, configs.TILES),  # K rows that take no 16-byte copies
     (BFLOAT16, 32, 3, 0, 75, configs.TILES),  # no mma.sync bf16 before sm_80
-    (FLOAT32, 32, 1, 0, 90, configs.BULK),  # 4 rows a group
-    (FLOAT32, 32, 2, 0, 90, configs.BULK),  # 8
-    (FLOAT32, 32, 1, 0, 80, configs.STREAMS),  # 4 rows a group before sm_90
+    (FLOAT32, 32, 1, 0, 90, configs.STREAMS),  # 4 rows a group
+    (FLOAT32, 32, 2, 0, 90, configs.STREAMS),  # 8
     (FLOAT32, 32, 3, 0, 90, configs.TILES),  # 12: more than the streams kernel holds
     (FLOAT32, 32, 1, 1, 90, configs.TILES),  # K rows that take no 16-byte copies
 ])
@@ -163,94 +154,9 @@ def test_decode_design_follows_dtype_rows_and_copy_width(dtype, heads, seq_q, of
     launches, _ = b._plan_decode(bufs, params(q, k))
     copy_bytes = 16 if not offset else 4 if dtype == FLOAT32 else 2
     v = configs.select(configs.DECODE, dtype, 128, 232448, capability=capability,
-                       copy_bytes=copy_bytes, rows=heads // 8 * seq_q, group_heads=8)
+                       copy_bytes=copy_bytes, rows=heads // 8 * seq_q)
     assert v.isa == design and launches[0][0].name == v.kernel
     assert len(launches) == 2 or design != configs.TILES
-
-
-@pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
-def test_bulk_decode_cuts_every_pair_evenly_among_one_block_per_sm(dtype):
-    """B2 Sk32k, 8 KV heads: two (batch, head group) pairs of 32768 keys in tiles of `step`
-    keys, cut among 132 blocks (the loading warpgroup beside 8 computing warps); each pair among
-    66 of them, so a workspace of 66 slots and the merge."""
-    b = backend()
-    q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
-    p = params(q, k, causal=True, causal_offset=32767)
-    ((fn, blocks, threads, smem, args), (merge, mblocks, mthreads, msmem, margs)), work = \
-        b._plan_decode(forward_buffers(q, k, dtype), p)
-    v = configs.select(configs.DECODE, dtype, 128, 232448, capability=90, copy_bytes=16, rows=4,
-                       group_heads=8)
-    assert v.isa == configs.BULK and fn.name == "flash_decode_bulk"
-    assert merge.name == "flash_decode_merge" and mthreads == configs.MERGE_THREADS
-    assert blocks == 132 and threads == 32 * 8 + 128 and smem == v.shared_bytes <= 232448
-    pair_tiles, key0 = int(args[9]), int(args[10])
-    assert key0 == 0 and pair_tiles == 32768 // v.step
-    assert configs.bulk_slots(2, pair_tiles, 132) == 66
-    assert work == {"part_o": (66, 64, 128), "part_ml": (66, 64, 2)}
-    assert mblocks == 64 and int(margs[4]) == pair_tiles and int(margs[5]) == blocks
-
-
-def test_bulk_decode_pairs_inside_one_block_write_out_themselves():
-    """264 pairs of one tile each on 132 blocks: two whole pairs a block, no workspace, no
-    merge."""
-    b = backend()
-    q, k = (264, 1, 16, 16), (264, 64, 8, 16)
-    launches, work = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
-    assert len(launches) == 1 and work == {}
-    fn, blocks, _, _, args = launches[0]
-    assert fn.name == "flash_decode_bulk" and blocks == 132 and int(args[9]) == 1
-
-
-def test_bulk_decode_tiles_start_at_the_first_key_a_row_sees():
-    """A window: keys before the first row's reach are in no tile. A call with kv_lens keeps the
-    split grid (the even cut of the bulk design would leave the blocks holding short sequences'
-    empty tiles idle)."""
-    b = backend()
-    q, k = (2, 1, 32, 128), (2, 10000, 8, 128)
-    p = params(q, k, causal=True, causal_offset=9999, window=1000)
-    assert configs.key_first(p) == 9000
-    (fn, _, _, _, args), *_ = b._plan_decode(forward_buffers(q, k, BFLOAT16), p)[0]
-    assert fn.name == "flash_decode_bulk" and int(args[10]) == 9000
-    assert int(args[9]) == -(-1000 // configs.select(
-        configs.DECODE, BFLOAT16, 128, 232448, capability=90, copy_bytes=16, rows=4,
-        group_heads=8).step)
-    with_lens = dict(forward_buffers(q, k, BFLOAT16), kv_lens=buf((2,), np.int32))
-    (fn, *_), *_ = b._plan_decode(with_lens, p)[0]
-    assert fn.name == "flash_decode_streams"
-
-
-@pytest.mark.parametrize("kv_heads, head_dim, head_stride, capability", [
-    (4, 128, 128, 90),  # 4 KV heads: not a group of 8
-    (8, 120, 120, 90),  # head_dim not a multiple of 16
-    (8, 128, 256, 90),  # a key's heads apart (a padded layout)
-    (8, 128, 128, 80),  # no cp.async.bulk before sm_90
-])
-def test_bulk_decode_only_where_a_key_of_8_heads_is_one_copy(kv_heads, head_dim, head_stride,
-                                                              capability):
-    from ferrocupy.params import contiguous_layout
-
-    b = backend(capability)
-    q, k = (2, 1, 4 * kv_heads, head_dim), (2, 4096, kv_heads, head_dim)
-    p = params(q, k)
-    layout = contiguous_layout(p)
-    for n in ("k", "v"):
-        layout[f"{n}_h"], layout[f"{n}_s"] = head_stride, head_stride * kv_heads
-        layout[f"{n}_b"] = head_stride * kv_heads * 4096
-    launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), p, layout=layout)
-    assert launches[0][0].name == "flash_decode_streams"
-
-
-def test_bulk_owner_cuts_tiles_into_even_ranges_and_counts_each_pairs_blocks():
-    for pairs, pair_tiles, blocks in [(1, 8192, 132), (16, 2048, 132), (64, 128, 131),
-                                      (3, 5, 7), (264, 1, 132), (7, 1, 7)]:
-        total = pairs * pair_tiles
-        owners = [configs.bulk_owner(t, total, blocks) for t in range(total)]
-        sizes = np.bincount(owners, minlength=blocks)
-        assert owners == sorted(owners) and sizes.max() - sizes.min() <= 1
-        assert all(sizes[w] == (w + 1) * total // blocks - w * total // blocks
-                   for w in range(blocks))  # the kernel's [w * total / blocks, ...)
-        per_pair = [len(set(owners[p * pair_tiles:(p + 1) * pair_tiles])) for p in range(pairs)]
-        assert configs.bulk_slots(pairs, pair_tiles, blocks) == max(per_pair)
 
 
 def test_swapping_the_table_forgets_the_chosen_kernels():
@@ -280,7 +186,7 @@ def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
     runs = []
     monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
         (self.fn.name, dict(ptrs), stream, self.slot_names)))
-    b = split_grid()
+    b = backend()
     fake_runtime(b)
     q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)

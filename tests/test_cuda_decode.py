@@ -1,7 +1,6 @@
 """The decode path (issue 9): few query rows per KV group (heads / kv_heads * seq_q <= 16)
-against a long cache go through a split-KV decode kernel (the engine's pick, which on sm_90 is
-the bulk design where the KV heads allow, and the streams, tensor-core and tiles designs, each
-tested: the `decoders` fixture) and its combine. Compared with the
+against a long cache go through a split-KV decode kernel (the engine's pick, the tensor-core
+design and the tiles design, each tested: the `decoders` fixture) and its combine. Compared with the
 reference at decode shapes: seq_q 1-8, GQA 1-8, up to 128k keys, uneven kv_lens with NaN past
 them, split counts that do not divide the keys, every forward option; out and lse.
 
@@ -57,12 +56,10 @@ CASES = {
     "b9-sq1-gqa8-d64-short-mask-dropout": (9, 1, 16, 2, 64, 1500,
                                               dict(dropout_prob=0.1, seed=3), "mask",
                                               [1500 - 150 * i for i in range(9)]),
-    # 8 and 16 KV heads with uneven kv_lens (one of 0 keys, one of 1) and NaN past them, a
-    # window starting mid-tile, 8 rows a group with a mask and dropout, many short pairs: calls
-    # with kv_lens keep the split grid on sm_90 too. Without kv_lens (the bulk design there: KV
-    # heads in groups of 8, keys cut evenly among one block per SM): one pair cut among every
-    # block; a tile of 8 heads one copy with a window; a key of the group one copy (16 KV heads)
-    # with 8 rows a group, a mask and dropout; many short pairs, each inside one block.
+    # compare.py's head counts (8 KV heads) and 16, with uneven kv_lens (one of 0 keys, one of 1)
+    # and NaN past them, a window starting mid-split, 8 rows a group with a mask and dropout, many
+    # short pairs (one split each); and without kv_lens: one pair split many ways (100k keys), a
+    # window, 16 KV heads with a mask and dropout, 300 short pairs, head_dim 96.
     "b4-sq1-gqa4-kv8-d128-cache": (4, 1, 32, 8, 128, 5000, dict(causal=True, causal_offset=4999),
                                    None, [5000, 3333, 0, 1]),
     "b2-sq1-gqa2-kv16-d64-window": (2, 1, 32, 16, 64, 20000,
@@ -80,9 +77,9 @@ CASES = {
     "b2-sq2-gqa4-kv16-d128-mask-dropout": (2, 2, 64, 16, 128, 3001,
                                            dict(causal=True, causal_offset=2999,
                                                 dropout_prob=0.2, seed=7), "mask", None),
-    "b300-sq1-gqa2-kv8-d16-short-whole-pairs": (300, 1, 16, 8, 16, 64,
-                                                dict(causal=True, causal_offset=63), None, None),
-    "b5-sq1-gqa4-kv8-d96-merge": (5, 1, 32, 8, 96, 3000, dict(), None, None),
+    "b300-sq1-gqa2-kv8-d16-short-full": (300, 1, 16, 8, 16, 64,
+                                         dict(causal=True, causal_offset=63), None, None),
+    "b5-sq1-gqa4-kv8-d96": (5, 1, 32, 8, 96, 3000, dict(), None, None),
 }
 
 
@@ -105,9 +102,9 @@ def test_decode_matches_the_reference(decoders, ref, rng, dtype, name):  # noqa:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_heads", [8, 16])
 def test_decode_nan_past_the_reach_changes_nothing(dev, rng, dtype, kv_heads):  # noqa: F811
-    """A preallocated cache with NaN past the last key a row sees (causal with an offset), at the
-    bulk design's shapes (8 and 16 KV heads, 1 and 2 rows a head): out and lse bit for bit what
-    zeros there give."""
+    """A preallocated cache with NaN past the last key a row sees (causal with an offset), at
+    compare.py's decode shapes (8 KV heads, and 16; 1 and 2 rows a head): out and lse bit for bit
+    what zeros there give."""
     b, sk, reach = 3, 6000, 4001
     for sq in (1, 2):
         q = rng.standard_normal((b, sq, 4 * kv_heads, 128)).astype(np.float32).astype(dtype)
@@ -133,8 +130,8 @@ def test_decode_repeats_exactly_on_one_stream_and_on_another(dev, ref, rng, dtyp
                                                              with_lens):
     """The same call again on the stream, and on another stream, writes every element (poisoned
     before) with the same bits: nothing in the decode path depends on which block finishes
-    first, or on state a launch leaves behind (a workspace, a counter). With kv_lens the split
-    grid runs, without them (on sm_90) the bulk design."""
+    first, or on state a launch leaves behind (a workspace, a counter); with kv_lens and
+    without."""
     b, h, hkv, d, sk = 5, 32, 8, 128, 9000
     q = rng.standard_normal((b, 1, h, d)).astype(np.float32).astype(dtype)
     k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)

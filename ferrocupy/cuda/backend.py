@@ -211,10 +211,9 @@ class CudaBackend:
 
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
-                rows: int = 0, many_blocks: bool = False, plain: bool = False,
-                group_heads: int = 0) -> configs.Variant:
+                rows: int = 0, many_blocks: bool = False, plain: bool = False) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
-                              self.capability, copy_bytes, rows, many_blocks, plain, group_heads)
+                              self.capability, copy_bytes, rows, many_blocks, plain)
 
     def _plan(self, op: str, buffers: dict, params, slots=(), layout=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; the
@@ -255,17 +254,9 @@ class CudaBackend:
         dtype = np.dtype(buffers["q"].dtype)
         vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]], _strides(layout, ("k", "v")))
         group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
-        kv_heads = int(params["kv_heads"])
-        pairs = int(params["batch"]) * kv_heads
-        # each key's KV heads one run of elements (the bulk design copies a key of a head group;
-        # it cuts the keys up to the call's reach evenly, so calls with kv_lens, whose short
-        # sequences would leave some of its blocks idle, keep the split grid)
-        packed = (d % 16 == 0 and all(int(layout[f"{n}_h"]) == d for n in ("k", "v"))
-                  and buffers.get("kv_lens") is None)
+        pairs = int(params["batch"]) * int(params["kv_heads"])
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows,
-                             pairs > self.sm_count, group_heads=kv_heads if packed else 0)
-        if v.isa == configs.BULK:
-            return self._plan_bulk(v, fn, buffers, params, slots, layout, vec)
+                             pairs > self.sm_count)
         splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
                                                    self._resident(fn, v) * self.sm_count)
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
@@ -303,47 +294,6 @@ class CudaBackend:
                              (part_o, part_ml, opt("out"), opt("lse"), np.uint32(splits), layout)))
         return launches, workspace
 
-    def _plan_bulk(self, v, fn, buffers: dict, params, slots, layout, vec) -> tuple[list, dict]:
-        """The bulk decode kernel: every (batch, head group)'s tiles of `v.step` keys from the
-        first key a row may see to the last, end to end, cut evenly among one block per SM; then,
-        where a pair's tiles went to several blocks, the merge of their slots."""
-        heads = v.warps
-        pairs = int(params["batch"]) * (int(params["kv_heads"]) // heads)
-        key0 = 0 if buffers.get("kv_lens") is not None else configs.key_first(params)
-        pair_tiles = max(1, -(-(configs.key_reach(params) - key0) // v.step))
-        total = pairs * pair_tiles
-        blocks = min(self._resident(fn, v) * self.sm_count, total, configs.DECODE_MAX_SPLITS)
-        slots_n = configs.bulk_slots(pairs, pair_tiles, blocks)
-        rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
-        workspace = {"part_o": (slots_n, rows, v.head_dim), "part_ml": (slots_n, rows, 2)} \
-            if slots_n > 1 else {}
-        if slots:
-            part_o, part_ml = (Slot(n) if n in workspace else NULL for n in ("part_o", "part_ml"))
-        else:
-            part_o, part_ml = (self.xp.empty(workspace.get(n, (0,)), dtype=np.float32)
-                               for n in ("part_o", "part_ml"))
-        mask = buffers.get("mask")
-        mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
-
-        def opt(name):
-            if buffers.get(name) is None:
-                return NULL
-            return Slot(name) if name in slots else buffers[name]
-
-        args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, opt("out"), opt("lse"),
-                opt("mask"), opt("kv_lens"), np.uint32(pair_tiles), np.uint32(key0),
-                np.uint32(vec), mask_kind, layout)
-        launches = [(fn, blocks, v.threads, v.shared_bytes, args)]
-        if slots_n > 1:
-            merge = self._kernels.get(v)
-            if merge is None:
-                merge = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
-                                                                v.defines, v.options)
-            launches.append((merge, rows, configs.MERGE_THREADS, 0,
-                             (part_o, part_ml, opt("out"), opt("lse"), np.uint32(pair_tiles),
-                              np.uint32(blocks), layout)))
-        return launches, workspace
-
     def _resident(self, fn, v: configs.Variant) -> int:
         """Blocks of `fn` one SM holds at once: the driver's occupancy answer (registers, shared
         memory, threads), or the shared-memory and thread bounds where there is none."""
@@ -355,14 +305,14 @@ class CudaBackend:
         return max(1, min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads))
 
     def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0,
-                many_blocks: bool = False, plain: bool = False, group_heads: int = 0):
+                many_blocks: bool = False, plain: bool = False):
         """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
-        decode blocks beyond one per SM, no mask or dropout, KV heads copied a key at once),
-        chosen, compiled and given its shared memory once."""
-        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain, group_heads)
+        decode blocks beyond one per SM, no mask or dropout), chosen, compiled and given its
+        shared memory once."""
+        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain)
         hit = self._kernels.get(key)
         if hit is None:
-            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain, group_heads)
+            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes

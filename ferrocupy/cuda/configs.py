@@ -28,7 +28,6 @@ DECODE = "decode"  # the forward of few rows against many keys: split-KV, then a
 DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernels take
 DECODE_MAX_SPLITS = 256  # key splits per (batch, KV head): the combine's shared weights
 COMBINE_THREADS = 128  # the combine's block (one per output row)
-MERGE_THREADS = 256  # the bulk decode's merge (one block per output row; flash_decode_bulk.cu)
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
 ARGS = {
@@ -40,21 +39,14 @@ ARGS = {
 }
 TILE_COUNTER = "tile_counter"  # a persistent kernel's claim counter (the backend's, per stream)
 MMA, WGMMA = "mma", "wgmma"
-# The decode kernels' designs: `tensor` (half precision on tensor cores, sm_80+: a KV
+# The decode kernels' three designs: `tensor` (half precision on tensor cores, sm_80+: a KV
 # group's rows are one mma.sync operand's 16 rows, each warp streams its own tiles; 16-byte rows),
 # and on the CUDA cores (any GPU, every dtype) `streams` (each warp streams its own tiles, no
 # block-wide barrier in the key loop; 16-byte rows, at most 8 rows a group) and `tiles` (the block
 # shares each tile; any row width, up to DECODE_ROWS rows).
-# Before them all `bulk` (sm_90a: a block per SM takes KV heads in groups of `warps`, a loading
-# warp copies each key of the group with one cp.async.bulk, the keys of every (batch, head group)
-# cut evenly among the blocks; 16-byte rows, at most 8 rows a group, each key's heads contiguous,
-# calls without kv_lens).
-TENSOR, STREAMS, TILES, BULK = "tensor", "streams", "tiles", "bulk"
-DECODE_DESIGNS = (BULK, TENSOR, STREAMS, TILES)
-BULK_HEADS = 8  # KV heads a bulk decode block takes (one computing warp each)
-BULK_TILE_BYTES = 65536  # K + V bytes of one tile of the bulk decode kernel, at most
-BULK_RING_BYTES = 196608  # its ring of tiles
-SM90A = (WGMMA, BULK)  # built for sm_90a alone (wgmma, setmaxnreg)
+TENSOR, STREAMS, TILES = "tensor", "streams", "tiles"
+DECODE_DESIGNS = (TENSOR, STREAMS, TILES)
+SM90A = (WGMMA,)  # built for sm_90a alone
 WGMMA_STAGES = 3  # K/V buffers of the wgmma forwards
 WGMMA_Q_BUFFERS = 2  # Q buffers of the wgmma forward (the next tile's Q loads during this one)
 # (source, kernel) per (op, is_half, isa)
@@ -73,8 +65,6 @@ _SOURCES = {
     (DECODE, True, TENSOR): ("flash_decode_mma.cu", "flash_decode_mma"),
     (DECODE, False, STREAMS): ("flash_decode_streams.cu", "flash_decode_streams"),
     (DECODE, True, STREAMS): ("flash_decode_streams.cu", "flash_decode_streams"),
-    (DECODE, False, BULK): ("flash_decode_bulk.cu", "flash_decode_bulk"),
-    (DECODE, True, BULK): ("flash_decode_bulk.cu", "flash_decode_bulk"),
 }
 
 
@@ -90,7 +80,6 @@ class Variant:
     stages: int = 0  # K/V buffers, for the kernels that take it as a define (0: the kernel's own)
     rows: int = 0  # decode: the most query rows of a KV group the block takes
     lane_dims: int = 0  # streams decode: head dims per lane (0: 16 for rows <= 4, else 8)
-    sub: int = 0  # bulk decode: keys a computing warp takes per step (a tile is `step` keys)
     # mask and dropout compiled out: only for calls with neither (FERRO_PLAIN); for dQ, also only
     # for calls that pass the forward's lse (the kernel has no statistics pass)
     plain: bool = False
@@ -136,9 +125,8 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        """`warps` compute; the warp-specialized wgmma kernel and the bulk decode kernel add a
-        loading warpgroup."""
-        return 32 * self.warps + (128 if self.isa in SM90A else 0)
+        """`warps` compute; the warp-specialized wgmma kernel adds a loading warpgroup."""
+        return 32 * self.warps + (128 if self.isa == WGMMA else 0)
 
     @property
     def block_rows(self) -> int:
@@ -147,7 +135,7 @@ class Variant:
     @property
     def combine_kernel(self) -> str:
         """The decode variant's second kernel (same source and defines)."""
-        return "flash_decode_merge" if self.isa == BULK else "flash_decode_combine"
+        return "flash_decode_combine"
 
     @property
     def key_lanes(self) -> int:
@@ -169,9 +157,6 @@ class Variant:
         """Dynamic shared memory per block: row-major tiles with a padded pitch (4 floats or 8
         halves: conflict-free fragment loads), as each kernel lays them out."""
         elem = self.dtype.itemsize
-        if self.isa == BULK:  # a ring of tiles (K, then V, of `warps` heads a key) and each
-            # tile's two barriers (full, empty)
-            return self.stages * (2 * self.step * self.warps * self.head_dim * elem + 16)
         if self.isa == STREAMS:  # per warp, a ring of K and V tiles; reused to merge the warps
             return max(2 * self.stages * self.step * self.head_dim * elem,
                        4 * self.warps * self.rows * (self.head_dim + 2))
@@ -184,13 +169,13 @@ class Variant:
             rows = DECODE_ROWS
             return (2 * self.stages * self.step * (self.head_dim + 16 // elem) * elem
                     + 4 * (rows * self.head_dim + rows * (self.step + 1) + 3 * rows))
-        if self.isa == WGMMA and self.op != FORWARD:
+        if self.isa in SM90A and self.op != FORWARD:
             # dQ: its Q and dO, stages x (K, V); dK/dV: its K and V, stages x (Q, dO, 8 B of
             # [Delta, LSE] a row); swizzled, unpadded; 1 KB to align the base
             stats = 8 * self.stages * self.step if self.op == BACKWARD_DKDV else 0
             return (elem * (2 * self.block_rows + 2 * self.stages * self.step) * self.head_dim
                     + stats + 1024)
-        if self.isa == WGMMA:  # 2 x Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
+        if self.isa in SM90A:  # 2 x Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
             return (elem * (WGMMA_Q_BUFFERS * self.block_rows + 2 * WGMMA_STAGES * self.step)
                     * self.head_dim + 1024)
         pitch = self.head_dim + (4 if elem == 4 else 8)
@@ -211,11 +196,9 @@ class Variant:
             d["FERRO_ROWS"] = self.rows
             d["FERRO_STAGES"] = self.stages
             d["FERRO_MAX_SPLITS"] = DECODE_MAX_SPLITS
-            d["FERRO_COMBINE_THREADS"] = MERGE_THREADS if self.isa == BULK else COMBINE_THREADS
-        if self.isa in (STREAMS, BULK):
+            d["FERRO_COMBINE_THREADS"] = COMBINE_THREADS
+        if self.isa == STREAMS:
             d["FERRO_KEY_LANES"] = self.key_lanes
-        if self.isa == BULK:
-            d["FERRO_SUB_KEYS"] = self.sub
         if self.plain:
             d["FERRO_PLAIN"] = 1
         return d
@@ -246,7 +229,6 @@ class Variant:
                 f"{16 * self.mt} rows, step {self.step}"
                 + (f", {self.stages} buffers" if self.stages else "")
                 + (f", {self.rows} query rows" if self.rows else "")
-                + (f", {self.warps} KV heads a block" if self.isa == BULK else "")
                 + (", no mask or dropout" if self.plain else "")
                 + f", {self.shared_bytes} B shared")
 
@@ -323,7 +305,13 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
     KV head's keys of all batches shared out evenly, the blocks of a shared pair merged by the
     last to finish, no combine launch; commits 2c2ca38-008aef7) was slower at B1 and B64 (bf16
     0.154 and 0.161-0.172 ms against this grid's 0.143 and 0.145, compare.py A/B in one call,
-    2026-12-04, RESULTS.md), and reverted."""
+    2026-12-04, RESULTS.md), and reverted. So was a bulk design (commits ff92d1c-9b65071: sm_90a,
+    a block per SM taking 8 KV heads, a loading warp copying each tile of them with
+    cp.async.bulk, every pair's keys cut evenly among the blocks, a merge kernel): on an H100
+    (compare.py A/B in one call, 2026-12-06, RESULTS.md) bf16 0.716 / 0.225 / 0.207 ms at B16
+    Sk32k, B1 Sk128k, B64 Sk2k against this grid's 0.710 / 0.227 / 0.197; ncu read DRAM at 85%
+    over it against 90% over this kernel at B16, and its merge took 12.4 us against the
+    combine's 8.5 at B1."""
     out = []
     for rows in (4, 8):
         kw = 32 // Variant(DECODE, dtype, dp, 4, 1, 0, STREAMS, 0, rows).key_lanes
@@ -355,25 +343,6 @@ def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
             Variant(DECODE, dtype, dp, 4, 1, 4 * 16, TENSOR, 3, DECODE_ROWS)]
 
 
-def _decode_bulk(dtype: np.dtype, dp: int) -> list[Variant]:
-    """The bulk decode kernels for rows <= 4 and <= 8 (sm_90): BULK_HEADS computing warps (a KV
-    head each) and a loading warp, one block per SM. A computing warp's step is the streams
-    kernel's warp tile (C keys per lane group, C x rows <= 16 scores in registers, at most 64
-    keys); a tile is whole steps, up to BULK_TILE_BYTES of K and V; the ring as many tiles
-    (2-8) as fit BULK_RING_BYTES."""
-    out = []
-    for rows in (4, 8):
-        kw = 32 // Variant(DECODE, dtype, dp, 4, 1, 0, STREAMS, 0, rows).key_lanes
-        c = max(1, min(4, 16 // rows, DECODE_STAGE_BYTES // (kw * 2 * dp * dtype.itemsize),
-                       64 // kw))
-        sub = kw * c
-        key_bytes = 2 * BULK_HEADS * dp * dtype.itemsize  # K and V of the head group
-        step = min(64 // sub, max(1, BULK_TILE_BYTES // (sub * key_bytes))) * sub
-        stages = max(2, min(8, BULK_RING_BYTES // (step * key_bytes)))
-        out.append(Variant(DECODE, dtype, dp, BULK_HEADS, 1, step, BULK, stages, rows, sub=sub))
-    return out
-
-
 def _table() -> dict:
     table = {}
     for op in (FORWARD, BACKWARD_DQ, BACKWARD_DKDV, DECODE):
@@ -381,8 +350,7 @@ def _table() -> dict:
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
                     _wgmma(op, dtype, dp)
-                    + (_decode_bulk(dtype, dp) + _decode_streams(dtype, dp)
-                       + _decode_tensor(dtype, dp)
+                    + (_decode_streams(dtype, dp) + _decode_tensor(dtype, dp)
                        if op == DECODE else [])
                     + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
                        for g in _geometry(op, dtype, dp)])
@@ -399,7 +367,7 @@ def padded_head_dim(d: int) -> int:
 
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
            capability: int = 0, copy_bytes: int = 0, rows: int = 0,
-           many_blocks: bool = False, plain: bool = False, group_heads: int = 0) -> Variant:
+           many_blocks: bool = False, plain: bool = False) -> Variant:
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
@@ -407,15 +375,11 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     with the other's stream, which dev/decode_sweep.py measured faster there (bf16 B64 Sk2k:
     3433-3646 GB/s against 3171-3355), while 8 warps win when each block has an SM to itself
     (B16 Sk32k, B1 Sk128k: see _decode_streams). `plain` (the call has no mask and no dropout)
-    admits the variants built without them. `group_heads` (decode): the call's KV heads when each
-    key's heads lie contiguous and head_dim is a multiple of 16 (the bulk design copies a key of
-    `warps` heads at once and needs their count to divide it), else 0."""
+    admits the variants built without them."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
         if (many_blocks and v.isa in (STREAMS, TENSOR) and v.warps > 4) or (v.plain and not plain):
-            continue
-        if v.isa == BULK and not (group_heads and group_heads % v.warps == 0):
             continue
         if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
                 and v.rows >= rows):
@@ -435,29 +399,6 @@ def key_reach(params) -> int:
     if int(params["window"]):
         reach = min(reach, a_last + int(params["window"]))
     return max(reach, 0)
-
-
-def key_first(params) -> int:
-    """The first key any row of the call may see (a window's start; not kv_lens, whose rows sit
-    earlier): the bulk decode kernel's tiles start there."""
-    if not int(params["window"]):
-        return 0
-    return max(0, int(params["causal_offset"]) - int(params["window"]) + 1)
-
-
-def bulk_owner(t: int, total: int, blocks: int) -> int:
-    """The bulk decode block holding tile t of `total` cut into `blocks` even ranges
-    (flash_decode_bulk.cu's bulk_owner)."""
-    return ((t + 1) * blocks - 1) // total
-
-
-def bulk_slots(pairs: int, pair_tiles: int, blocks: int) -> int:
-    """The most blocks any pair's tiles are cut among (the bulk decode workspace's slots)."""
-    total = pairs * pair_tiles
-    p = np.arange(pairs, dtype=np.int64)
-    first = ((p * pair_tiles + 1) * blocks - 1) // total
-    last = (((p + 1) * pair_tiles) * blocks - 1) // total
-    return int((last - first).max()) + 1
 
 
 def decode_wanted(params) -> bool:
