@@ -1,7 +1,7 @@
 """Where a decode call's time goes beyond its kernels: the bf16 B1 Sk128k step (compare.py's
 shape) timed with CUDA events back to back (as compare.py does), then with the device idle before
-each call (synchronized), then its launches alone (the backend's plan run directly, no engine
-checks). Prints the medians in us; compare with ncu's kernel durations (dev/profile_once.py).
+each call (synchronized), then back to back again. Prints the medians in us; compare with ncu's
+kernel durations (dev/profile_once.py).
 
     FERRO_DECODE=1,131072 FERRO_DECODE_DESIGN=streams python3 dev/decode_gap.py
 """
@@ -27,7 +27,7 @@ stream = cp.cuda.get_current_stream()
 
 
 def timed(fn, sync, n=60):
-    ts = []
+    ts = []  # (start, end) event pairs
     for _ in range(n):
         if sync:
             stream.synchronize()
@@ -35,8 +35,7 @@ def timed(fn, sync, n=60):
         a.record(stream)
         fn()
         z.record(stream)
-        ts.append(z)
-        ts[-1] = (a, z)
+        ts.append((a, z))
     stream.synchronize()
     return statistics.median(cp.cuda.get_elapsed_time(a, z) * 1e3 for a, z in ts)
 
