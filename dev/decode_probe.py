@@ -58,6 +58,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--all", action="store_true")
+    ap.add_argument("--tensor", action="store_true", help="also the tensor-core kernel's "
+                    "geometries (8 warps x 16 keys, 2-3 buffers; 4 warps x 16 keys, 3-4; 4 x 32, 2)")
     args = ap.parse_args()
     dtype = parse(args.dtype)
     backend = CudaBackend()
@@ -77,6 +79,10 @@ def main() -> None:
         if args.all:
             from decode_sweep import candidates
             geoms += [g for g in candidates(dtype, small=True) if g != chosen]
+        if args.tensor:
+            geoms += [configs.Variant(configs.DECODE, dtype, D, w, 1, w * tk, configs.TENSOR, st,
+                                      configs.DECODE_ROWS)
+                      for w, tk, st in ((8, 16, 2), (8, 16, 3), (4, 16, 3), (4, 16, 4), (4, 32, 2))]
         with ThreadPoolExecutor(16) as pool:  # compile every (geometry, probe) first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
                                      for name in (v.kernel, v.combine_kernel)],
@@ -85,11 +91,16 @@ def main() -> None:
             times = []
             for probe in (0, 1, 2):
                 backend.table = dict(configs.TABLE) | {key: (probed(g, probe),)}
-                launches, _ = backend._plan_decode(bufs, p)
+                try:
+                    launches, _ = backend._plan_decode(bufs, p)
+                except ValueError:  # select passes it over at this shape (8 warps, many pairs)
+                    break
                 splits = int(launches[0][4][configs.ARGS[configs.DECODE].index("splits")])
                 out.fill(np.nan)
                 times.append(back_to_back_us(lambda: [backend._launch(*x, p) for x in launches]))
-            tag = f"w{g.warps} n{g.step} s{g.stages}" + (" *" if g == chosen else "")
+            if len(times) < 3:
+                continue
+            tag = (f"{g.isa[0]} w{g.warps} n{g.step} s{g.stages}" + (" *" if g == chosen else ""))
             rows.append((f"b{B} sk{SK}", tag, splits, *times, gb / times[0] * 1e6))
         backend.table = configs.TABLE
         try:
