@@ -25,6 +25,9 @@ from ferrocupy.dtypes import parse
 
 SHAPES = [(16, 32768), (1, 131072), (64, 2048)]
 H, HKV, D = 32, 8, 128
+# (warps, keys a lane group takes per tile, buffers a warp): 4 KB tiles x 5 / 7 and 2 KB x 9 /
+# 13 at 8 warps; at 4 warps 8 KB x 4 (one block an SM), 4 KB x 7, 2 KB x 13 (two an SM)
+DEEP = ((8, 2, 5), (8, 2, 7), (8, 1, 9), (8, 1, 13), (4, 4, 4), (4, 2, 7), (4, 1, 13))
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--all", action="store_true")
+    ap.add_argument("--deep", action="store_true", help="streams geometries with 20-26 KB of "
+                    "copies in flight a warp (DEEP)")
     ap.add_argument("--tensor", action="store_true", help="also the tensor-core kernel's "
                     "geometries (8 warps x 16 keys, 2-3 buffers; 4 warps x 16 keys, 3-4; 4 x 32, 2)")
     args = ap.parse_args()
@@ -79,6 +84,10 @@ def main() -> None:
         if args.all:
             from decode_sweep import candidates
             geoms += [g for g in candidates(dtype, small=True) if g != chosen]
+        if args.deep:  # more copies in flight a warp than the table's 16 KB (rows 4, 16 dims a lane)
+            geoms += [configs.Variant(configs.DECODE, dtype, D, w, 1, w * 4 * c, configs.STREAMS, st,
+                                      4, 16)
+                      for w, c, st in DEEP]
         if args.tensor:
             geoms += [configs.Variant(configs.DECODE, dtype, D, w, 1, w * tk, configs.TENSOR, st,
                                       configs.DECODE_ROWS)
