@@ -111,58 +111,53 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
     }
 }
 
-// One block of COMBINE_THREADS per output row (b, h, i): the splits' weights exp(m_s - M) once,
-// into shared memory (threads across splits), then each thread a column of O over every split
-// (independent loads, coalesced across the row); writes out (rounded once) and lse. At most
-// FERRO_MAX_SPLITS splits (configs.py).
+// One block of COMBINE_THREADS per output row (b, h, i), a thread per column of O (head_dim <=
+// COMBINE_THREADS). Each thread reads the splits' (max, sum) itself (the same addresses across the
+// block: broadcast) together with its column, CHUNK splits at a time, every load independent:
+// one round trip to L2 for up to CHUNK splits, no barrier, no shared memory. (The block-wide
+// version, a reduction for the max, another for the sum, then the columns, waited on three.)
+// Chunks after the first rescale what came before (an online softmax over the splits). Writes
+// out (rounded once) and lse. Any number of splits (configs.py caps them at DECODE_MAX_SPLITS).
 constexpr int COMBINE_THREADS = FERRO_COMBINE_THREADS;
-
-__device__ __forceinline__ float block_reduce(float x, bool is_max, float* scratch) {
-#pragma unroll
-    for (int w = 16; w; w >>= 1) {
-        const float y = __shfl_xor_sync(0xffffffffu, x, w);
-        x = is_max ? fmaxf(x, y) : x + y;
-    }
-    __syncthreads();  // scratch is free (a previous reduction has been read)
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-    __syncthreads();
-    x = scratch[0];
-#pragma unroll
-    for (int w = 1; w < COMBINE_THREADS / 32; ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
-    return x;
-}
+static_assert(FERRO_HEAD_DIM <= COMBINE_THREADS, "a combine thread per column");
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                      T* __restrict__ out, float* __restrict__ lse, const u32 splits,
                      const AttnLayout lay, const FlashV2Params p) {
-    __shared__ float weight[FERRO_MAX_SPLITS];
-    __shared__ float scratch[COMBINE_THREADS / 32];
+    constexpr int CHUNK = 16;
     const u64 rows_total = (u64)p.batch * p.heads * p.seq_q, row = blockIdx.x;
-    const int tid = threadIdx.x, D = p.head_dim;
-    float M = neg_inf();
-    for (u32 sp = tid; sp < splits; sp += COMBINE_THREADS)
-        M = fmaxf(M, part_ml[((u64)sp * rows_total + row) * 2]);
-    M = block_reduce(M, true, scratch);
-    const float m_use = M == neg_inf() ? 0.f : M;
-    float L = 0.f;
-    for (u32 sp = tid; sp < splits; sp += COMBINE_THREADS) {
-        const float* ml = part_ml + ((u64)sp * rows_total + row) * 2;
-        const float w = ml[1] != 0.f ? exp2f((ml[0] - m_use) * FERRO_LOG2E) : 0.f;  // an empty split: 0
-        weight[sp] = w;
-        L += ml[1] * w;
+    const int d = threadIdx.x, D = p.head_dim;
+    const bool col = d < D;
+    float M = neg_inf(), L = 0.f, acc = 0.f;
+    for (u32 s0 = 0; s0 < splits; s0 += CHUNK) {
+        float m[CHUNK], l[CHUNK], o[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) {
+            const u32 sp = s0 + i;
+            const u64 at = (u64)sp * rows_total + row;
+            const bool ok = sp < splits;
+            m[i] = ok ? part_ml[at * 2] : neg_inf();
+            l[i] = ok ? part_ml[at * 2 + 1] : 0.f;
+            o[i] = ok && col ? part_o[at * FERRO_HEAD_DIM + d] : 0.f;
+        }
+        float mx = M;
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) mx = fmaxf(mx, m[i]);
+        const float m_use = mx == neg_inf() ? 0.f : mx;
+        const float a = exp2f((M - m_use) * FERRO_LOG2E);  // what came before, rescaled
+        L *= a, acc *= a;
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) {
+            const float w = l[i] != 0.f ? exp2f((m[i] - m_use) * FERRO_LOG2E) : 0.f;  // empty: 0
+            L = fmaf(l[i], w, L);
+            acc = fmaf(w, o[i], acc);
+        }
+        M = mx;
     }
-    L = block_reduce(L, false, scratch);  // its barriers also publish `weight`
     const float keep_scale = p.dropout_prob > 0.f ? 1.f / (1.f - p.dropout_prob) : 1.f;
     const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
     const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
-    T* orow = out + (u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h;
-    for (int d = tid; d < D; d += COMBINE_THREADS) {
-        const float* col = part_o + row * FERRO_HEAD_DIM + d;
-        float acc = 0.f;
-#pragma unroll 8
-        for (u32 sp = 0; sp < splits; ++sp) acc = fmaf(weight[sp], col[(u64)sp * rows_total * FERRO_HEAD_DIM], acc);
-        orow[d] = from_f(acc * inv);
-    }
-    if (lse && tid == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+    if (col) out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = from_f(acc * inv);
+    if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
 }
