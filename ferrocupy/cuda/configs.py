@@ -26,7 +26,7 @@ from ..dtypes import BFLOAT16, FLOAT16, FLOAT32
 FORWARD, BACKWARD_DQ, BACKWARD_DKDV, ROPE = "forward", "backward_dq", "backward_dkdv", "rope"
 DECODE = "decode"  # the forward of few rows against many keys: split-KV, then a combine
 DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernels take
-DECODE_MAX_SPLITS = 256  # key splits per (batch, KV head): the combine's shared weights
+DECODE_MAX_SPLITS = 256  # key splits per (batch, KV head): more only lengthen the combine
 COMBINE_THREADS = 128  # the combine's block (one per output row)
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
