@@ -33,14 +33,16 @@ DEEP = ((8, 2, 5), (8, 2, 7), (8, 1, 9), (8, 1, 13), (4, 4, 4), (4, 2, 7), (4, 1
 @dataclass(frozen=True)
 class Probe(configs.Variant):
     probe: int = 0
+    order: int = 0  # the tensor kernel's copy order (FERRO_COPY_ORDER)
 
     @property
     def defines(self) -> dict:
-        return super().defines | {"FERRO_PROBE": self.probe}
+        return super().defines | {"FERRO_PROBE": self.probe, "FERRO_COPY_ORDER": self.order}
 
 
 def probed(g: configs.Variant, probe: int) -> Probe:
-    return Probe(**{f: getattr(g, f) for f in configs.Variant.__dataclass_fields__}, probe=probe)
+    fields = {f: getattr(g, f) for f in configs.Variant.__dataclass_fields__}
+    return Probe(**fields, probe=probe, order=getattr(g, "order", 0))
 
 
 def back_to_back_us(fn, n=30, warm=5) -> float:
@@ -79,6 +81,9 @@ def main() -> None:
         p = AttentionDims.new(q, k).params(AttentionOptions())
         gb = 2 * k.nbytes / 1e9
         backend.table = configs.TABLE
+        for launch in backend._plan_decode(bufs, p)[0]:
+            backend._launch(*launch, p)
+        want = out.astype(cp.float32)
         chosen = backend.variant(configs.DECODE, dtype, D, 16, 4, B * HKV > backend.sm_count)
         geoms = [chosen]
         if args.all:
@@ -92,6 +97,8 @@ def main() -> None:
             geoms += [configs.Variant(configs.DECODE, dtype, D, w, 1, w * tk, configs.TENSOR, st,
                                       configs.DECODE_ROWS)
                       for w, tk, st in ((8, 16, 2), (8, 16, 3), (4, 16, 3), (4, 16, 4), (4, 32, 2))]
+            geoms += [Probe(**{f: getattr(g, f) for f in configs.Variant.__dataclass_fields__},
+                            order=1) for g in geoms if g.isa == configs.TENSOR]
         with ThreadPoolExecutor(16) as pool:  # compile every (geometry, probe) first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
                                      for name in (v.kernel, v.combine_kernel)],
@@ -106,11 +113,14 @@ def main() -> None:
                     break
                 splits = int(launches[0][4][configs.ARGS[configs.DECODE].index("splits")])
                 out.fill(np.nan)
+                if probe == 0:
+                    [backend._launch(*x, p) for x in launches]
+                    err = float(cp.linalg.norm(out.astype(cp.float32) - want) / cp.linalg.norm(want))
                 times.append(back_to_back_us(lambda: [backend._launch(*x, p) for x in launches]))
             if len(times) < 3:
                 continue
-            tag = (f"{g.isa[0]} w{g.warps} n{g.step} s{g.stages}" + (" *" if g == chosen else ""))
-            rows.append((f"b{B} sk{SK}", tag, splits, *times, gb / times[0] * 1e6))
+            tag = (f"{g.isa[0]}{getattr(g, 'order', 0) or ''} w{g.warps} n{g.step} s{g.stages}" + (" *" if g == chosen else ""))
+            rows.append((f"b{B} sk{SK}", tag, splits, *times, gb / times[0] * 1e6, err))
         backend.table = configs.TABLE
         try:
             import torch
@@ -121,14 +131,14 @@ def main() -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 us = back_to_back_us(
                     lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True))
-            rows.append((f"b{B} sk{SK}", "torch-cudnn", 0, us, 0.0, 0.0, gb / us * 1e6))
+            rows.append((f"b{B} sk{SK}", "torch-cudnn", 0, us, 0.0, 0.0, gb / us * 1e6, 0.0))
         except Exception as e:  # noqa: BLE001
             print(f"cudnn skipped: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         del q, k, v, out, bufs
         cp.get_default_memory_pool().free_all_blocks()
-    print(f"{'shape':<14}{'geometry':<16}{'splits':>7}{'us':>9}{'compute':>9}{'copies':>9}{'GB/s':>8}")
+    print(f"{'shape':<14}{'geometry':<16}{'splits':>7}{'us':>9}{'compute':>9}{'copies':>9}{'GB/s':>8}{'err':>9}")
     for r in rows:
-        print(f"{r[0]:<14}{r[1]:<16}{r[2]:>7}{r[3]:>9.1f}{r[4]:>9.1f}{r[5]:>9.1f}{r[6]:>8.0f}")
+        print(f"{r[0]:<14}{r[1]:<16}{r[2]:>7}{r[3]:>9.1f}{r[4]:>9.1f}{r[5]:>9.1f}{r[6]:>8.0f}{r[7]:>9.1e}")
 
 
 if __name__ == "__main__":

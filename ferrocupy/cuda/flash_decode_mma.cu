@@ -21,6 +21,9 @@
 #ifndef FERRO_PROBE
 #define FERRO_PROBE 0
 #endif
+#ifndef FERRO_COPY_ORDER  // dev/decode_probe.py: 1 copies in the streams kernel's order
+#define FERRO_COPY_ORDER 0
+#endif
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
 #include "ferro_philox.cuh"
@@ -120,7 +123,12 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             u16* sV = sK + TK * PITCH;
 #pragma unroll
             for (int i = 0; i < TK * CHUNKS / 32; ++i) {
+#if FERRO_COPY_ORDER == 1  // the streams kernel's order: 8 lanes a key, 128 bytes of 4 keys at once
+                static_assert(CHUNKS % 8 == 0, "copy order 1: rows of 8-chunk pieces");
+                const int key = 4 * (i / (CHUNKS / 8)) + lane / 8, ch = lane % 8 + 8 * (i % (CHUNKS / 8));
+#else
                 const int c = lane + 32 * i, key = c / CHUNKS, ch = c % CHUNKS;
+#endif
                 const long long j = jt + key;
                 const bool ok = j < j_hi && ch * 8 < D;
                 const u64 jj = ok ? (u64)j : 0, d0 = ok ? ch * 8 : 0;
