@@ -42,7 +42,10 @@ constexpr int STAGES = FERRO_STAGES;       // buffers per warp: STAGES - 1 tiles
 constexpr int TK = FERRO_BN / WARPS;       // keys per warp tile
 constexpr int NT = TK / 8;                 // n-tiles of the scores
 constexpr int DT = DP / 8;                 // n-tiles of O
-constexpr int PITCH = DP + 8;              // elements per shared row (ferro_mma_f16.cuh)
+#ifndef FERRO_PITCH_PAD  // dev/decode_probe.py: 0 packs the rows (ldmatrix then conflicts)
+#define FERRO_PITCH_PAD 8
+#endif
+constexpr int PITCH = DP + FERRO_PITCH_PAD;  // elements per shared row (ferro_mma_f16.cuh)
 constexpr int CHUNKS = DP / 8;             // 16-byte chunks per row
 constexpr int TILE = 2 * TK * PITCH;       // elements of one buffer: K rows, then V rows
 constexpr int Q_BYTES = 2 * ROWS * PITCH;
