@@ -33,27 +33,15 @@ DEEP = ((8, 2, 5), (8, 2, 7), (8, 1, 9), (8, 1, 13), (4, 4, 4), (4, 2, 7), (4, 1
 @dataclass(frozen=True)
 class Probe(configs.Variant):
     probe: int = 0
-    order: int = 0  # the tensor kernel's copy order (FERRO_COPY_ORDER)
-    pad: int = 8  # the tensor kernel's row padding in elements (FERRO_PITCH_PAD)
-
-    @property
-    def shared_bytes(self) -> int:
-        if self.isa != configs.TENSOR or self.pad == 8:
-            return super().shared_bytes
-        pitch, elem = self.head_dim + self.pad, self.dtype.itemsize
-        return elem * configs.DECODE_ROWS * pitch + max(
-            2 * self.stages * self.step * pitch * elem,
-            4 * self.warps * configs.DECODE_ROWS * (self.head_dim + 2))
 
     @property
     def defines(self) -> dict:
-        return super().defines | {"FERRO_PROBE": self.probe, "FERRO_COPY_ORDER": self.order,
-                                  "FERRO_PITCH_PAD": self.pad}
+        return super().defines | {"FERRO_PROBE": self.probe}
 
 
 def probed(g: configs.Variant, probe: int) -> Probe:
     fields = {f: getattr(g, f) for f in configs.Variant.__dataclass_fields__}
-    return Probe(**fields, probe=probe, order=getattr(g, "order", 0), pad=getattr(g, "pad", 8))
+    return Probe(**fields, probe=probe)
 
 
 def back_to_back_us(fn, n=30, warm=5) -> float:
@@ -108,8 +96,6 @@ def main() -> None:
             geoms += [configs.Variant(configs.DECODE, dtype, D, w, 1, w * tk, configs.TENSOR, st,
                                       configs.DECODE_ROWS)
                       for w, tk, st in ((8, 16, 2), (8, 16, 3), (4, 16, 3), (4, 16, 4), (4, 32, 2))]
-            geoms += [Probe(**{f: getattr(g, f) for f in configs.Variant.__dataclass_fields__},
-                            pad=0) for g in geoms if g.isa == configs.TENSOR]
         with ThreadPoolExecutor(16) as pool:  # compile every (geometry, probe) first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
                                      for name in (v.kernel, v.combine_kernel)],
@@ -130,7 +116,7 @@ def main() -> None:
                 times.append(back_to_back_us(lambda: [backend._launch(*x, p) for x in launches]))
             if len(times) < 3:
                 continue
-            tag = (f"{g.isa[0]}{'' if getattr(g, 'pad', 8) == 8 else 'p0'} w{g.warps} n{g.step} s{g.stages}" + (" *" if g == chosen else ""))
+            tag = (f"{g.isa[0]} w{g.warps} n{g.step} s{g.stages}" + (" *" if g == chosen else ""))
             rows.append((f"b{B} sk{SK}", tag, splits, *times, gb / times[0] * 1e6, err))
         backend.table = configs.TABLE
         try:

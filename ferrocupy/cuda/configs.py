@@ -160,10 +160,11 @@ class Variant:
         if self.isa == STREAMS:  # per warp, a ring of K and V tiles; reused to merge the warps
             return max(2 * self.stages * self.step * self.head_dim * elem,
                        4 * self.warps * self.rows * (self.head_dim + 2))
-        if self.isa == TENSOR:  # Q; per warp a ring of K and V tiles (pitch + 8), reused to merge
+        if self.isa == TENSOR:  # Q (pitch + 8); per warp a ring of K and V tiles, reused to merge
             pitch = self.head_dim + 8
+            kv_pitch = self.head_dim if self.head_dim % 64 == 0 else pitch  # swizzled, or padded
             return (elem * DECODE_ROWS * pitch
-                    + max(2 * self.stages * self.step * pitch * elem,
+                    + max(2 * self.stages * self.step * kv_pitch * elem,
                           4 * self.warps * DECODE_ROWS * (self.head_dim + 2)))
         if self.op == DECODE:  # K, V x stages (16-byte pad per row); Q, P and row state f32
             rows = DECODE_ROWS

@@ -11,7 +11,8 @@
 //
 // Shared-memory tiles are row-major with a row pitch of DP + 8 elements: DP is a multiple of 16,
 // so the pitch is an odd number of 16-byte units and the 8 row addresses of one ldmatrix phase
-// fall in 8 different bank groups (conflict-free, no swizzle needed).
+// fall in 8 different bank groups (conflict-free, no swizzle needed). The decode kernel's K/V
+// tiles are swizzled instead (`swz_at`, at the end): the padding slowed its copies.
 #pragma once
 #include "ferro_params.cuh"
 
@@ -148,6 +149,65 @@ __device__ __forceinline__ void gemm_acc_ab(const float (&c)[MT][NT][4], const u
                 mma16816(acc[mt][2 * dp], a[mt], b[0], b[1]);
                 mma16816(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
             }
+        }
+    }
+}
+
+// Swizzled tiles (the decode kernel's K and V): rows of exactly DP elements (DP a multiple of 64,
+// so a row is whole 128-byte lines), row r's 16-byte chunk c stored at chunk c ^ (r & 7). The 8
+// rows of one ldmatrix phase (8 consecutive rows, one chunk column) then fall in 8 different
+// bank groups, and the rows need no padding. (Padded rows, DP + 8, made the copies of a
+// memory-bound decode 4-6% slower on an H100, the math left out: dev/decode_probe.py,
+// 2026-12-06.) Offsets in elements.
+template <int DP>
+__device__ __forceinline__ int swz_at(int row, int chunk) {
+    static_assert(DP % 64 == 0, "swizzled rows are whole 128-byte lines");
+    return row * DP + ((chunk ^ (row & 7)) << 3);
+}
+
+// acc (16 x 8*NT) = A B^T with A in registers (a[kk]: the A fragment of columns 16kk..16kk+15)
+// and B the 8*NT swizzled rows at sB (S = Q K^T).
+template <int NT, int DP>
+__device__ __forceinline__ void gemm_abt_swz(const u32 (&a)[DP / 16][4], const u16* sB,
+                                             float (&acc)[NT][4]) {
+    static_assert(NT % 2 == 0, "n-tiles come in pairs");
+    const int l = threadIdx.x & 31, m = l >> 3;
+    const int row = 8 * (m >> 1) + (l & 7), half = m & 1;  // as lane_b_nk
+    const u32 base = smem_u32(sB + row * DP);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk)
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            u32 b[4];  // rows + 16 np keep row & 7
+            ldmatrix_x4(b, base + 2 * (np * 16 * DP) + (((2 * kk + half) ^ (l & 7)) << 4));
+            mma16816(acc[2 * np], a[kk], b[0], b[1]);
+            mma16816(acc[2 * np + 1], a[kk], b[2], b[3]);
+        }
+}
+
+// acc (16 x DP) += A B with A an accumulator tile (16 x 8*NT, float32: P), rounded into A
+// fragments 16 columns at a time, and B the 8*NT x DP swizzled tile at sB (V).
+template <int NT, int DP>
+__device__ __forceinline__ void gemm_acc_ab_swz(const float (&c)[NT][4], const u16* sB,
+                                                float (&acc)[DP / 8][4]) {
+    const int l = threadIdx.x & 31, m = l >> 3;
+    const int row = 8 * (m & 1) + (l & 7), half = m >> 1;  // as lane_b_kn
+    const u32 base = smem_u32(sB + row * DP);
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        u32 a[4];
+        a[0] = pack2(c[2 * kk][0], c[2 * kk][1]);
+        a[1] = pack2(c[2 * kk][2], c[2 * kk][3]);
+        a[2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < DP / 16; ++dp) {
+            u32 b[4];  // rows + 16 kk keep row & 7
+            ldmatrix_x4_trans(b, base + 2 * (kk * 16 * DP) + (((2 * dp + half) ^ (l & 7)) << 4));
+            mma16816(acc[2 * dp], a, b[0], b[1]);
+            mma16816(acc[2 * dp + 1], a, b[2], b[3]);
         }
     }
 }

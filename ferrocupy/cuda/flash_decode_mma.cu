@@ -21,9 +21,6 @@
 #ifndef FERRO_PROBE
 #define FERRO_PROBE 0
 #endif
-#ifndef FERRO_COPY_ORDER  // dev/decode_probe.py: 1 copies in the streams kernel's order
-#define FERRO_COPY_ORDER 0
-#endif
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
 #include "ferro_philox.cuh"
@@ -42,12 +39,13 @@ constexpr int STAGES = FERRO_STAGES;       // buffers per warp: STAGES - 1 tiles
 constexpr int TK = FERRO_BN / WARPS;       // keys per warp tile
 constexpr int NT = TK / 8;                 // n-tiles of the scores
 constexpr int DT = DP / 8;                 // n-tiles of O
-#ifndef FERRO_PITCH_PAD  // dev/decode_probe.py: 0 packs the rows (ldmatrix then conflicts)
-#define FERRO_PITCH_PAD 8
-#endif
-constexpr int PITCH = DP + FERRO_PITCH_PAD;  // elements per shared row (ferro_mma_f16.cuh)
+constexpr int PITCH = DP + 8;              // elements per shared row of Q (ferro_mma_f16.cuh)
+// K and V rows: swizzled where head_dim is whole 128-byte lines (swz_at: no padding, which
+// slowed the copies), else padded like Q.
+constexpr bool SWZ = DP % 64 == 0;
+constexpr int KPITCH = SWZ ? DP : PITCH;
 constexpr int CHUNKS = DP / 8;             // 16-byte chunks per row
-constexpr int TILE = 2 * TK * PITCH;       // elements of one buffer: K rows, then V rows
+constexpr int TILE = 2 * TK * KPITCH;      // elements of one buffer: K rows, then V rows
 constexpr int Q_BYTES = 2 * ROWS * PITCH;
 constexpr int RING_BYTES = 2 * WARPS * STAGES * TILE;
 constexpr int MERGE_BYTES = 4 * WARPS * ROWS * (DP + 2);  // each warp's O and (max, sum)
@@ -123,20 +121,18 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         if (u < n_mine && (FERRO_PROBE != 1 || u < STAGES)) {
             const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
             u16* sK = ring + (u % STAGES) * TILE;
-            u16* sV = sK + TK * PITCH;
+            u16* sV = sK + TK * KPITCH;
 #pragma unroll
             for (int i = 0; i < TK * CHUNKS / 32; ++i) {
-#if FERRO_COPY_ORDER == 1  // the streams kernel's order: 8 lanes a key, 128 bytes of 4 keys at once
-                static_assert(CHUNKS % 8 == 0, "copy order 1: rows of 8-chunk pieces");
-                const int key = 4 * (i / (CHUNKS / 8)) + lane / 8, ch = lane % 8 + 8 * (i % (CHUNKS / 8));
-#else
                 const int c = lane + 32 * i, key = c / CHUNKS, ch = c % CHUNKS;
-#endif
                 const long long j = jt + key;
                 const bool ok = j < j_hi && ch * 8 < D;
                 const u64 jj = ok ? (u64)j : 0, d0 = ok ? ch * 8 : 0;
-                cp_async<16>(sK + key * PITCH + ch * 8, kb + (ok ? jj * blk.rk.stride + d0 : 0), ok);
-                cp_async<16>(sV + key * PITCH + ch * 8, vb + (ok ? jj * blk.rv.stride + d0 : 0), ok);
+                int at;
+                if constexpr (SWZ) at = swz_at<DP>(key, ch);
+                else at = key * PITCH + ch * 8;
+                cp_async<16>(sK + at, kb + (ok ? jj * blk.rk.stride + d0 : 0), ok);
+                cp_async<16>(sV + at, vb + (ok ? jj * blk.rv.stride + d0 : 0), ok);
             }
         }
         cp_async_commit();  // one group per tile, maybe empty: the wait below counts tiles
@@ -165,7 +161,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         cp_async_wait<STAGES - 1>();  // this lane's copies of tile u have landed
         __syncwarp();                 // and every other lane's
         const u16* sK = ring + (u % STAGES) * TILE;
-        const u16* sV = sK + TK * PITCH;
+        const u16* sV = sK + TK * KPITCH;
         const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
         if (FERRO_PROBE == 2) {  // touch the tile (a word a lane), no math
             o[0][0][0] += __uint_as_float(sK[lane * 2] | ((u32)sK[lane * 2 + 1] << 16));
@@ -173,9 +169,11 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         }
 
         float sc[1][NT][4];
+        if constexpr (SWZ) {
+            gemm_abt_swz<NT, DP>(qa, sK, sc[0]);
+        } else {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) sc[0][nt][0] = sc[0][nt][1] = sc[0][nt][2] = sc[0][nt][3] = 0.f;
-        {
+            for (int nt = 0; nt < NT; ++nt) sc[0][nt][0] = sc[0][nt][1] = sc[0][nt][2] = sc[0][nt][3] = 0.f;
             const u32 b0 = lane_b_nk<PITCH>(sK);
 #pragma unroll
             for (int kk = 0; kk < DP / 16; ++kk)
@@ -233,7 +231,8 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                     if (!((k4n >> ((j + 1) & 3)) & 1u)) sc[0][nt][2 * rr + 1] = 0.f;
                 }
         }
-        gemm_acc_ab<1, NT, DP, PITCH>(sc, sV, o);
+        if constexpr (SWZ) gemm_acc_ab_swz<NT, DP>(sc[0], sV, o[0]);
+        else gemm_acc_ab<1, NT, DP, PITCH>(sc, sV, o);
     }
     cp_async_wait<0>();
 
