@@ -351,7 +351,7 @@ def _table() -> dict:
             for dp in HEAD_DIMS:
                 table[(op, dtype, dp)] = tuple(
                     _wgmma(op, dtype, dp)
-                    + (_decode_streams(dtype, dp) + _decode_tensor(dtype, dp)
+                    + (_decode_tensor(dtype, dp) + _decode_streams(dtype, dp)
                        if op == DECODE else [])
                     + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
                        for g in _geometry(op, dtype, dp)])
