@@ -91,6 +91,11 @@ def test_unaligned_rows_or_another_gpu_take_the_mma_kernel():
     assert fn.name == "flash_fwd_half"
 
 
+# The first decode kernel at head_dim 128 (16-byte rows, sm_90): the tensor-core one in half
+# precision, the streams one in float32.
+DECODE_KERNEL = {FLOAT32: "flash_decode_streams", BFLOAT16: "flash_decode_mma"}
+
+
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
 def test_decode_plan_splits_the_keys_and_combines(dtype):
     b = backend()
@@ -100,7 +105,7 @@ def test_decode_plan_splits_the_keys_and_combines(dtype):
     ((fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs)), work = \
         b._plan_decode(forward_buffers(q, k, dtype), p)
     assert work == {"part_o": args[3].shape, "part_ml": args[4].shape}
-    assert fn.name == "flash_decode_streams" and comb.name == "flash_decode_combine"
+    assert fn.name == DECODE_KERNEL[dtype] and comb.name == "flash_decode_combine"
     names = configs.ARGS[configs.DECODE]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
     assert blocks == 2 * 8 * splits and splits > 1 and splits * split_keys >= 32768
@@ -118,27 +123,26 @@ def test_decode_with_one_split_writes_out_itself():
     launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
     assert len(launches) == 1
     fn, blocks, _, _, args = launches[0]
-    assert fn.name == "flash_decode_streams" and blocks == 64 * 8
+    assert fn.name == DECODE_KERNEL[BFLOAT16] and blocks == 64 * 8
     assert args[3].size == 0 and args[4].size == 0
 
 
 @pytest.mark.parametrize("seq_q", [1, 4])
 @pytest.mark.parametrize("batch, warps", [(1, 8), (16, 8), (64, 4)])
 def test_decode_warps_follow_the_number_of_pairs(batch, warps, seq_q):
-    """Up to one (batch, KV head) pair per SM, the 8-warp streams or tensor block; beyond, 4 warps
-    (two blocks an SM)."""
+    """Up to one (batch, KV head) pair per SM, the 8-warp tensor block; beyond, 4 warps (two
+    blocks an SM)."""
     b = backend()
     q, k = (batch, seq_q, 32, 128), (batch, 2048, 8, 128)
     launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
-    name = "flash_decode_streams" if seq_q == 1 else "flash_decode_mma"
-    assert launches[0][0].name == name and launches[0][2] == 32 * warps
+    assert launches[0][0].name == "flash_decode_mma" and launches[0][2] == 32 * warps
 
 
 @pytest.mark.parametrize("dtype, heads, seq_q, offset, capability, design", [
-    (BFLOAT16, 32, 1, 0, 90, configs.STREAMS),  # 4 rows a group
-    (BFLOAT16, 32, 2, 0, 90, configs.STREAMS),  # 8
+    (BFLOAT16, 32, 1, 0, 90, configs.TENSOR),  # 4 rows a group
     (BFLOAT16, 32, 3, 0, 90, configs.TENSOR),  # 12: the tensor kernel takes up to 16
     (BFLOAT16, 32, 4, 0, 80, configs.TENSOR),  # 16
+    (BFLOAT16, 32, 1, 0, 75, configs.STREAMS),  # no mma.sync bf16 before sm_80
     (BFLOAT16, 32, 1, 2, 90, configs.TILES),  # K rows that take no 16-byte copies
     (BFLOAT16, 32, 3, 0, 75, configs.TILES),  # no mma.sync bf16 before sm_80
     (FLOAT32, 32, 1, 0, 90, configs.STREAMS),  # 4 rows a group
@@ -193,7 +197,7 @@ def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
     bufs = forward_buffers(q, k, BFLOAT16)
     b.forward(bufs, p)
     first = runs[:]
-    assert [r[0] for r in first] == ["flash_decode_streams", "flash_decode_combine"]
+    assert [r[0] for r in first] == [DECODE_KERNEL[BFLOAT16], "flash_decode_combine"]
     assert set(first[0][3]) == {"q", "k", "v", "out", "part_o", "part_ml"}  # absent: NULL
     b.forward(dict(bufs, out=buf(q, BFLOAT16, offset=4096)), p)  # another output, same shape
     assert len(b._plans) == 1 and runs[2][1]["out"] == 0x10000 + 4096
