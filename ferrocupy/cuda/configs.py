@@ -40,10 +40,11 @@ ARGS = {
 TILE_COUNTER = "tile_counter"  # a persistent kernel's claim counter (the backend's, per stream)
 MMA, WGMMA = "mma", "wgmma"
 # The decode kernels' three designs: `tensor` (half precision on tensor cores, sm_80+: a KV
-# group's rows are one mma.sync operand's 16 rows, each warp streams its own tiles; 16-byte rows),
-# and on the CUDA cores (any GPU, every dtype) `streams` (each warp streams its own tiles, no
-# block-wide barrier in the key loop; 16-byte rows, at most 8 rows a group) and `tiles` (the block
-# shares each tile; any row width, up to DECODE_ROWS rows).
+# group's rows are one mma.sync operand's 16 rows, each warp streams its own tiles; 16-byte rows;
+# the half-precision choice), and on the CUDA cores (any GPU, every dtype) `streams` (each warp
+# streams its own tiles, no block-wide barrier in the key loop; 16-byte rows, at most 8 rows a
+# group; float32's choice) and `tiles` (the block shares each tile; any row width, up to
+# DECODE_ROWS rows).
 TENSOR, STREAMS, TILES = "tensor", "streams", "tiles"
 DECODE_DESIGNS = (TENSOR, STREAMS, TILES)
 SM90A = (WGMMA,)  # built for sm_90a alone
@@ -325,19 +326,28 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
 
 
 def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
-    """The tensor-core decode kernel (half precision, any group of up to 16 rows): each warp
-    streams tiles of 16 keys through buffers of its own; 8 warps with 2 buffers where each block
-    has an SM to itself, 4 warps with 3 (two blocks an SM) beyond (`select`'s `many_blocks`).
+    """The tensor-core decode kernel (half precision, any group of up to 16 rows), first in the
+    table: each warp streams tiles of 16 keys through buffers of its own; 8 warps with 2 buffers
+    where each block has an SM to itself, 4 warps with 3 (two blocks an SM) beyond (`select`'s
+    `many_blocks`).
 
-    It comes after the streams kernel, which takes groups of up to 8 rows: dev/decode_sweep.py
-    (H200, 2026-12-03, bf16 H32/KV8 D128; GB/s at B16 Sk32k, B1 Sk128k, B64 Sk2k) gave it 4132,
-    3466, 3116 (8 warps) and 3988, 3265, 3392 (4 warps) at 4 rows a group, where the streams
-    kernel had measured 4296-4354, 3552-3693, 3433-3646 (same script, earlier that day). ncu (B1 Sk128k) saw why the CUDA cores
-    were not the limit: the streams kernel issued in 66% of cycles and read DRAM at 81% of peak,
-    the tensor kernel issued in 33% and read at 83%, but its 33 splits cost a longer combine
-    (12.9 us against 8.5). At 16 rows a group (4 query rows a head) it is what the design is for:
-    3988-4132, 3265-3466, 3194-3250 GB/s, against the tiles kernel's 513-542, 477-500, 479-527
-    and torch SDPA cudnn's 1402, 349, 1262 in the same runs."""
+    Why first, ahead of the streams kernel at groups of up to 8 rows (dev/decode_probe.py, bf16
+    H32/KV8 D128 at B16 Sk32k, B1 Sk128k, B64 Sk2k, us per step on an H100, 2026-12-06; each
+    kernel also run with its math left out (copies alone) and with its copies left out (math
+    alone)): the streams kernel's math alone took 377 / 105 / 114 us, over half its copies' 691 /
+    182 / 182, and the two overlapped imperfectly: 708 / 192 / 199 in all, against cudnn's 686 /
+    183 / 181 on the same memory. The tensor kernel's math alone took 56-67 us, but its copies
+    alone took 732 / 193 / 193: its K/V rows were padded (pitch head_dim + 8, for conflict-free
+    ldmatrix), and packed rows copied in 689 / 182 / 183. With the rows swizzled instead
+    (ferro_mma_f16.cuh `swz_at`) it took 694 / 185 / 188 (cudnn 686 / 184 / 182). compare.py A/B
+    in one call (H100, bf16; results-decode-{streams,tensor}-first-h100.json): 0.709 / 0.193 /
+    0.199 ms with the streams kernel first, 0.694 / 0.217 / 0.188 with this one (B1 moves between
+    processes: dev/decode_camping.py).
+
+    Earlier, with padded rows, dev/decode_sweep.py (H200, 2026-12-03, bf16; GB/s at the same
+    shapes) gave it 4132, 3466, 3116 (8 warps) and 3988, 3265, 3392 (4 warps) at 4 rows a group
+    against the streams kernel's 4296-4354, 3552-3693, 3433-3646; ncu (B1) saw the streams kernel
+    issue in 66% of cycles at 81% of DRAM peak, the tensor kernel in 33% at 83%."""
     if dtype == FLOAT32:
         return []
     return [Variant(DECODE, dtype, dp, 8, 1, 8 * 16, TENSOR, 2, DECODE_ROWS),
