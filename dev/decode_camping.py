@@ -7,6 +7,14 @@ then times the same step forced to several split counts (15 and 17 put the strea
 15.5 MiB apart) and torch SDPA cudnn on the same memory.
 
     python3 dev/decode_camping.py [--trials 6] [--splits 16,15,17,12,20]
+
+Refuted (H100, 2026-12-06, the tensor-core kernel, 8 trials): 16 splits took 180.3-181.6 us in
+every trial (cudnn 179.0-180.7 on the same memory), 15 took 185.5-186.6, 17 took 228.3-230.8
+(136 blocks of one per SM: a second wave), 12 took 201-203 (96 SMs busy), 20 took 208-209. The
+power-of-two spacing is the fastest. What does move B1 is the device idling before a call:
+dev/decode_gap.py measured 180.8 us back to back and 216.9 us with the device idle before each
+call, the 0.217 ms that compare.py reported in some runs (and cudnn's 215 us in some rounds of
+dev/decode_layout.py).
 """
 from __future__ import annotations
 
