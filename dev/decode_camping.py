@@ -19,7 +19,6 @@ dev/decode_layout.py).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import cupy as cp
 import numpy as np
@@ -28,22 +27,9 @@ from ferrocupy import AttentionDims, AttentionOptions
 from ferrocupy.cuda import configs
 from ferrocupy.cuda.backend import CudaBackend
 from ferrocupy.dtypes import parse
+from decode_probe import back_to_back_us  # same folder
 
 B, SK, H, HKV, D = 1, 131072, 32, 8, 128
-
-
-def back_to_back_us(fn, n=30, warm=5) -> float:
-    for _ in range(warm):
-        fn()
-    pairs = []
-    for _ in range(n):
-        a, z = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        z.record()
-        pairs.append((a, z))
-    pairs[-1][1].synchronize()
-    return statistics.median(cp.cuda.get_elapsed_time(a, z) * 1e3 for a, z in pairs)
 
 
 def main() -> None:

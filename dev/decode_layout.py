@@ -14,7 +14,6 @@ backend in float32 on the same memory first.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import cupy as cp
 import torch
@@ -22,24 +21,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ferrocupy import ComputeEngine, UnifiedTensor
+from decode_probe import back_to_back_us  # same folder: CUDA-event median, back to back
 
 H, HKV, D = 32, 8, 128
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
-
-
-def timed_us(fn, n=40, warm=5) -> float:
-    for _ in range(warm):
-        fn()
-    stream = cp.cuda.get_current_stream()  # the legacy default stream: torch's too
-    pairs = []
-    for _ in range(n):
-        a, z = cp.cuda.Event(), cp.cuda.Event()
-        a.record(stream)
-        fn()
-        z.record(stream)
-        pairs.append((a, z))
-    stream.synchronize()
-    return statistics.median(cp.cuda.get_elapsed_time(a, z) * 1e3 for a, z in pairs)
 
 
 def inputs(b, sk, dtype, layout):
@@ -90,7 +75,7 @@ def main():
                             got = out if name == "ferro" else got.transpose(1, 2)
                             err = float((got.float() - ref.transpose(1, 2)).norm() /
                                         ref.norm())
-                            us = timed_us(fn)
+                            us = back_to_back_us(fn, n=40)
                         except Exception as e:  # a backend that rejects the strides
                             rows.setdefault(key, []).append(f"({type(e).__name__})")
                             continue

@@ -45,6 +45,8 @@ def probed(g: configs.Variant, probe: int) -> Probe:
 
 
 def back_to_back_us(fn, n=30, warm=5) -> float:
+    """Median us of `fn` between CUDA events on the current stream (the legacy default stream,
+    torch's too), after `warm` calls, the calls back to back (no wait until the last)."""
     for _ in range(warm):
         fn()
     pairs = []

@@ -149,6 +149,12 @@ class Variant:
         return 1 << (need - 1).bit_length()
 
     @property
+    def kv_swizzled(self) -> bool:
+        """The tensor-core decode kernel's K/V tiles are swizzled (unpadded rows, ferro_mma_f16.cuh
+        `swz_at`) where a row is whole 128-byte lines, and padded like Q otherwise."""
+        return self.isa == TENSOR and self.head_dim % 64 == 0
+
+    @property
     def per_kv_head(self) -> bool:
         """One block row per (batch, KV head) rather than per (batch, head)."""
         return self.op == BACKWARD_DKDV
@@ -163,7 +169,7 @@ class Variant:
                        4 * self.warps * self.rows * (self.head_dim + 2))
         if self.isa == TENSOR:  # Q (pitch + 8); per warp a ring of K and V tiles, reused to merge
             pitch = self.head_dim + 8
-            kv_pitch = self.head_dim if self.head_dim % 64 == 0 else pitch  # swizzled, or padded
+            kv_pitch = self.head_dim if self.kv_swizzled else pitch
             return (elem * DECODE_ROWS * pitch
                     + max(2 * self.stages * self.step * kv_pitch * elem,
                           4 * self.warps * DECODE_ROWS * (self.head_dim + 2)))
@@ -197,10 +203,11 @@ class Variant:
         if self.op == DECODE:
             d["FERRO_ROWS"] = self.rows
             d["FERRO_STAGES"] = self.stages
-            d["FERRO_MAX_SPLITS"] = DECODE_MAX_SPLITS
             d["FERRO_COMBINE_THREADS"] = COMBINE_THREADS
         if self.isa == STREAMS:
             d["FERRO_KEY_LANES"] = self.key_lanes
+        if self.isa == TENSOR:
+            d["FERRO_KV_SWIZZLE"] = int(self.kv_swizzled)
         if self.plain:
             d["FERRO_PLAIN"] = 1
         return d

@@ -41,8 +41,8 @@ constexpr int NT = TK / 8;                 // n-tiles of the scores
 constexpr int DT = DP / 8;                 // n-tiles of O
 constexpr int PITCH = DP + 8;              // elements per shared row of Q (ferro_mma_f16.cuh)
 // K and V rows: swizzled where head_dim is whole 128-byte lines (swz_at: no padding, which
-// slowed the copies), else padded like Q.
-constexpr bool SWZ = DP % 64 == 0;
+// slowed the copies), else padded like Q; configs.py's `kv_swizzled` decides.
+constexpr bool SWZ = FERRO_KV_SWIZZLE;
 constexpr int KPITCH = SWZ ? DP : PITCH;
 constexpr int CHUNKS = DP / 8;             // 16-byte chunks per row
 constexpr int TILE = 2 * TK * KPITCH;      // elements of one buffer: K rows, then V rows
