@@ -172,10 +172,10 @@ def device_under_test() -> Device:
 
 def restricted_device(design: str) -> Device:
     """The CUDA engine restricted to one design's variants (configs.only): "mma" (the mma.sync
-    forward and backward, every GPU from sm_80), "tensor" (the tensor-core decode kernel, with
-    "tiles" for the calls it cannot take), "tiles" (the decode kernel that
-    shares each tile across the block), so a GPU whose own choice is another kernel still tests
-    these; the reference in self-check mode."""
+    forward and backward, every GPU from sm_80), "tensor" or "streams" (one decode kernel, with
+    "tiles" for the calls it cannot take), "tiles" (the decode kernel that shares each tile
+    across the block), so a GPU whose own choice is another kernel still tests these; the
+    reference in self-check mode."""
     key = "dev_" + design
     if key not in _ENGINES:
         if self_check():
@@ -185,7 +185,8 @@ def restricted_device(design: str) -> Device:
             from ferrocupy.cuda.backend import CudaBackend
 
             engine = ComputeEngine("cuda")
-            designs = (design, configs.TILES) if design == configs.TENSOR else (design,)
+            designs = ((design, configs.TILES) if design in (configs.TENSOR, configs.STREAMS)
+                       else (design,))
             engine.backend = CudaBackend(table=configs.only(*designs))
             _ENGINES[key] = Device(engine, "cuda")
     return _ENGINES[key]
@@ -198,11 +199,11 @@ def kernels(request) -> Device:
     return device_under_test() if request.param == "auto" else restricted_device("mma")
 
 
-@pytest.fixture(scope="session", params=["auto", "tensor", "tiles"])
+@pytest.fixture(scope="session", params=["auto", "streams", "tiles"])
 def decoders(request) -> Device:
     """The engine under test three times for decode shapes: with the decode kernels it picks
-    (streams for up to 8 rows a KV group, then tensor cores in half precision, where the rows
-    allow), with the tensor-core design (tiles where it cannot run: float32, rows without
+    (tensor cores in half precision, the streams kernel in float32, where the rows allow), with
+    the streams design (tiles where it cannot run: more than 8 rows a group, rows without
     16-byte copies), and with the tiles design only."""
     return device_under_test() if request.param == "auto" else restricted_device(request.param)
 

@@ -1,6 +1,7 @@
 """The decode path (issue 9): few query rows per KV group (heads / kv_heads * seq_q <= 16)
-against a long cache go through a split-KV decode kernel (the engine's pick, the tensor-core
-design and the tiles design, each tested: the `decoders` fixture) and its combine. Compared with the
+against a long cache go through a split-KV decode kernel (the engine's pick: tensor cores in half
+precision, the streams kernel in float32; the streams design; the tiles design; each tested: the
+`decoders` fixture) and its combine. Compared with the
 reference at decode shapes: seq_q 1-8, GQA 1-8, up to 128k keys, uneven kv_lens with NaN past
 them, split counts that do not divide the keys, every forward option; out and lse.
 

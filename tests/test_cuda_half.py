@@ -18,11 +18,11 @@ import pytest
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from gpu_helpers import (AttnCase, DEAD_ROW_CASES, DROPOUT_SEED, check_forward_with_lse,
-                         dead_rows, dev, gpu_pytestmark, grad_floors, kernels,
+                         dead_rows, decoders, dev, gpu_pytestmark, grad_floors, kernels,
                          make_case, needs_real_gpu, option_case, option_rows, ref, self_check)
 from half_rule import check_rule, inherited_errors, rounded, torch_plain, x64
 
-__all__ = ["dev", "kernels", "ref"]
+__all__ = ["decoders", "dev", "kernels", "ref"]
 
 pytestmark = gpu_pytestmark()
 
@@ -198,6 +198,18 @@ def test_half_head_dims(kernels, rng, dtype, d):
     56 and 104 run a wgmma kernel (where the GPU has one) zero-filled past the head_dim."""
     case = make_case(rng, b=2, sq=70, sk=90, h=4, hkv=2, d=d, causal=True, causal_offset=20)
     check_half(kernels, rounded(case, dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("sq,h,hkv,d", [(1, 8, 2, 128), (1, 8, 2, 64), (2, 8, 2, 128),
+                                        (4, 8, 2, 128), (1, 4, 4, 96)],
+                         ids=["q1-g4-d128", "q1-g4-d64", "q2-g4-d128", "q4-g4-d128", "q1-g1-d96"])
+def test_half_decode(decoders, rng, dtype, sq, h, hkv, d):
+    """The decode kernels (each design: `decoders`) meet the half-precision rule: few query rows
+    against 3000 keys (several splits), every key visible to the last row."""
+    case = make_case(rng, b=2, sq=sq, sk=3000, h=h, hkv=hkv, d=d, causal=True,
+                     causal_offset=3000 - sq)
+    check_half(decoders, rounded(case, dtype), backward=False)
 
 
 @pytest.mark.parametrize("dtype", HALF)
