@@ -87,7 +87,7 @@ def estimate_seconds(cases, settings: harness.Settings) -> float:
             else:
                 t = c.bytes / 1e9 / _GBPS.get(impl, 2000) * 1e3
             reps = harness.plan_reps(t, settings)
-            warm = max(settings.warmup_ms, settings.min_warmup * t)
+            warm = max(settings.warmup_ms, settings.min_warmup * t) + settings.settle_ms
             total += (warm + (reps + 3) * t) / 1e3 + 0.05
     return total
 
@@ -112,6 +112,7 @@ def measure(run, impl: str, settings: harness.Settings, events=None) -> dict:
     c = run.case
     return {"status": "ok", "ms": t.median_ms, "throughput": c.throughput(t.median_ms),
             "rel_err": err, "reps": t.reps, "warmup_calls": t.warmup_calls,
+            "settle_calls": t.settle_calls,
             "min_ms": min(t.times_ms), "max_ms": max(t.times_ms),
             "times_ms": [round(x, 5) for x in t.times_ms]}
 

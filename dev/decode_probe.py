@@ -3,7 +3,8 @@ flash_decode_streams.cu runs three ways at compare.py's decode shapes (bf16, H32
 D128, Sq 1): as built, with FERRO_PROBE=1 (only the first tiles copied, the math done on every
 tile: the compute alone) and FERRO_PROBE=2 (every tile copied, no math: the copies alone), beside
 torch SDPA cudnn on the same memory. Times are CUDA-event medians of back-to-back calls (the
-decode kernel and its combine) in us; GB/s counts K + V once.
+decode kernel and its combine) in us; `kernel` is the decode kernel alone, without its combine;
+GB/s counts K + V once.
 
     python3 dev/decode_probe.py [--dtype bfloat16] [--all]   (--all: every streams geometry of
                                                                decode_sweep.py --small)
@@ -116,10 +117,12 @@ def main() -> None:
                     [backend._launch(*x, p) for x in launches]
                     err = float(cp.linalg.norm(out.astype(cp.float32) - want) / cp.linalg.norm(want))
                 times.append(back_to_back_us(lambda: [backend._launch(*x, p) for x in launches]))
+                if probe == 0:  # the decode kernel without its combine
+                    alone = back_to_back_us(lambda: backend._launch(*launches[0], p))
             if len(times) < 3:
                 continue
             tag = (f"{g.isa[0]} w{g.warps} n{g.step} s{g.stages}" + (" *" if g == chosen else ""))
-            rows.append((f"b{B} sk{SK}", tag, splits, *times, gb / times[0] * 1e6, err))
+            rows.append((f"b{B} sk{SK}", tag, splits, *times, alone, gb / times[0] * 1e6, err))
         backend.table = configs.TABLE
         try:
             import torch
@@ -130,14 +133,16 @@ def main() -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 us = back_to_back_us(
                     lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True))
-            rows.append((f"b{B} sk{SK}", "torch-cudnn", 0, us, 0.0, 0.0, gb / us * 1e6, 0.0))
+            rows.append((f"b{B} sk{SK}", "torch-cudnn", 0, us, 0.0, 0.0, us, gb / us * 1e6, 0.0))
         except Exception as e:  # noqa: BLE001
             print(f"cudnn skipped: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         del q, k, v, out, bufs
         cp.get_default_memory_pool().free_all_blocks()
-    print(f"{'shape':<14}{'geometry':<16}{'splits':>7}{'us':>9}{'compute':>9}{'copies':>9}{'GB/s':>8}{'err':>9}")
+    print(f"{'shape':<14}{'geometry':<16}{'splits':>7}{'us':>9}{'compute':>9}{'copies':>9}"
+          f"{'kernel':>9}{'GB/s':>8}{'err':>9}")
     for r in rows:
-        print(f"{r[0]:<14}{r[1]:<16}{r[2]:>7}{r[3]:>9.1f}{r[4]:>9.1f}{r[5]:>9.1f}{r[6]:>8.0f}{r[7]:>9.1e}")
+        print(f"{r[0]:<14}{r[1]:<16}{r[2]:>7}{r[3]:>9.1f}{r[4]:>9.1f}{r[5]:>9.1f}{r[6]:>9.1f}"
+              f"{r[7]:>8.0f}{r[8]:>9.1e}")
 
 
 if __name__ == "__main__":

@@ -130,6 +130,25 @@ def test_time_calls_excludes_warmup_and_rotates_sets():
     assert t.median_ms == 2.0
 
 
+@pytest.mark.parametrize("settle_ms, median", [(100, 1.0), (0, 2.0)])
+def test_time_calls_waits_out_a_slow_start(settle_ms, median):
+    # A device that runs its first 40 calls at half speed (as one idle before the call does,
+    # harness.Settings.settle_ms): the timed calls come after it is up to speed, unless settling is off.
+    ev = FakeEvents()
+    calls = []
+
+    def run():
+        calls.append(1)
+        ev.now += 2.0 if len(calls) <= 40 else 1.0
+
+    prep = peers.Prepared("fake", None, [run], check=None)
+    s = harness.Settings(warmup_ms=5, target_ms=20, min_reps=5, max_reps=100, min_warmup=2,
+                         settle_ms=settle_ms)
+    t = harness.time_calls(prep.run_next, "stream", s, ev)
+    assert t.warmup_calls == 3 and t.median_ms == median
+    assert t.settle_calls == (65 if settle_ms else 0)
+
+
 def test_gpu_clock_reads_device_time():
     ev = FakeEvents()
     clock = harness.GpuClock(ev)

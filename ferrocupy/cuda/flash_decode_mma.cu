@@ -78,18 +78,6 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     const int n_tiles = j_hi > j_lo ? (int)((j_hi - j_lo + TK - 1) / TK) : 0;
     const int n_mine = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
 
-    // Q's rows (zero past R and past D) into shared memory, element by element: read once, so
-    // its alignment is not asked for.
-    for (int idx = tid; idx < ROWS * DP; idx += THREADS) {
-        const int r = idx / DP, d = idx % DP;
-        T x = 0;
-        if (r < R && d < D) {
-            const u32 qi = r % s.seq_q, head = hk * G + r / s.seq_q;
-            x = q[(u64)b * lay.q.b + (u64)qi * lay.q.s + (u64)head * lay.q.h + d];
-        }
-        sQ[r * PITCH + d] = x;
-    }
-
     // This lane's two rows (g, g + 8: the accumulators' c0/c1 and c2/c3) see the keys
     // j_lo + [see_lo, see_lo + see_n) of the split (none past R): one unsigned compare a score.
     // [all_lo, all_hi): the keys every row sees; a tile inside it skips the test.
@@ -137,9 +125,33 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         }
         cp_async_commit();  // one group per tile, maybe empty: the wait below counts tiles
     };
+    // The first tiles' copies go out before anything else waits on memory (Q's loads below
+    // included), so the block's start-up hides behind them.
 #pragma unroll
     for (int u = 0; u < STAGES - 1; ++u) load(u);
 
+    // Q's rows (zero past R and past D) into shared memory, element by element (read once, so
+    // its alignment is not asked for): every load of the thread issued before its first store,
+    // one round trip rather than one per element.
+    {
+        constexpr int PER = ROWS * DP / THREADS;
+        static_assert(ROWS * DP % THREADS == 0, "Q's elements spread evenly over the threads");
+        T x[PER];
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int idx = tid + e * THREADS, r = idx / DP, d = idx % DP;
+            x[e] = 0;
+            if (r < R && d < D) {
+                const u32 qi = r % s.seq_q, head = hk * G + r / s.seq_q;
+                x[e] = q[(u64)b * lay.q.b + (u64)qi * lay.q.s + (u64)head * lay.q.h + d];
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int idx = tid + e * THREADS;
+            sQ[(idx / DP) * PITCH + idx % DP] = x[e];
+        }
+    }
     __syncthreads();  // sQ written
     u32 qa[DP / 16][4];
     {

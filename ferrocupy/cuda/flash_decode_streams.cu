@@ -74,30 +74,6 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int n_tiles = j_hi > j_lo ? (int)((j_hi - j_lo + TK - 1) / TK) : 0;
     const int n_mine = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
 
-    // Row r sees the keys j_lo + [see_lo[r], see_lo[r] + see_n[r]) of this split (none past R):
-    // one unsigned compare per (row, key) in the loop.
-    u32 see_lo[ROWS], see_n[ROWS];
-    float qf[ROWS][DL];  // this lane's dims of each row of Q, scaled; 0 past D and past R
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const u32 qi = r < R ? r % s.seq_q : 0, head = hk * G + (r < R ? r / s.seq_q : 0);
-        long long r_lo, r_hi;
-        visible_key_range(s, (long long)qi + s.offset, (long long)qi + s.offset, r_lo, r_hi);
-        r_lo = max(r_lo, j_lo), r_hi = min(r_hi, j_hi);
-        see_lo[r] = (u32)(r_lo - j_lo);
-        see_n[r] = r < R && r_hi > r_lo ? (u32)(r_hi - r_lo) : 0u;
-        const T* qr = q + (u64)b * lay.q.b + (u64)qi * lay.q.s + (u64)head * lay.q.h;
-#pragma unroll
-        for (int cc = 0; cc < CH; ++cc) {
-            const int ch = x + TX * cc;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                const int d = ch * VEC + e;
-                qf[r][cc * VEC + e] = (r < R && ch < ROW_CHUNKS && d < D) ? to_f(qr[d]) * s.scale : 0.f;
-            }
-        }
-    }
-
     // Tile u of this warp: keys jt + c * KW + g for c < C. A lane copies chunks x + TX * cc of
     // its group's keys; past j_hi (the split's end, or the reach) and past D, zero-filled.
     auto load = [&](int u) {
@@ -135,8 +111,34 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         for (int e = 0; e < DL; ++e) o[r][e] = 0.f;
     }
 
+    // The first tiles' copies go out before anything waits on memory (Q's loads below).
 #pragma unroll
     for (int u = 0; u < STAGES - 1; ++u) load(u);
+
+    // Row r sees the keys j_lo + [see_lo[r], see_lo[r] + see_n[r]) of this split (none past R):
+    // one unsigned compare per (row, key) in the loop.
+    u32 see_lo[ROWS], see_n[ROWS];
+    float qf[ROWS][DL];  // this lane's dims of each row of Q, scaled; 0 past D and past R
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const u32 qi = r < R ? r % s.seq_q : 0, head = hk * G + (r < R ? r / s.seq_q : 0);
+        long long r_lo, r_hi;
+        visible_key_range(s, (long long)qi + s.offset, (long long)qi + s.offset, r_lo, r_hi);
+        r_lo = max(r_lo, j_lo), r_hi = min(r_hi, j_hi);
+        see_lo[r] = (u32)(r_lo - j_lo);
+        see_n[r] = r < R && r_hi > r_lo ? (u32)(r_hi - r_lo) : 0u;
+        const T* qr = q + (u64)b * lay.q.b + (u64)qi * lay.q.s + (u64)head * lay.q.h;
+#pragma unroll
+        for (int cc = 0; cc < CH; ++cc) {
+            const int ch = x + TX * cc;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const int d = ch * VEC + e;
+                qf[r][cc * VEC + e] = (r < R && ch < ROW_CHUNKS && d < D) ? to_f(qr[d]) * s.scale : 0.f;
+            }
+        }
+    }
+
     for (int u = 0; u < n_mine; ++u) {
         // The buffer refilled here was read (by this lane alone) in iteration u - 1.
         __syncwarp();
