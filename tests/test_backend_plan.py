@@ -97,23 +97,39 @@ DECODE_KERNEL = {FLOAT32: "flash_decode_streams", BFLOAT16: "flash_decode_mma"}
 
 
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
-def test_decode_plan_splits_the_keys_and_combines(dtype):
+def test_decode_plan_splits_the_keys_and_merges_them_in_the_kernel(dtype):
+    """Few pairs, long keys: several splits a pair; the pair's last block merges them, counted
+    in zeroed tickets (one per pair) in the workspace: no combine launch."""
     b = backend()
     q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)
     assert configs.decode_wanted(p)
-    ((fn, blocks, threads, smem, args), (comb, cblocks, cthreads, csmem, cargs)), work = \
-        b._plan_decode(forward_buffers(q, k, dtype), p)
-    assert work == {"part_o": args[3].shape, "part_ml": args[4].shape}
-    assert fn.name == DECODE_KERNEL[dtype] and comb.name == "flash_decode_combine"
+    ((fn, blocks, threads, smem, args),), work = b._plan_decode(forward_buffers(q, k, dtype), p)
     names = configs.ARGS[configs.DECODE]
+    at = {n: args[names.index(n)] for n in ("part_o", "part_ml", configs.TICKETS)}
+    assert work == {n: a.shape for n, a in at.items()}
+    assert fn.name == DECODE_KERNEL[dtype]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
     assert blocks == 2 * 8 * splits and splits > 1 and splits * split_keys >= 32768
-    assert args[3].shape == (splits, 2 * 32, 128) and args[4].shape == (splits, 2 * 32, 2)
-    assert cblocks == 2 * 32 and cthreads == configs.COMBINE_THREADS and csmem == 0
+    assert at["part_o"].shape == (splits, 2 * 32, 128) and at["part_ml"].shape == (splits, 2 * 32, 2)
+    assert at[configs.TICKETS].shape == (2 * 8,) and not at[configs.TICKETS].any()
     assert smem == fn.max_dynamic_shared_size_bytes <= 232448
     b._plan_decode(forward_buffers(q, k, dtype), p)
-    assert len(b.loader.compiled) == 2  # both kernels chosen once
+    assert len(b.loader.compiled) == 1  # chosen once
+
+
+def test_decode_tiles_design_combines_in_a_second_kernel():
+    """The tiles design leaves every split in the workspace (no tickets): the combine merges."""
+    b = backend()
+    b.table = configs.only(configs.TILES)
+    q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
+    p = params(q, k, causal=True, causal_offset=32767)
+    ((fn, blocks, _, _, args), (comb, cblocks, cthreads, csmem, cargs)), work = \
+        b._plan_decode(forward_buffers(q, k, BFLOAT16), p)
+    assert fn.name == "flash_decode" and comb.name == "flash_decode_combine"
+    assert set(work) == {"part_o", "part_ml"}
+    assert args[configs.ARGS[configs.DECODE].index(configs.TICKETS)].size == 0  # none
+    assert cblocks == 2 * 32 and cthreads == configs.COMBINE_THREADS and csmem == 0
 
 
 def test_decode_with_one_split_writes_out_itself():
@@ -177,7 +193,7 @@ def fake_runtime(b, stream=7):
     record their runs instead of launching."""
     runs = []
     b._plans = {}
-    b.xp = SimpleNamespace(empty=np.empty, cuda=SimpleNamespace(
+    b.xp = SimpleNamespace(empty=np.empty, zeros=np.zeros, cuda=SimpleNamespace(
         runtime=SimpleNamespace(getDevice=lambda: 0),
         get_current_stream=lambda: SimpleNamespace(ptr=stream),
         ExternalStream=lambda ptr, device: contextlib.nullcontext()))
@@ -197,21 +213,24 @@ def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
     bufs = forward_buffers(q, k, BFLOAT16)
     b.forward(bufs, p)
     first = runs[:]
-    assert [r[0] for r in first] == [DECODE_KERNEL[BFLOAT16], "flash_decode_combine"]
-    assert set(first[0][3]) == {"q", "k", "v", "out", "part_o", "part_ml"}  # absent: NULL
+    assert [r[0] for r in first] == [DECODE_KERNEL[BFLOAT16]]  # splits merged in the kernel
+    assert set(first[0][3]) == {"q", "k", "v", "out", "part_o", "part_ml", "tickets"}  # absent: NULL
+    assert not first[0][1]["tickets"] % 4 and runs[0][1]["tickets"] != runs[0][1]["part_o"]
     b.forward(dict(bufs, out=buf(q, BFLOAT16, offset=4096)), p)  # another output, same shape
-    assert len(b._plans) == 1 and runs[2][1]["out"] == 0x10000 + 4096
-    assert runs[2][1]["part_o"] == runs[0][1]["part_o"]  # the workspace, reused on its stream
+    assert len(b._plans) == 1 and runs[1][1]["out"] == 0x10000 + 4096
+    assert runs[1][1]["part_o"] == runs[0][1]["part_o"]  # the workspace, reused on its stream
     plan = next(iter(b._plans.values()))
-    assert set(plan.workspace) == {"part_o", "part_ml"} and set(plan.owned) == {7}
+    assert set(plan.workspace) == {"part_o", "part_ml", "tickets"} and set(plan.owned) == {7}
+    assert not plan.owned[7]["tickets"].any()  # zeroed where made (each launch leaves it so)
     b.xp.cuda.get_current_stream = lambda: SimpleNamespace(ptr=8)
     b.forward(bufs, p)
     assert len(b._plans) == 1 and set(plan.owned) == {7, 8}  # another stream, its own workspace
     assert runs[-1][2] == 8 and runs[-1][1]["part_o"] != runs[0][1]["part_o"]
     made = []
-    b.forward(bufs, p, stream=9, alloc=lambda shape: made.append(np.empty(shape, np.float32))
+    b.forward(bufs, p, stream=9, alloc=lambda shape: made.append(np.full(shape, 7, np.float32))
               or made[-1])
-    assert [m.shape for m in made] == [plan.workspace["part_o"], plan.workspace["part_ml"]]
+    assert [m.shape for m in made] == [plan.workspace[n] for n in ("part_o", "part_ml", "tickets")]
+    assert not made[2].any() and made[0].all()  # the caller's tickets zeroed, the rest left
     assert runs[-1][1]["part_o"] == made[0].ctypes.data and set(plan.owned) == {7, 8}
 
 

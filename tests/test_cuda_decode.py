@@ -1,7 +1,8 @@
 """The decode path (issue 9): few query rows per KV group (heads / kv_heads * seq_q <= 16)
 against a long cache go through a split-KV decode kernel (the engine's pick: tensor cores in half
 precision, the streams kernel in float32; the streams design; the tiles design; each tested: the
-`decoders` fixture) and its combine. Compared with the
+`decoders` fixture), the splits merged by each group's last block (or, in the tiles design, by
+the combine kernel). Compared with the
 reference at decode shapes: seq_q 1-8, GQA 1-8, up to 128k keys, uneven kv_lens with NaN past
 them, split counts that do not divide the keys, every forward option; out and lse.
 
@@ -98,6 +99,20 @@ def test_decode_matches_the_reference(decoders, ref, rng, dtype, name):  # noqa:
         for i, n in enumerate(kv_lens):
             k[i, n:], v[i, n:] = np.nan, np.nan
     check_forward_with_lse(decoders, ref, q, k, v, opts, m, kv_lens, what=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_split_merge_leaves_its_tickets_at_zero(decoders, ref, rng, dtype):  # noqa: F811
+    """The same split call shape three times with fresh inputs (one plan, its workspace reused on
+    the stream): each right. The pair's last block merges the splits only if every launch leaves
+    the tickets at zero; a launch that did not would leave the next one's out unwritten (NaN)."""
+    b, sq, h, hkv, d, sk = 2, 1, 32, 8, 128, 20000
+    opts = AttentionOptions(causal=True, causal_offset=sk - 1)
+    for i in range(3):
+        q = rng.standard_normal((b, sq, h, d)).astype(np.float32).astype(dtype)
+        k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+        v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+        check_forward_with_lse(decoders, ref, q, k, v, opts, what=f"call {i}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -164,13 +164,19 @@ class CudaBackend:
             ptrs = dict(ptrs)
             if alloc is not None:
                 keep = [alloc(shape) for shape in plan.workspace.values()]
+                for n, x in zip(plan.workspace, keep):
+                    if n == configs.TICKETS:  # zero before the launch (queued on the stream)
+                        x.zero_() if hasattr(x, "zero_") else x.fill(0)
                 ptrs.update(zip(plan.workspace, (address(x) for x in keep)))
             else:
                 owned = plan.owned.get(stream)
                 if owned is None:
+                    # Zeroed once: the tickets must start at zero, and each launch leaves them so
+                    # (the stream orders the launches that share them).
                     with self.xp.cuda.ExternalStream(stream, self._id):
                         owned = plan.owned[stream] = {
-                            n: self.xp.empty(shape, dtype=np.float32)
+                            n: (self.xp.zeros if n == configs.TICKETS else self.xp.empty)(
+                                shape, dtype=np.float32)
                             for n, shape in plan.workspace.items()}
                 ptrs.update((n, address(a)) for n, a in owned.items())
         if plan.counted:
@@ -245,9 +251,10 @@ class CudaBackend:
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
 
     def _plan_decode(self, buffers: dict, params, slots=(), layout=None) -> tuple[list, dict]:
-        """The decode kernel over (batch, KV head, split) blocks, then (with more than one split,
-        or the tiles design, which always leaves its result in the workspace) the combine. Every
-        launch is planned (compiled, checked) before any runs."""
+        """The decode kernel over (batch, KV head, split) blocks; with more than one split, the
+        last block of each pair to finish merges the splits (counted in the workspace's
+        `tickets`), except in the tiles design, which always leaves its result in the workspace
+        for the combine kernel. Every launch is planned (compiled, checked) before any runs."""
         if layout is None:
             layout = contiguous_layout(params)
         d = int(params["head_dim"])
@@ -262,17 +269,22 @@ class CudaBackend:
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
         if pairs * splits > GRID_X_MAX:
             raise ValueError(f"decode: {pairs * splits} blocks exceed the grid limit {GRID_X_MAX}")
-        combined = splits > 1 or v.isa == configs.TILES
+        combine_launch = v.isa == configs.TILES
+        combined = splits > 1 or combine_launch
         # The workspace: per split, each row's unnormalised O and (max, sum); none when the one
-        # split writes out itself. Slots when planning (the caller supplies it on each run),
-        # else arrays made here.
+        # split writes out itself; with the split merged in the kernel, a ticket per pair (zero
+        # before the launch: see _run_plan). Slots when planning (the caller supplies it on
+        # each run), else arrays made here.
         workspace = {"part_o": (splits, rows, v.head_dim), "part_ml": (splits, rows, 2)} \
             if combined else {}
+        if combined and not combine_launch:
+            workspace[configs.TICKETS] = (pairs,)
+        names = ("part_o", "part_ml", configs.TICKETS)
         if slots:
-            part_o, part_ml = (Slot(n) if n in workspace else NULL for n in ("part_o", "part_ml"))
+            part_o, part_ml, tickets = (Slot(n) if n in workspace else NULL for n in names)
         else:
-            part_o, part_ml = (self.xp.empty(workspace.get(n, (0,)), dtype=np.float32)
-                               for n in ("part_o", "part_ml"))
+            part_o, part_ml, tickets = (self.xp.zeros(workspace.get(n, (0,)), dtype=np.float32)
+                                        for n in names)
         mask = buffers.get("mask")
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
 
@@ -281,11 +293,11 @@ class CudaBackend:
                 return NULL
             return Slot(name) if name in slots else buffers[name]
 
-        args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, opt("out"),
+        args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, tickets, opt("out"),
                 opt("lse"), opt("mask"), opt("kv_lens"), np.uint32(splits),
                 np.uint32(split_keys), np.uint32(vec), mask_kind, layout)
         launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
-        if combined:
+        if combine_launch:
             combine = self._kernels.get(v)
             if combine is None:
                 combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,

@@ -24,19 +24,22 @@ import numpy as np
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32
 
 FORWARD, BACKWARD_DQ, BACKWARD_DKDV, ROPE = "forward", "backward_dq", "backward_dkdv", "rope"
-DECODE = "decode"  # the forward of few rows against many keys: split-KV, then a combine
+DECODE = "decode"  # the forward of few rows against many keys: split-KV, then the splits merged
 DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernels take
-DECODE_MAX_SPLITS = 256  # key splits per (batch, KV head): more only lengthen the combine
-COMBINE_THREADS = 128  # the combine's block (one per output row)
+DECODE_MAX_SPLITS = 256  # key splits per (batch, KV head): more only lengthen the merge
+COMBINE_THREADS = 128  # the combine kernel's block (one per output row; the tiles design)
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
 ARGS = {
     FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens"),
     BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse"),
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
-    DECODE: ("q", "k", "v", "part_o", "part_ml", "out", "lse", "mask", "kv_lens", "splits",
-             "split_keys"),
+    DECODE: ("q", "k", "v", "part_o", "part_ml", "tickets", "out", "lse", "mask", "kv_lens",
+             "splits", "split_keys"),
 }
+# Decode's per-(batch, KV head) counters: the last block of a pair to finish merges its splits.
+# They must be zero before a launch, and each launch leaves them so.
+TICKETS = "tickets"
 TILE_COUNTER = "tile_counter"  # a persistent kernel's claim counter (the backend's, per stream)
 MMA, WGMMA = "mma", "wgmma"
 # The decode kernels' three designs: `tensor` (half precision on tensor cores, sm_80+: a KV

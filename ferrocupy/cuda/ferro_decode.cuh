@@ -68,19 +68,73 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
     return d;
 }
 
+// Row `row`'s column d merged over the splits' parts in the workspace (unnormalised O
+// [splits][rows_total][FERRO_HEAD_DIM], (max, sum) [splits][rows_total][2]): each thread reads
+// the splits' (max, sum) itself (the same addresses across a row: broadcast) together with its
+// column, CHUNK splits at a time, every load independent: one round trip to L2 for up to CHUNK
+// splits, no barrier, no shared memory. Chunks after the first rescale what came before (an
+// online softmax over the splits). L2 loads (ld.cg): other blocks wrote the parts during this
+// launch, which this SM's L1 does not see. Gives (max, sum, O's column).
+__device__ __forceinline__ void merge_splits(const float* part_o, const float* part_ml, u32 splits,
+                                             u64 rows_total, u64 row, int d, bool col, float& M,
+                                             float& L, float& acc) {
+    constexpr int CHUNK = 16;
+    M = neg_inf(), L = 0.f, acc = 0.f;
+    for (u32 s0 = 0; s0 < splits; s0 += CHUNK) {
+        float m[CHUNK], l[CHUNK], o[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) {
+            const u32 sp = s0 + i;
+            const u64 at = (u64)sp * rows_total + row;
+            const bool ok = sp < splits;
+            m[i] = ok ? __ldcg(part_ml + at * 2) : neg_inf();
+            l[i] = ok ? __ldcg(part_ml + at * 2 + 1) : 0.f;
+            o[i] = ok && col ? __ldcg(part_o + at * FERRO_HEAD_DIM + d) : 0.f;
+        }
+        float mx = M;
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) mx = fmaxf(mx, m[i]);
+        const float m_use = mx == neg_inf() ? 0.f : mx;
+        const float a = exp2f((M - m_use) * FERRO_LOG2E);  // what came before, rescaled
+        L *= a, acc *= a;
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) {
+            const float w = l[i] != 0.f ? exp2f((m[i] - m_use) * FERRO_LOG2E) : 0.f;  // empty: 0
+            L = fmaf(l[i], w, L);
+            acc = fmaf(w, o[i], acc);
+        }
+        M = mx;
+    }
+}
+
+// Writes row (b, h, i)'s column d of out (O / sum, rounded once; a row that sees nothing: 0)
+// and, from column 0, its lse, given the row's (max, sum, O's column).
+__device__ __forceinline__ void write_row(const AttnShape& s, const AttnLayout& lay, u32 b, u32 h,
+                                          u32 i, u64 row, int d, float M, float L, float O, T* out,
+                                          float* lse) {
+    const float keep_scale = s.dropout_prob > 0.f ? 1.f / (1.f - s.dropout_prob) : 1.f;
+    const float inv = L == 0.f ? 0.f : keep_scale / L;
+    if (d < (int)s.head_dim)
+        out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = from_f(O * inv);
+    if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+}
+
 // A decode block's last step: its warps' partial results for each of its R rows (sO
 // [WARPS][ROWS][FERRO_HEAD_DIM] unnormalised O, sML [WARPS][ROWS][2] (max, sum), max in scaled
 // units, a warp that saw no key of a row leaving (-inf, 0)) merged per row. With one split the
-// block writes out (rounded once) and lse itself; with more, the split's O and (max, sum) go to
-// the workspace for flash_decode_combine.
+// block writes out and lse itself. With more, the split's O and (max, sum) go to the workspace,
+// and then, given `tickets` (a zeroed counter per (batch, KV head), left zeroed again), the last
+// of the pair's blocks to get there merges every split (merge_splits) and writes out and lse:
+// no combine launch, whose start and the drain of this kernel before it cost about 3.6 us of
+// 181 at bf16 B1 Sk128k (dev/decode_probe.py, H100, 2026-12-06). Without tickets,
+// flash_decode_combine merges them.
 template <int WARPS, int ROWS, int THREADS>
 __device__ __forceinline__ void decode_finish(const float* sO, const float* sML, const AttnShape& s,
                                               const AttnLayout& lay, const DecodeBlock& blk,
                                               u32 split, u32 splits, T* out, float* lse,
-                                              float* part_o, float* part_ml) {
+                                              float* part_o, float* part_ml, u32* tickets) {
     constexpr int DP = FERRO_HEAD_DIM;
     const u64 rows_total = (u64)s.batch * s.heads * s.seq_q;
-    const float keep_scale = s.dropout_prob > 0.f ? 1.f / (1.f - s.dropout_prob) : 1.f;
     for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
         const int r = idx / DP, d = idx % DP;
         float M = neg_inf();
@@ -97,10 +151,7 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
         const u32 h = blk.hk * blk.G + r / s.seq_q, i = r % s.seq_q;
         const u64 row = ((u64)blk.b * s.heads + h) * s.seq_q + i;
         if (splits == 1) {  // the only split: this block writes the answer
-            const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
-            if (d < (int)s.head_dim)
-                out[(u64)blk.b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = from_f(O * inv);
-            if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+            write_row(s, lay, blk.b, h, i, row, d, M, L, O, out, lse);
         } else {
             part_o[((u64)split * rows_total + row) * DP + d] = O;
             if (d == 0) {
@@ -109,15 +160,30 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
             }
         }
     }
+    if (splits == 1 || !tickets) return;
+    // The last block of the pair: every other block's parts are written and visible to it
+    // (each block fences its writes before taking its ticket; the last fences before reading).
+    __threadfence();
+    __syncthreads();  // every thread's parts fenced before the ticket is taken
+    u32* ticket = tickets + blockIdx.x / splits;
+    const bool last = __syncthreads_or(threadIdx.x == 0 && atomicAdd(ticket, 1u) == splits - 1);
+    if (!last) return;
+    if (threadIdx.x == 0) *ticket = 0u;  // every block of the pair has counted: zero for the next launch
+    __threadfence();
+    for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
+        const int r = idx / DP, d = idx % DP;
+        const u32 h = blk.hk * blk.G + r / s.seq_q, i = r % s.seq_q;
+        const u64 row = ((u64)blk.b * s.heads + h) * s.seq_q + i;
+        float M, L, O;
+        merge_splits(part_o, part_ml, splits, rows_total, row, d, true, M, L, O);
+        write_row(s, lay, blk.b, h, i, row, d, M, L, O, out, lse);
+    }
 }
 
-// One block of COMBINE_THREADS per output row (b, h, i), a thread per column of O (head_dim <=
-// COMBINE_THREADS). Each thread reads the splits' (max, sum) itself (the same addresses across the
-// block: broadcast) together with its column, CHUNK splits at a time, every load independent:
-// one round trip to L2 for up to CHUNK splits, no barrier, no shared memory. (The block-wide
-// version, a reduction for the max, another for the sum, then the columns, waited on three.)
-// Chunks after the first rescale what came before (an online softmax over the splits). Writes
-// out (rounded once) and lse. Any number of splits (configs.py caps them at DECODE_MAX_SPLITS).
+// The second kernel where the decode kernel has no tickets (the tiles design): one block of
+// COMBINE_THREADS per output row (b, h, i), a thread per column of O (head_dim <=
+// COMBINE_THREADS), merge_splits. Any number of splits (configs.py caps them at
+// DECODE_MAX_SPLITS).
 constexpr int COMBINE_THREADS = FERRO_COMBINE_THREADS;
 static_assert(FERRO_HEAD_DIM <= COMBINE_THREADS, "a combine thread per column");
 
@@ -125,39 +191,11 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                      T* __restrict__ out, float* __restrict__ lse, const u32 splits,
                      const AttnLayout lay, const FlashV2Params p) {
-    constexpr int CHUNK = 16;
     const u64 rows_total = (u64)p.batch * p.heads * p.seq_q, row = blockIdx.x;
-    const int d = threadIdx.x, D = p.head_dim;
-    const bool col = d < D;
-    float M = neg_inf(), L = 0.f, acc = 0.f;
-    for (u32 s0 = 0; s0 < splits; s0 += CHUNK) {
-        float m[CHUNK], l[CHUNK], o[CHUNK];
-#pragma unroll
-        for (int i = 0; i < CHUNK; ++i) {
-            const u32 sp = s0 + i;
-            const u64 at = (u64)sp * rows_total + row;
-            const bool ok = sp < splits;
-            m[i] = ok ? part_ml[at * 2] : neg_inf();
-            l[i] = ok ? part_ml[at * 2 + 1] : 0.f;
-            o[i] = ok && col ? part_o[at * FERRO_HEAD_DIM + d] : 0.f;
-        }
-        float mx = M;
-#pragma unroll
-        for (int i = 0; i < CHUNK; ++i) mx = fmaxf(mx, m[i]);
-        const float m_use = mx == neg_inf() ? 0.f : mx;
-        const float a = exp2f((M - m_use) * FERRO_LOG2E);  // what came before, rescaled
-        L *= a, acc *= a;
-#pragma unroll
-        for (int i = 0; i < CHUNK; ++i) {
-            const float w = l[i] != 0.f ? exp2f((m[i] - m_use) * FERRO_LOG2E) : 0.f;  // empty: 0
-            L = fmaf(l[i], w, L);
-            acc = fmaf(w, o[i], acc);
-        }
-        M = mx;
-    }
-    const float keep_scale = p.dropout_prob > 0.f ? 1.f / (1.f - p.dropout_prob) : 1.f;
-    const float inv = L == 0.f ? 0.f : keep_scale / L;  // a row that sees nothing: 0
+    const int d = threadIdx.x;
+    float M, L, O;
+    merge_splits(part_o, part_ml, splits, rows_total, row, d, d < (int)p.head_dim, M, L, O);
+    const AttnShape s = attn_shape(p, 0);
     const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
-    if (col) out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = from_f(acc * inv);
-    if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+    if (d < (int)p.head_dim) write_row(s, lay, b, h, i, row, d, M, L, O, out, lse);
 }

@@ -7,7 +7,8 @@
 // cp.async (double-buffered); scores, softmax and O += P V run on the CUDA cores in float32 (a
 // few rows per key: the kernel is bound by memory, not arithmetic). Each split writes its
 // unnormalised O and its (max, sum) to a float32 workspace; `flash_decode_combine` merges the
-// splits of each row through them and writes out (and lse). Every forward option holds: causal
+// splits of each row through them and writes out (and lse); `tickets` is for the other designs
+// (their last block of a pair merges the splits) and unused here. Every forward option holds: causal
 // + offset, window, mask, dropout (the same keep mask), kv_lens, dead rows -> 0.
 // Element type: float32, or float16 / bfloat16 with FERRO_BF16 defined. Geometry from configs.py.
 #include "ferro_params.cuh"
@@ -35,7 +36,8 @@ static_assert(2 * STAGES * KV_ELEMS * (int)sizeof(T) + 4 * (ROWS * DP + ROWS * (
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-             float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
+             float* __restrict__ part_o, float* __restrict__ part_ml, u32* __restrict__ tickets,
+                 T* __restrict__ out,
              float* __restrict__ lse, const void* __restrict__ mask, const int* __restrict__ kv_lens, const u32 splits,
              const u32 split_keys, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(16) unsigned char smem_d[];

@@ -11,8 +11,8 @@
 // what the warp's other lanes copied). Per tile: S = Q K^T (float32 accumulators), scale, mask,
 // -inf where a row does not see a key, the online softmax per row, dropout (the same keep mask),
 // O += P V with P rounded to the dtype (as every half-precision forward here does). The warps'
-// results merge through shared memory at the end (decode_finish); with several splits,
-// flash_decode_combine merges the splits. Every forward option holds: causal + offset, window,
+// results merge through shared memory at the end (decode_finish); with several splits, the
+// pair's last block to finish merges the splits (decode_finish's tickets). Every forward option holds: causal + offset, window,
 // mask, dropout, kv_lens, dead rows -> 0; keys past the split's reach are never read.
 // Rows of K and V take 16-byte copies (the backend checks). Geometry from configs.py.
 // FERRO_PROBE (dev/decode_probe.py only; wrong answers): 1 copies only the first STAGES tiles and
@@ -57,7 +57,8 @@ static_assert(Q_BYTES + (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) ==
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
+                 float* __restrict__ part_o, float* __restrict__ part_ml, u32* __restrict__ tickets,
+                 T* __restrict__ out,
                  float* __restrict__ lse, const void* __restrict__ mask,
                  const int* __restrict__ kv_lens, const u32 splits, const u32 split_keys,
                  const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
@@ -265,5 +266,6 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
     __syncthreads();
 
-    decode_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, split, splits, out, lse, part_o, part_ml);
+    decode_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, split, splits, out, lse, part_o, part_ml,
+                                        tickets);
 }

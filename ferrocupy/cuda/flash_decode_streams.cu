@@ -12,7 +12,8 @@
 // every row; the groups of a warp merge by shuffles, the warps through shared memory at the end.
 //
 // With one split the block writes out (rounded once) and lse itself; with more, its unnormalised
-// O and (max, sum) go to the workspace and `flash_decode_combine` merges them. Every forward option
+// O and (max, sum) go to the workspace and the pair's last block to finish merges them
+// (decode_finish's tickets). Every forward option
 // holds: causal + offset, window, mask, dropout (the same keep mask), kv_lens, dead rows -> 0.
 // Rows of K and V must take 16-byte copies (head_dim * element size a multiple of 16, aligned);
 // other calls take flash_decode.cu. Geometry (ROWS, TX, the tile, STAGES) from configs.py.
@@ -53,7 +54,8 @@ static_assert((WARPS * STAGES * TILE_BYTES > MERGE_BYTES ? WARPS * STAGES * TILE
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
+                     float* __restrict__ part_o, float* __restrict__ part_ml, u32* __restrict__ tickets,
+                 T* __restrict__ out,
                      float* __restrict__ lse, const void* __restrict__ mask,
                      const int* __restrict__ kv_lens, const u32 splits, const u32 split_keys,
                      const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
@@ -294,5 +296,6 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
     __syncthreads();
 
-    decode_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, split, splits, out, lse, part_o, part_ml);
+    decode_finish<WARPS, ROWS, THREADS>(sO, sML, s, lay, blk, split, splits, out, lse, part_o, part_ml,
+                                        tickets);
 }
