@@ -351,10 +351,10 @@ def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
     ldmatrix), and packed rows copied in 689 / 182 / 183. With the rows swizzled instead
     (ferro_mma_f16.cuh `swz_at`) it took 694 / 185 / 188 (cudnn 686 / 184 / 182). compare.py A/B
     in one call (H100, bf16; results-decode-{streams,tensor}-first-h100.json): 0.709 / 0.193 /
-    0.199 ms with the streams kernel first, 0.694 / 0.217 / 0.188 with this one. B1 moves between
-    runs: 0.182 ms (cudnn 0.180) in a later compare.py run of this table; dev/decode_gap.py
-    measured 181 us back to back and 217 us with the device idle before each call (see
-    dev/decode_camping.py).
+    0.199 ms with the streams kernel first, 0.694 / 0.217 / 0.188 with this one. B1's 0.217 was
+    the harness timing ferrocupy (first in each case) partly before the device was up to speed
+    (harness.Settings.settle_ms); settled, this table measured 0.676 / 0.181 / 0.180 ms against
+    cudnn's 0.672 / 0.179 / 0.176 (H100, 2026-12-06, RESULTS.md).
 
     Earlier, with padded rows, dev/decode_sweep.py (H200, 2026-12-03, bf16; GB/s at the same
     shapes) gave it 4132, 3466, 3116 (8 warps) and 3988, 3265, 3392 (4 warps) at 4 rows a group
