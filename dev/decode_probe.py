@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--deep", action="store_true", help="streams geometries with 20-26 KB of "
                     "copies in flight a warp (DEEP)")
     ap.add_argument("--tensor", action="store_true", help="also the tensor-core kernel's "
-                    "geometries (8 warps x 16 keys, 2-3 buffers; 4 warps x 16 keys, 3-4; 4 x 32, 2)")
+                    "geometries (8 warps x 16 keys, 2-3 buffers; 4 warps x 16 keys, 2-4; 4 x 32, "
+                    "2; 2 warps x 16 keys, 4 and 6: three and more blocks an SM)")
     args = ap.parse_args()
     dtype = parse(args.dtype)
     backend = CudaBackend()
@@ -98,7 +99,8 @@ def main() -> None:
         if args.tensor:
             geoms += [configs.Variant(configs.DECODE, dtype, D, w, 1, w * tk, configs.TENSOR, st,
                                       configs.DECODE_ROWS)
-                      for w, tk, st in ((8, 16, 2), (8, 16, 3), (4, 16, 3), (4, 16, 4), (4, 32, 2))]
+                      for w, tk, st in ((8, 16, 2), (8, 16, 3), (4, 16, 3), (4, 16, 4), (4, 32, 2),
+                                        (4, 16, 2), (2, 16, 4), (2, 16, 6))]
         with ThreadPoolExecutor(16) as pool:  # compile every (geometry, probe) first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
                                      for name in (v.kernel, v.combine_kernel)],

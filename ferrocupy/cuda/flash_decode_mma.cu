@@ -256,12 +256,12 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const int r = L.g + 8 * rr;
-        const float l = quad_sum(l_run[rr]);
+        const float l = quad_sum(l_run[rr]);  // every lane (shuffles), before the row test
+        if (r >= R) continue;  // decode_finish reads rows < R only (4 of the 16 at GQA 4, Sq 1)
 #pragma unroll
-        for (int nd = 0; nd < DT; ++nd) {
-            sO[(warp * ROWS + r) * DP + nd * 8 + 2 * L.t] = o[0][nd][2 * rr];
-            sO[(warp * ROWS + r) * DP + nd * 8 + 2 * L.t + 1] = o[0][nd][2 * rr + 1];
-        }
+        for (int nd = 0; nd < DT; ++nd)
+            *reinterpret_cast<float2*>(sO + (warp * ROWS + r) * DP + nd * 8 + 2 * L.t) =
+                make_float2(o[0][nd][2 * rr], o[0][nd][2 * rr + 1]);
         if (L.t == 0) sML[(warp * ROWS + r) * 2] = m_run[rr], sML[(warp * ROWS + r) * 2 + 1] = l;
     }
     __syncthreads();
