@@ -337,9 +337,14 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
 
 def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
     """The tensor-core decode kernel (half precision, any group of up to 16 rows), first in the
-    table: each warp streams tiles of 16 keys through buffers of its own; 8 warps with 2 buffers
-    where each block has an SM to itself, 4 warps with 3 (two blocks an SM) beyond (`select`'s
-    `many_blocks`).
+    table: each warp streams tiles of 16 keys through buffers of its own; 8 warps where each
+    block has an SM to itself, with 3 buffers (2 where shared memory is short: sm_80's 163 KB a
+    block), 4 warps with 3 (two blocks an SM) beyond (`select`'s `many_blocks`). 3 buffers over
+    2 at 8 warps: bf16 B16 / B1 674.1 / 180.2 us against 674.8-675.9 / 181.2-182.0 on one H100,
+    682.7 / 182.2 against 683.7-683.8 / 182.5-182.6 on another (dev/decode_probe.py --tensor,
+    2026-12-06): within 0.6%, but ahead in all four; more copies in flight should matter more
+    on the H200's faster memory. 2-warp blocks (three and more an SM) and 4 warps with 2 buffers
+    were no faster anywhere (the same runs; RESULTS.md).
 
     Why first, ahead of the streams kernel at groups of up to 8 rows (dev/decode_probe.py, bf16
     H32/KV8 D128 at B16 Sk32k, B1 Sk128k, B64 Sk2k, us per step on an H100, 2026-12-06; each
@@ -362,7 +367,8 @@ def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
     issue in 66% of cycles at 81% of DRAM peak, the tensor kernel in 33% at 83%."""
     if dtype == FLOAT32:
         return []
-    return [Variant(DECODE, dtype, dp, 8, 1, 8 * 16, TENSOR, 2, DECODE_ROWS),
+    return [Variant(DECODE, dtype, dp, 8, 1, 8 * 16, TENSOR, 3, DECODE_ROWS),
+            Variant(DECODE, dtype, dp, 8, 1, 8 * 16, TENSOR, 2, DECODE_ROWS),
             Variant(DECODE, dtype, dp, 4, 1, 4 * 16, TENSOR, 3, DECODE_ROWS)]
 
 
