@@ -1,7 +1,9 @@
-// What the two decode kernels (flash_decode.cu, flash_decode_streams.cu) share: the element type
-// with its float conversions, and the kernel that merges each row's key splits. Each split leaves
-// its unnormalised O ([splits][rows][FERRO_HEAD_DIM]) and its (max, sum) in scaled units
-// ([splits][rows][2]) in a float32 workspace.
+// What the decode kernels (flash_decode.cu, flash_decode_streams.cu, flash_decode_mma.cu) share:
+// the element type with its float conversions, a block's (batch, KV head, split), its last step
+// (decode_finish), and the merging of each row's key splits (merge_splits: by the last block of
+// a pair, or by flash_decode_combine for the tiles design). Each split leaves its unnormalised O
+// ([splits][rows][FERRO_HEAD_DIM]) and its (max, sum) in scaled units ([splits][rows][2]) in a
+// float32 workspace.
 // Element type: float32, or float16 / bfloat16 with FERRO_BF16 defined.
 #pragma once
 #include "ferro_params.cuh"
