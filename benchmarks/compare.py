@@ -19,7 +19,8 @@ backends (flash and cudnn take only float16/bfloat16) and eager RoPE.
 Prints a header (date, GPU, driver, CUDA, CuPy, torch, cuDNN), measures the ceilings (device copy
 bandwidth, a large matmul per dtype), then every case: each implementation's first output is
 checked against a float64 reference and only a right answer is timed (median of CUDA-event timed
-repetitions after warm-up). Then one table per dtype, with ferrocupy's ratio to the fastest peer
+repetitions after warm-up and at least 100 ms of untimed back-to-back calls, so that no
+implementation is timed on a device still speeding up: harness.Settings.settle_ms). Then one table per dtype, with ferrocupy's ratio to the fastest peer
 and to each peer ("vs flash", "vs cudnn", ...), and the geometric mean of those ratios per dtype
 and direction. Without a GPU it says so and exits 0.
 """
