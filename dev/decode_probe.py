@@ -3,8 +3,9 @@ flash_decode_streams.cu runs three ways at compare.py's decode shapes (bf16, H32
 D128, Sq 1): as built, with FERRO_PROBE=1 (only the first tiles copied, the math done on every
 tile: the compute alone) and FERRO_PROBE=2 (every tile copied, no math: the copies alone), beside
 torch SDPA cudnn on the same memory. Times are CUDA-event medians of back-to-back calls (the
-decode kernel and its combine) in us; `kernel` is the decode kernel alone, without its combine;
-GB/s counts K + V once.
+decode kernel, and the combine where the design has one: tiles) in us; `kernel` is the decode
+kernel alone, without a combine (the same launch where the kernel merges its own splits); GB/s
+counts K + V once.
 
     python3 dev/decode_probe.py [--dtype bfloat16] [--all]   (--all: every streams geometry of
                                                                decode_sweep.py --small)
@@ -103,7 +104,8 @@ def main() -> None:
                                         (4, 16, 2), (2, 16, 4), (2, 16, 6))]
         with ThreadPoolExecutor(16) as pool:  # compile every (geometry, probe) first, in parallel
             list(pool.map(lambda v: [backend.loader.function(v.source, name, v.defines, v.options)
-                                     for name in (v.kernel, v.combine_kernel)],
+                                     for name in (v.kernel,) + ((v.combine_kernel,) if v.isa
+                                                                == configs.TILES else ())],
                           [probed(g, pr) for g in geoms for pr in (0, 1, 2)]))
         for g in geoms:
             times = []

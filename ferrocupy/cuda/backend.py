@@ -283,8 +283,9 @@ class CudaBackend:
         if slots:
             part_o, part_ml, tickets = (Slot(n) if n in workspace else NULL for n in names)
         else:
-            part_o, part_ml, tickets = (self.xp.zeros(workspace.get(n, (0,)), dtype=np.float32)
-                                        for n in names)
+            part_o, part_ml, tickets = (
+                (self.xp.zeros if n == configs.TICKETS else self.xp.empty)(
+                    workspace.get(n, (0,)), dtype=np.float32) for n in names)
         mask = buffers.get("mask")
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
 

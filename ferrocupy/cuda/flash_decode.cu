@@ -37,9 +37,9 @@ static_assert(2 * STAGES * KV_ELEMS * (int)sizeof(T) + 4 * (ROWS * DP + ROWS * (
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              float* __restrict__ part_o, float* __restrict__ part_ml, u32* __restrict__ tickets,
-                 T* __restrict__ out,
-             float* __restrict__ lse, const void* __restrict__ mask, const int* __restrict__ kv_lens, const u32 splits,
-             const u32 split_keys, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
+             T* __restrict__ out, float* __restrict__ lse, const void* __restrict__ mask,
+             const int* __restrict__ kv_lens, const u32 splits, const u32 split_keys,
+             const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     T* sK = reinterpret_cast<T*>(smem_d);      // [STAGES][BN][PITCH]
     T* sV = sK + STAGES * KV_ELEMS;            // [STAGES][BN][PITCH]

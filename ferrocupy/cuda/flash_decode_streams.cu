@@ -54,11 +54,11 @@ static_assert((WARPS * STAGES * TILE_BYTES > MERGE_BYTES ? WARPS * STAGES * TILE
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     float* __restrict__ part_o, float* __restrict__ part_ml, u32* __restrict__ tickets,
-                 T* __restrict__ out,
-                     float* __restrict__ lse, const void* __restrict__ mask,
-                     const int* __restrict__ kv_lens, const u32 splits, const u32 split_keys,
-                     const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
+                     float* __restrict__ part_o, float* __restrict__ part_ml,
+                     u32* __restrict__ tickets, T* __restrict__ out, float* __restrict__ lse,
+                     const void* __restrict__ mask, const int* __restrict__ kv_lens,
+                     const u32 splits, const u32 split_keys, const u32 vec, const u32 mask_kind,
+                     const AttnLayout lay, const FlashV2Params p) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane / TX, x = lane % TX;  // lane group (its key), lane within the group
