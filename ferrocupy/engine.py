@@ -5,13 +5,13 @@ NumPy reference, which picks, orders and launches its own kernels."""
 from __future__ import annotations
 
 import sys
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import dtypes as _dt
-from .params import LAYOUT_TENSORS, AttentionDims, layout_params, rope_params
+from .params import rope_params
+from .plan import (ARGS, BACKWARD, FORWARD, AttentionPlan, TensorSpec, check_device,
+                   check_dtypes)
 from .tensor import UnifiedTensor, cuda_available
 
 
@@ -31,6 +31,18 @@ class AttentionOptions:
     dropout_prob: float = 0.0
     seed: int = 0
     scale: float | None = None
+    # The values with their types (True == 1 == 1.0, but not all are valid), hashable: what a
+    # plan is kept by. None when a value is unhashable (validate() then says why).
+    key: tuple | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        key = tuple((type(x), x) for x in (self.causal, self.causal_offset, self.window,
+                                           self.dropout_prob, self.seed, self.scale))
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        object.__setattr__(self, "key", key)
 
     def validate(self) -> None:
         if not isinstance(self.causal, (bool, np.bool_)):
@@ -91,6 +103,7 @@ def _make_backend(backend: str):
                 f"its driver; or use backend='reference' (NumPy, no GPU)") from cause
         from .cuda.backend import CudaBackend
 
+        _CUPY_NDARRAY[0] = cupy.ndarray
         return CudaBackend()
     raise ValueError(f"backend must be 'cuda' or 'reference', got {backend!r}")
 
@@ -105,8 +118,7 @@ class ComputeEngine:
                 why = "a CUDA GPU is usable" if backend == "cuda" else "no CUDA GPU is usable"
                 print(f"ferrocupy: using the {backend} backend ({why})", file=sys.stderr)
         self.backend = _make_backend(backend)
-        self._validated: dict = {}  # _attention's checked-and-packed calls, by their shapes
-        self._seen: dict = {}  # _remembered: calls on these very tensor objects
+        self._plans: dict = {}  # see _plan
 
     @property
     def backend_name(self) -> str:
@@ -174,15 +186,19 @@ class ComputeEngine:
         Give it to the backward to spare it recomputing it.
 
         `kv_lens` (optional input, int32 `[batch]`, on this engine's device): batch `b` has
-        `kv_lens[b] <= seq_k` keys; the slots past them are never read (a preallocated KV cache
-        may hold anything there), and its rows sit at `i + causal_offset + kv_lens[b] - seq_k`.
+        `kv_lens[b] <= seq_k` keys; the slots past them are never read (a preallocated KV
+        cache may hold anything there), and its rows sit at `i + causal_offset + kv_lens[b] - seq_k`.
         Its values are read (one small copy to the host) and checked before any launch."""
-        named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": kv_lens}
-        t, dims, params, layout = self._checked("forward", named, opts)
-        if dims.batch * dims.heads * dims.seq_q == 0:
-            return
-        self.backend.forward(self._buffers(t, "q", "k", "v", "out", "mask", "lse", "kv_lens"),
-                             params, layout)
+        self._call(FORWARD, (q, k, v, out, mask, lse, kv_lens), opts)
+
+    def plan_attention(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
+                       mask=None, *, lse=None, kv_lens=None) -> AttentionPlan:
+        """The plan of `flash_attention_v2_with` for tensors like these (tensors, or
+        `TensorSpec`s: only their shapes, strides, dtypes and devices count), every check that
+        depends on them done. The engine keeps one plan per combination: the same arguments
+        give the same plan object. `plan.run(q, k, v, out, ...)` runs it on each call's
+        tensors (their memory checked every time)."""
+        return self._plan(FORWARD, (q, k, v, out, mask, lse, kv_lens), opts)[0]
 
     # --- backward -------------------------------------------------------------------------------
     def flash_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
@@ -211,300 +227,114 @@ class ComputeEngine:
 
         `kv_lens` is not taken: a cache with per-sequence lengths is an inference-time thing."""
         if kv_lens is not None:
-            raise ValueError("flash_attention_v2_backward_with does not take kv_lens (the "
-                             "forward's per-sequence cache lengths); train on unpadded keys or "
-                             "use an additive mask")
-        named = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": grad_q,
-                 "grad_k": grad_k, "grad_v": grad_v, "mask": mask, "lse": lse}
-        t, dims, params, layout = self._checked("backward", named, opts)
-        if dims.batch * dims.heads * dims.seq_q == 0:
-            # No query row (seq_q or heads 0): every key gets zero gradient, written, not left
-            # as it was.
-            self.backend.zero(t["grad_k"].buffer())
-            self.backend.zero(t["grad_v"].buffer())
-            return
-        self.backend.backward(self._buffers(t, "q", "k", "v", "out", "grad_out", "grad_q",
-                                             "grad_k", "grad_v", "mask", "lse"), params, layout)
+            raise ValueError(_NO_BACKWARD_KV_LENS)
+        self._call(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse), opts)
 
-    def _check_call(self, op: str, named: dict, opts):
-        """(tensors, dims, packed params, packed layout) of an attention call ("forward" or
-        "backward"), every check done: the rules of `_OPS[op]`."""
-        t = self._tensors(**named)
-        pack, outputs, kv_outputs, written = _OPS[op]
-        dims, params, layout = self._attention(t, opts, pack, outputs=outputs,
-                                               kv_outputs=kv_outputs, written=written)
-        return t, dims, params, layout
+    def plan_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
+                                opts: AttentionOptions = AttentionOptions(), mask=None, *,
+                                lse=None) -> AttentionPlan:
+        """The plan of `flash_attention_v2_backward_with` for tensors like these (see
+        `plan_attention`)."""
+        return self._plan(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse),
+                          opts)[0]
 
-    def _checked(self, op: str, named: dict, opts):
-        """`_check_call`, or what an earlier call on these very tensors and options found."""
-        key = self._seen_key(op, named, opts)
-        hit = self._remembered(key, named)
-        if hit is not None:
-            return (named, *hit)
-        t, dims, params, layout = self._check_call(op, named, opts)
-        self._remember(key, named, (dims, params, layout))
-        return t, dims, params, layout
+    # --- plans ----------------------------------------------------------------------------------
+    def _call(self, op: str, args: tuple, opts) -> None:
+        plan, ptrs = self._plan(op, args, opts)
+        if ptrs is not None:  # CUDA arrays or tensors: their addresses were read with their specs
+            plan.run_pointers(dict(zip(plan.names, ptrs)))
+        else:
+            plan.run(*args)
 
-    # --- calls on the same tensor objects ---------------------------------------------------------
-    # A loop that calls with the same UnifiedTensors (a decode step, a benchmark) skips the
-    # validation that depends only on them: a UnifiedTensor's array, hence its shape, dtype,
-    # device, contiguity and address, is fixed for its life, so aliasing and every shape rule
-    # give the same answer as last time. What can change is still checked on every call: the
-    # values of kv_lens. Weak references: a remembered call keeps no tensor alive, and a tensor
-    # that died (its id reused) is never mistaken for a new one. Only on the CUDA backend (a
-    # NumPy output's writeable flag can change between calls).
-    def _seen_key(self, op: str, named: dict, opts):
-        if self.backend.name != "cuda" or not isinstance(opts, AttentionOptions):
-            return None
-        ids = []
-        for x in named.values():
-            if x is not None and type(x) is not UnifiedTensor:
-                return None
-            ids.append(None if x is None else id(x))
-        values = _option_values(opts)
-        return None if values is None else (op, tuple(ids), values)
+    def _plan(self, op: str, args: tuple, opts):
+        """(the plan for `args`, their device addresses or None). Plans are kept by the
+        arguments' metadata as read here (type-specific, cheap: no wrapping) and the options'
+        values; an argument whose metadata this cannot read makes a plan that is not kept."""
+        if not isinstance(opts, AttentionOptions):
+            raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
+        metas, ptrs = self._describe(args)
+        key = None if metas is None or opts.key is None else (op, opts.key, metas)
+        plan = None if key is None else self._plans.get(key)
+        if plan is None:
+            specs = {n: None if x is None else self._spec(n, x) for n, x in zip(ARGS[op], args)}
+            plan = AttentionPlan(self.backend, op, specs, opts)
+            if key is not None:
+                if len(self._plans) >= _PLANS_MAX:
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan, ptrs
 
-    def _remembered(self, key, named: dict):
-        """(dims, params, layout) of an earlier call on these very tensors and options, with
-        kv_lens' values checked again; None when there was none."""
-        if key is None:
-            return None
-        entry = self._seen.get(key)
-        if entry is None:
-            return None
-        refs, found = entry
-        for ref, x in zip(refs, named.values()):
-            if (None if ref is None else ref()) is not x:
-                return None
-        if named.get("kv_lens") is not None:
-            _check_kv_lens(named["kv_lens"], found[0])
-        return found
+    def _describe(self, args: tuple):
+        """(each argument's metadata, each one's device address or None for all) for the kinds
+        of tensor read without wrapping: UnifiedTensor, NumPy, CuPy, PyTorch; (None, None) if
+        any other kind is among them."""
+        metas, ptrs = [], [] if self.backend.name == "cuda" else None
+        for x in args:
+            if x is None:
+                metas.append(None)
+                if ptrs is not None:
+                    ptrs.append(0)
+                continue
+            t = type(x)
+            if t is UnifiedTensor:
+                x = x.buffer()
+                t = type(x)
+            if t is np.ndarray:
+                metas.append((x.shape, x.strides, x.dtype, "cpu"))
+                ptrs = None
+            elif t is _CUPY_NDARRAY[0]:
+                data = x.data
+                metas.append((x.shape, x.strides, x.dtype, data.device_id))
+                if ptrs is not None:
+                    ptrs.append(data.ptr)
+            elif t is _torch_tensor():
+                dev = x.device
+                metas.append((x.shape, x.stride(), x.dtype, dev))
+                if ptrs is not None:
+                    if dev.type != "cuda":
+                        ptrs = None
+                    else:
+                        ptrs.append(x.data_ptr())
+            else:
+                return None, None
+        return tuple(metas), ptrs
 
-    def _remember(self, key, named: dict, found: tuple) -> None:
-        if key is None:
-            return
-        if len(self._seen) >= _SEEN_MAX:
-            self._seen.clear()
-        refs = tuple(None if x is None else weakref.ref(x) for x in named.values())
-        self._seen[key] = (refs, found)
+    def _spec(self, name: str, x) -> TensorSpec:
+        try:
+            return TensorSpec.of(x)
+        except TypeError as e:
+            raise TypeError(f"{name}: {e}") from None
 
     # --- validation (every check runs before any kernel) ----------------------------------------
     def _tensor(self, name: str, x, contiguous: bool = True) -> UnifiedTensor:
         """`x` as a UnifiedTensor on this engine's device; C-contiguous unless `contiguous` is
-        False (the attention tensors: `_check_layout` states their rules)."""
+        False."""
         try:
             t = x if isinstance(x, UnifiedTensor) else UnifiedTensor(x)
         except TypeError as e:
             raise TypeError(f"{name}: {e}") from None
-        want = self.backend.device
-        if t.device.split(":")[0] != want.split(":")[0] or (
-                ":" in want and t.device != want):
-            raise ValueError(f"{name} (shape {t.shape}) is on {t.device}, but this engine's "
-                             f"{self.backend.name} backend runs on {want}")
+        check_device(self.backend, name, t)
         if contiguous and not t.is_contiguous:
             raise ValueError(f"{name} (shape {t.shape}) is not C-contiguous (strides "
                              f"{t.buffer().strides}); pass a contiguous copy")
         return t
 
-    def _tensors(self, **named) -> dict:
-        return {n: (None if x is None and n in _OPTIONAL else
-                    self._tensor(n, x, contiguous=n in _CONTIGUOUS))
-                for n, x in named.items()}
-
     def _check_dtype(self, *named) -> None:
-        """One data dtype the backend takes for every tensor but `mask` (float32 or that dtype)
-        and `lse` (float32)."""
-        ok = self.backend.dtypes
-        data = [(n, t) for n, t in named if t is not None and n not in _OPTIONAL]
-        for name, t in data:
-            if t.dtype not in ok:
-                raise TypeError(f"{name} has dtype {t.dtype} (shape {t.shape}); the "
-                                f"{self.backend.name} kernels take "
-                                f"{', '.join(str(d) for d in ok)}")
-        if len({t.dtype for n, t in data}) > 1:
-            listing = ", ".join(f"{n}: {t.dtype}" for n, t in data)
-            raise TypeError(f"inputs and outputs must share one dtype, got {listing}")
-        named = dict(named)
-        if named.get("mask") is not None and data:
-            allowed = _dt.mask_dtypes(data[0][1].dtype)
-            m = named["mask"]
-            if m.dtype not in allowed:
-                raise TypeError(f"mask has dtype {m.dtype} (shape {m.shape}); with "
-                                f"{data[0][1].dtype} inputs it must be "
-                                f"{' or '.join(str(d) for d in allowed)}")
-        if named.get("lse") is not None and named["lse"].dtype != _dt.FLOAT32:
-            raise TypeError(f"lse has dtype {named['lse'].dtype} (shape {named['lse'].shape}); "
-                            f"it is float32 for every input dtype")
-
-    def _attention(self, t: dict, opts: AttentionOptions, pack: str, outputs=(), kv_outputs=(),
-                   written=()):
-        """(dims, packed params, packed layout) of an attention call, after every check. What
-        depends only on the shapes, strides, dtypes, devices and options is checked and packed
-        once per such combination and remembered; what can change from call to call (lse's and
-        kv_lens' contiguity, in `_tensor`; aliasing and writability of the outputs; the values of
-        kv_lens) is checked on every call."""
-        if not isinstance(opts, AttentionOptions):
-            raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
-        values = _option_values(opts)
-        key = None if values is None else (
-            pack, values, tuple(None if x is None else (x.shape, x.strides, x.dtype, x.device)
-                                for x in t.values()))
-        hit = None if key is None else self._validated.get(key)
-        if hit is not None:
-            if t.get("kv_lens") is not None:
-                _check_kv_lens(t["kv_lens"], hit[0])
-            _check_outputs(t, tuple(n for n in written if t.get(n) is not None))
-            return hit
-        found = self._attention_checked(t, opts, pack, outputs, kv_outputs, written)
-        if key is not None:
-            if len(self._validated) >= _VALIDATED_MAX:
-                self._validated.clear()
-            self._validated[key] = found
-        return found
-
-    def _attention_checked(self, t: dict, opts, pack: str, outputs, kv_outputs, written):
-        opts.validate()
-        self._check_dtype(*t.items())
-        q, k, v = t["q"], t["k"], t["v"]
-        dims = AttentionDims.new(q, k)
-        if v.shape != k.shape:
-            raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
-        for name in outputs:
-            if t[name].shape != q.shape:
-                raise ValueError(f"{name} shape {t[name].shape} must equal q shape {q.shape}")
-        for name in kv_outputs:
-            if t[name].shape != k.shape:
-                raise ValueError(f"{name} shape {t[name].shape} must equal k shape {k.shape}")
-        if t.get("kv_lens") is not None:
-            _check_kv_lens(t["kv_lens"], dims)
-        if t.get("lse") is not None:
-            want = (dims.batch, dims.heads, dims.seq_q)
-            if t["lse"].shape != want:
-                raise ValueError(f"lse shape {t['lse'].shape} must be [batch, heads, seq_q] = "
-                                 f"{list(want)} (q shape {q.shape})")
-        present = tuple(n for n in written if t.get(n) is not None)
-        _check_layout(t, present)
-        _check_outputs(t, present)
-        return dims, getattr(dims, pack)(opts, t["mask"]), layout_params(t)
-
-    @staticmethod
-    def _buffers(t: dict, *names) -> dict:
-        return {n: (None if t[n] is None else t[n].buffer()) for n in names}
+        """(name, tensor) pairs: one data dtype the backend takes (see `check_dtypes`)."""
+        check_dtypes(self.backend, dict(named))
 
 
-_OPTION_VALUES: dict = {}  # id(opts) -> (opts, its values), see _option_values
-_OPTION_VALUES_MAX = 256
+_PLANS_MAX = 256  # plans kept per engine (a long-running job sees few call shapes)
+_CUPY_NDARRAY = [None]  # cupy.ndarray once the CUDA backend imported CuPy (set in _make_backend)
+_NO_BACKWARD_KV_LENS = ("flash_attention_v2_backward_with does not take kv_lens (the forward's "
+                        "per-sequence cache lengths); train on unpadded keys or use an additive "
+                        "mask")
 
 
-def _option_values(opts: AttentionOptions):
-    """The options' values with their types, hashable (True == 1 == 1.0, but only some of them
-    are valid), or None if one is unhashable (validate() will say why). Remembered per options
-    object (a frozen dataclass; the entry holds it, so its id is not reused while remembered):
-    a loop passing the same object pays for this once."""
-    hit = _OPTION_VALUES.get(id(opts))
-    if hit is not None and hit[0] is opts:
-        return hit[1]
-    values = tuple((x.__class__, x) for x in opts.__dict__.values())
-    try:
-        hash(values)
-    except TypeError:
-        return None
-    if len(_OPTION_VALUES) >= _OPTION_VALUES_MAX:
-        _OPTION_VALUES.clear()
-    _OPTION_VALUES[id(opts)] = (opts, values)
-    return values
-
-
-_OPTIONAL = ("mask", "lse", "kv_lens")  # None is allowed; none takes the data dtype
-_CONTIGUOUS = ("lse", "kv_lens")  # C-contiguous; the others as `_check_layout` says
-# Per operation: the params it packs, the tensors shaped like q, those shaped like k, those written.
-_OPS = {
-    "forward": ("params", ("out",), (), ("out", "lse")),
-    "backward": ("params_bwd", ("out", "grad_out", "grad_q"), ("grad_k", "grad_v"),
-                 ("grad_q", "grad_k", "grad_v")),
-}
-_VALIDATED_MAX = 256  # remembered call shapes per engine (a long-running job sees few)
-_SEEN_MAX = 64  # remembered calls on the same tensor objects per engine
-
-
-def _check_kv_lens(t: UnifiedTensor, dims) -> None:
-    """int32 [batch] with every value in [0, seq_k]; reads the values (a copy to the host)."""
-    if t.dtype != np.int32:
-        raise TypeError(f"kv_lens has dtype {t.dtype} (shape {t.shape}); it must be int32")
-    if t.shape != (dims.batch,):
-        raise ValueError(f"kv_lens shape {t.shape} must be [batch] = [{dims.batch}]")
-    buf = t.buffer()
-    check_kv_lens_values(buf if isinstance(buf, np.ndarray) else buf.get(), dims.seq_k)
-
-
-def check_kv_lens_values(values: np.ndarray, seq_k: int) -> None:
-    """Every kv_lens value (on the host) in [0, seq_k]."""
-    bad = np.flatnonzero((values < 0) | (values > seq_k))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"kv_lens[{i}] = {int(values[i])} is outside [0, seq_k = {seq_k}] "
-                         f"({bad.size} of {values.size} entries are)")
-
-
-def _memory_range(a) -> tuple[int, int]:
-    """[first byte, last byte + 1) that a view with non-negative strides can touch (a strided
-    view's span, not its size: two views interleaved in one buffer count as sharing it)."""
-    # (NumPy's `a.data` is a memoryview, which refuses bfloat16; the array interface does not)
-    start = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
-    if a.size == 0:
-        return start, start
-    return start, start + sum((n - 1) * st for n, st in zip(a.shape, a.strides)) + a.itemsize
-
-
-def _check_layout(t: dict, written) -> None:
-    """Strides: whole elements, none negative. The rank-4 tensors (q, k, v, out and the
-    gradients) need only a contiguous last dimension (head_dim stride 1: rows are copied in
-    16-byte pieces); their other dimensions, and the mask's, may have any stride (a transposed
-    or sliced view, a broadcast input). An output must not overlap itself."""
-    for name, x in t.items():
-        if x is None or x.numel == 0:  # nothing is read or written (CuPy may give it 0 strides)
-            continue
-        st, shape = x.strides, x.shape
-        if any(not isinstance(s, int) or s < 0 for s in st):
-            raise ValueError(f"{name} (shape {shape}) has strides {st} (in elements): each must "
-                             f"be a non-negative whole number of elements")
-        if name in LAYOUT_TENSORS and shape[-1] > 1 and st[-1] != 1:
-            raise ValueError(f"{name} (shape {shape}, element strides {st}) must have a "
-                             f"contiguous last dimension (head_dim stride 1); its other "
-                             f"dimensions may have any stride")
-        if name in written and _overlaps_itself(shape, st):
-            raise ValueError(f"{name} (shape {shape}, element strides {st}) has elements that "
-                             f"share memory; an output needs one place per element")
-
-
-def _overlaps_itself(shape, strides) -> bool:
-    """Whether two indices of a view can reach one element: sorted by stride, each dimension
-    must step past everything the smaller ones reach (sufficient, and what dense layouts and
-    their transposes and slices satisfy)."""
-    reach = 0
-    for st, n in sorted((st, n) for n, st in zip(shape, strides) if n > 1):
-        if st <= reach:
-            return True
-        reach += (n - 1) * st
-    return False
-
-
-def _check_outputs(t: dict, written) -> None:
-    """Outputs must be writable and share no memory with any other argument: the kernels read
-    inputs after other blocks (or the other backward kernel) have written outputs."""
-    spans = {n: (x.device, *_memory_range(x.buffer())) for n, x in t.items()
-             if x is not None and x.numel}
-    for out in written:
-        buf = t[out].buffer()
-        if isinstance(buf, np.ndarray) and not buf.flags.writeable:
-            raise ValueError(f"{out} (shape {t[out].shape}) is read-only")
-        if out not in spans:
-            continue
-        dev, lo, hi = spans[out]
-        for other, (odev, olo, ohi) in spans.items():
-            if other != out and dev == odev and lo < ohi and olo < hi:
-                raise ValueError(f"{out} (shape {t[out].shape}) shares memory with {other} "
-                                 f"(shape {t[other].shape}); pass a separate output tensor")
+def _torch_tensor():
+    """torch.Tensor if PyTorch is imported (the caller passes its tensors), else None."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None)
 
 
 def _single_head_view(name: str, x, engine: ComputeEngine) -> UnifiedTensor:

@@ -27,9 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cuda.backend import alignment  # imports no CuPy
 from .dtypes import BFLOAT16
-from .engine import AttentionOptions, ComputeEngine, check_kv_lens_values
+from .engine import AttentionOptions, ComputeEngine
 from .tensor import UnifiedTensor
 
 __all__ = ["attention", "rope_"]
@@ -96,30 +95,6 @@ def _wrap(t: Optional[Tensor]) -> Optional[UnifiedTensor]:
     return None if t is None else UnifiedTensor(t.detach())
 
 
-# --- the CUDA fast path: checked once per call shape, then launched from raw addresses ----------
-# On CUDA the outputs are fresh (never aliasing an input), so every rule the engine checks depends
-# only on the shapes, strides, dtypes and devices of the inputs and on the options: the first
-# call of each such combination goes through the engine's full checks (tensors shared through
-# DLPack) and remembers the packed parameters and layout; later calls pass the tensors' addresses
-# straight to the CUDA backend's launch plan (one per alignment of the addresses), on torch's
-# current stream, with the workspace from torch's allocator. kv_lens' values, which can change,
-# are checked on every call (a copy to the host: a call with kv_lens cannot be captured in a CUDA
-# graph).
-_CHECKED: dict = {}  # (op, options, tensor metadata) -> (engine, dims, params, layout, plans)
-_CHECKED_MAX = 256
-
-
-class _Raw:
-    """What the CUDA backend reads of a buffer: its dtype and device address."""
-
-    __slots__ = ("dtype", "data", "ptr")
-
-    def __init__(self, t: Tensor):
-        self.dtype = _NUMPY_DTYPES[t.dtype]
-        self.data = self  # `.data.ptr`, as on a cupy.ndarray
-        self.ptr = t.data_ptr()
-
-
 def _stream(device: torch.device) -> int:
     """torch's current stream on `device`, as a CUstream handle."""
     index = torch.cuda.current_device() if device.index is None else device.index
@@ -127,54 +102,23 @@ def _stream(device: torch.device) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether torch's current stream on `device` is capturing a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def _run(plan, named: dict) -> None:
+    """Run an engine plan on torch tensors: CUDA ones through their addresses on torch's current
+    stream, with the workspace (decode splits, backward stats) from torch's allocator (ordered on
+    torch's stream, and kept by a CUDA graph that captures the call); CPU ones on the reference
+    backend."""
+    q = named["q"]
+    if q.is_cuda:
+        _run_cuda(plan, named, q.device)
+    else:
+        plan.run(**named)
 
 
-def _cuda_call(op: str, named: dict, opts: AttentionOptions, full, fresh=()) -> None:
-    """Run `op` ("forward" / "backward") on CUDA tensors `named` (None for absent ones): through
-    `full()` (the engine, every check) the first time this combination is seen, then straight to
-    the backend's launch plan. `fresh`: outputs this module just made with torch.empty from the
-    shapes of the others (their metadata follows from those, so only their presence is keyed)."""
-    key = [op, opts]
-    for n, t in named.items():
-        key.append(None if t is None else True if n in fresh else
-                   (t.shape, t.stride(), t.dtype, t.device))
-    key = tuple(key)
-    hit = _CHECKED.get(key)
-    if hit is None:
-        engine = _engine(named["q"].device)
-        _, dims, params, layout = engine._check_call(
-            op, {n: _wrap(t) for n, t in named.items()}, opts)
-        if len(_CHECKED) >= _CHECKED_MAX:
-            _CHECKED.clear()
-        hit = _CHECKED[key] = (engine, dims, params, layout, {})
-    elif named.get("kv_lens") is not None:
-        check_kv_lens_values(named["kv_lens"].cpu().numpy(), hit[1].seq_k)
-    engine, dims, params, layout, plans = hit
-    if dims.batch * dims.heads * dims.seq_q == 0:
-        full()  # the engine's own handling of an empty problem (zero gradients)
-        return
-    ptrs = {n: 0 if t is None else t.data_ptr() for n, t in named.items()}
-    low = alignment(ptrs)
-    backend = engine.backend
-    plan = plans.get(low)  # by the data rows' alignment, which picks the copy width
-    if plan is None:
-        plan = plans[low] = backend.plan(
-            op, {n: None if t is None else _Raw(t) for n, t in named.items()}, params, layout,
-            ptrs)
-    device = named["q"].device
-    # A persistent launch captured in a CUDA graph claims its tiles from a counter of its own,
-    # zeroed in the graph before it: torch captures every graph on one side stream, so with that
-    # stream's counter two graphs replayed at once would mix their claims.
-    counter = None
-    if plan.counted and _capturing(device):
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
-    # The workspace (decode splits, backward stats) from torch's allocator: ordered on torch's
-    # stream, and kept by a CUDA graph that captures the call.
-    backend.run_plan(plan, ptrs, _stream(device), alloc=lambda shape: (
-        torch.empty(shape, dtype=torch.float32, device=device)), counter=counter)
+def _run_cuda(plan, named: dict, device: torch.device) -> None:
+    plan.run_pointers({n: t.data_ptr() for n, t in named.items() if t is not None},
+                      stream=_stream(device),
+                      alloc=lambda shape: torch.empty(shape, dtype=torch.float32, device=device),
+                      capturing=torch.cuda.is_current_stream_capturing)
 
 
 def _seed_int(seed: Tensor) -> int:
@@ -204,18 +148,8 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], caus
     B, Sq, H, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    engine = _engine(q.device)
-
-    def full():
-        with _on_torch_stream(q.device):
-            engine.flash_attention_v2_with(_wrap(q), _wrap(k), _wrap(v), _wrap(out), opts,
-                                           _wrap(mask), lse=_wrap(lse), kv_lens=_wrap(lens))
-
-    if q.device.type == "cuda" and all(x.device == q.device for x in (k, v)):
-        named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens}
-        _cuda_call("forward", named, opts, full, fresh=("out", "lse"))
-    else:
-        full()
+    named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens}
+    _run(_engine(q.device).plan_attention(q, k, v, out, opts, mask, lse=lse, kv_lens=lens), named)
     return out, lse
 
 
@@ -241,20 +175,10 @@ def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     mask = _mask(attn_mask)
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
     gq, gk, gv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    engine = _engine(q.device)
-
-    def full():
-        with _on_torch_stream(q.device):
-            engine.flash_attention_v2_backward_with(
-                _wrap(q), _wrap(k), _wrap(v), _wrap(out), _wrap(grad_out), _wrap(gq), _wrap(gk),
-                _wrap(gv), opts, _wrap(mask), lse=_wrap(lse))
-
-    if q.device.type == "cuda" and all(x.device == q.device for x in (k, v, out, grad_out, lse)):
-        named = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": gq,
-                 "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse}
-        _cuda_call("backward", named, opts, full, fresh=("grad_q", "grad_k", "grad_v"))
-    else:
-        full()
+    plan = _engine(q.device).plan_attention_backward(q, k, v, out, grad_out, gq, gk, gv, opts,
+                                                     mask, lse=lse)
+    _run(plan, {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": gq,
+                "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse})
     return gq, gk, gv
 
 
@@ -422,16 +346,8 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
     q, k, v, attn_mask = _rows(q), _rows(k), _rows(v), _mask(attn_mask)
     lens = None if kv_lens is None else kv_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    named = {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "lse": None,
-             "kv_lens": lens}
-
-    def full():
-        with _on_torch_stream(q.device):
-            _engine(q.device).flash_attention_v2_with(_wrap(q), _wrap(k), _wrap(v), _wrap(out),
-                                                      opts, _wrap(attn_mask),
-                                                      kv_lens=_wrap(lens))
-
-    _cuda_call("forward", named, opts, full, fresh=("out",))
+    plan = _engine(q.device).plan_attention(q, k, v, out, opts, attn_mask, kv_lens=lens)
+    _run(plan, {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "kv_lens": lens})
     return out
 
 

@@ -14,8 +14,9 @@ import pytest
 from ferrocupy import AttentionDims, AttentionOptions
 from ferrocupy.cuda import configs
 from ferrocupy.cuda.backend import CudaBackend
-from ferrocupy.cuda.launch import address
+from ferrocupy.cuda.launch import NULL, Slot, address
 from ferrocupy.dtypes import BFLOAT16, FLOAT32
+from ferrocupy.params import contiguous_layout
 
 
 class FakeLoader:
@@ -48,6 +49,24 @@ def forward_buffers(shape_q, shape_k, dtype, offset=0):
                 out=buf(shape_q, dtype), mask=None, lse=None, kv_lens=None)
 
 
+def ptrs(bufs):
+    return {n: 0 if x is None else x.data.ptr for n, x in bufs.items()}
+
+
+def plan_launch(b, op, bufs, p):
+    """One attention launch of `op` on C-contiguous buffers."""
+    return b._plan(op, bufs, p, contiguous_layout(p), ptrs(bufs))
+
+
+def plan_decode(b, bufs, p):
+    return b._plan_decode(bufs, p, contiguous_layout(p), ptrs(bufs))
+
+
+def make_plan(b, op, bufs, p):
+    """The backend's plan of "forward" or "backward" on C-contiguous buffers."""
+    return b.plan(op, bufs, p, contiguous_layout(p), ptrs(bufs))
+
+
 def params(shape_q, shape_k, **opts):
     return AttentionDims.new(np.zeros(shape_q), np.zeros(shape_k)).params(AttentionOptions(**opts))
 
@@ -56,19 +75,19 @@ def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
     b = backend()
     q, k = (4, 4096, 16, 128), (4, 4096, 16, 128)
     p = params(q, k, causal=True)
-    fn, blocks, threads, smem, args = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
+    fn, blocks, threads, smem, args = plan_launch(b, configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     v = configs.select(configs.FORWARD, BFLOAT16, 128, 232448, capability=90, copy_bytes=16)
     assert v.isa == configs.WGMMA and fn.name == "flash_fwd_wgmma"
     assert v.tiles(p) == -(-4096 // v.block_rows) * 4 * 16
     assert v.persistent and blocks == 132  # one block per SM, each claiming tiles
-    assert args[v.args.index("tile_counter")] == address(b._counters)  # CuPy's current stream's
+    assert args[v.args.index("tile_counter")].name == "tile_counter"  # the stream's, on each run
     small = params((1, 128, 2, 128), (1, 128, 2, 128))
-    assert b._plan(configs.FORWARD, forward_buffers((1, 128, 2, 128), (1, 128, 2, 128), BFLOAT16),
+    assert plan_launch(b, configs.FORWARD, forward_buffers((1, 128, 2, 128), (1, 128, 2, 128), BFLOAT16),
                    small)[1] == 2  # never more blocks than tiles
     assert threads == v.threads == 32 * v.warps + 128  # and a loading warpgroup
     assert smem == v.shared_bytes == fn.max_dynamic_shared_size_bytes
     assert len(args) == len(v.args) + 3 and args[-3] == 8  # 16-byte copies (then mask kind, layout)
-    b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
+    plan_launch(b, configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     assert len(b.loader.compiled) == 1  # the second call reused the chosen kernel
     assert b.loader.compiled[0][3] == ("-arch=sm_90a",)
     assert ("FERRO_PLAIN", 1) in b.loader.compiled[0][2]  # no mask, no dropout: the plain build
@@ -76,7 +95,7 @@ def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
         bufs = forward_buffers(q, k, BFLOAT16)
         if "dropout_prob" not in opts:
             bufs["mask"] = buf((1, 1, 1, 4096), FLOAT32)
-        b._plan(configs.FORWARD, bufs, params(q, k, **opts))
+        plan_launch(b, configs.FORWARD, bufs, params(q, k, **opts))
         assert b.loader.compiled[-1][1] == "flash_fwd_wgmma"
         assert "FERRO_PLAIN" not in dict(b.loader.compiled[-1][2])  # the general build
 
@@ -85,9 +104,9 @@ def test_unaligned_rows_or_another_gpu_take_the_mma_kernel():
     q, k = (2, 256, 8, 128), (2, 256, 8, 128)
     p = params(q, k)
     b = backend()
-    fn, *_ , args = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16, offset=2), p)
+    fn, *_ , args = plan_launch(b, configs.FORWARD, forward_buffers(q, k, BFLOAT16, offset=2), p)
     assert fn.name == "flash_fwd_half" and args[-3] == 1  # element-wise copies
-    fn, *_ = backend(capability=80)._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
+    fn, *_ = plan_launch(backend(capability=80), configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
     assert fn.name == "flash_fwd_half"
 
 
@@ -104,17 +123,17 @@ def test_decode_plan_splits_the_keys_and_merges_them_in_the_kernel(dtype):
     q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)
     assert configs.decode_wanted(p)
-    ((fn, blocks, threads, smem, args),), work = b._plan_decode(forward_buffers(q, k, dtype), p)
+    ((fn, blocks, threads, smem, args),), work = plan_decode(b, forward_buffers(q, k, dtype), p)
     names = configs.ARGS[configs.DECODE]
     at = {n: args[names.index(n)] for n in ("part_o", "part_ml", configs.TICKETS)}
-    assert work == {n: a.shape for n, a in at.items()}
+    assert all(a.name == n for n, a in at.items())  # each filled in on every run
     assert fn.name == DECODE_KERNEL[dtype]
     splits, split_keys = int(args[names.index("splits")]), int(args[names.index("split_keys")])
     assert blocks == 2 * 8 * splits and splits > 1 and splits * split_keys >= 32768
-    assert at["part_o"].shape == (splits, 2 * 32, 128) and at["part_ml"].shape == (splits, 2 * 32, 2)
-    assert at[configs.TICKETS].shape == (2 * 8,) and not at[configs.TICKETS].any()
+    assert work["part_o"] == (splits, 2 * 32, 128) and work["part_ml"] == (splits, 2 * 32, 2)
+    assert work[configs.TICKETS] == (2 * 8,)
     assert smem == fn.max_dynamic_shared_size_bytes <= 232448
-    b._plan_decode(forward_buffers(q, k, dtype), p)
+    plan_decode(b, forward_buffers(q, k, dtype), p)
     assert len(b.loader.compiled) == 1  # chosen once
 
 
@@ -125,10 +144,10 @@ def test_decode_tiles_design_combines_in_a_second_kernel():
     q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)
     ((fn, blocks, _, _, args), (comb, cblocks, cthreads, csmem, cargs)), work = \
-        b._plan_decode(forward_buffers(q, k, BFLOAT16), p)
+        plan_decode(b, forward_buffers(q, k, BFLOAT16), p)
     assert fn.name == "flash_decode" and comb.name == "flash_decode_combine"
     assert set(work) == {"part_o", "part_ml"}
-    assert args[configs.ARGS[configs.DECODE].index(configs.TICKETS)].size == 0  # none
+    assert args[configs.ARGS[configs.DECODE].index(configs.TICKETS)] is NULL  # none
     assert cblocks == 2 * 32 and cthreads == configs.COMBINE_THREADS and csmem == 0
 
 
@@ -136,11 +155,11 @@ def test_decode_with_one_split_writes_out_itself():
     """Enough (batch, KV head) pairs to fill the GPU: one split, no workspace, no combine."""
     b = backend()
     q, k = (64, 1, 32, 128), (64, 2048, 8, 128)
-    launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
+    launches, _ = plan_decode(b, forward_buffers(q, k, BFLOAT16), params(q, k))
     assert len(launches) == 1
     fn, blocks, _, _, args = launches[0]
     assert fn.name == DECODE_KERNEL[BFLOAT16] and blocks == 64 * 8
-    assert args[3].size == 0 and args[4].size == 0
+    assert args[3] is NULL and args[4] is NULL
 
 
 @pytest.mark.parametrize("seq_q", [1, 4])
@@ -150,7 +169,7 @@ def test_decode_warps_follow_the_number_of_pairs(batch, warps, seq_q):
     blocks an SM)."""
     b = backend()
     q, k = (batch, seq_q, 32, 128), (batch, 2048, 8, 128)
-    launches, _ = b._plan_decode(forward_buffers(q, k, BFLOAT16), params(q, k))
+    launches, _ = plan_decode(b, forward_buffers(q, k, BFLOAT16), params(q, k))
     assert launches[0][0].name == "flash_decode_mma" and launches[0][2] == 32 * warps
 
 
@@ -171,7 +190,7 @@ def test_decode_design_follows_dtype_rows_and_copy_width(dtype, heads, seq_q, of
     b = backend(capability)
     q, k = (2, seq_q, heads, 128), (2, 4096, 8, 128)
     bufs = dict(forward_buffers(q, k, dtype), k=buf(k, dtype, offset * dtype.itemsize))
-    launches, _ = b._plan_decode(bufs, params(q, k))
+    launches, _ = plan_decode(b, bufs, params(q, k))
     copy_bytes = 16 if not offset else 4 if dtype == FLOAT32 else 2
     v = configs.select(configs.DECODE, dtype, 128, 232448, capability=capability,
                        copy_bytes=copy_bytes, rows=heads // 8 * seq_q)
@@ -182,53 +201,58 @@ def test_decode_design_follows_dtype_rows_and_copy_width(dtype, heads, seq_q, of
 def test_swapping_the_table_forgets_the_chosen_kernels():
     b = backend()
     q, k = (1, 128, 4, 64), (1, 128, 4, 64)
-    b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), params(q, k))
+    plan_launch(b, configs.FORWARD, forward_buffers(q, k, BFLOAT16), params(q, k))
     b.table = configs.only(configs.MMA)
-    fn, *_ = b._plan(configs.FORWARD, forward_buffers(q, k, BFLOAT16), params(q, k))
+    fn, *_ = plan_launch(b, configs.FORWARD, forward_buffers(q, k, BFLOAT16), params(q, k))
     assert fn.name == "flash_fwd_half"
 
 
 def fake_runtime(b, stream=7):
-    """The fake backend with a CuPy-like runtime (device 0, one current stream) and plans that
-    record their runs instead of launching."""
-    runs = []
-    b._plans = {}
+    """The fake backend with a CuPy-like runtime (device 0, one current stream)."""
+    b.generation = 0
     b.xp = SimpleNamespace(empty=np.empty, zeros=np.zeros, cuda=SimpleNamespace(
         runtime=SimpleNamespace(getDevice=lambda: 0),
         get_current_stream=lambda: SimpleNamespace(ptr=stream),
         ExternalStream=lambda ptr, device: contextlib.nullcontext()))
-    return runs
 
 
-def test_a_plan_is_made_once_per_call_shape_and_stream(monkeypatch):
+def recorded(monkeypatch, *fields):
+    """Launches record (kernel name, and `fields` of each: "ptrs", "stream", "args") instead of
+    running."""
     from ferrocupy.cuda import launch
 
     runs = []
+    get = {"ptrs": lambda self, ptrs, stream: dict(ptrs), "stream": lambda self, ptrs, s: s,
+           "args": lambda self, ptrs, stream: self.args}
     monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
-        (self.fn.name, dict(ptrs), stream, self.slot_names)))
+        (self.fn.name, *(get[f](self, ptrs, stream) for f in fields))))
+    return runs
+
+
+def test_a_plans_workspace_is_its_own_per_stream_or_the_callers(monkeypatch):
+    runs = recorded(monkeypatch, "ptrs", "stream")
     b = backend()
-    fake_runtime(b)
     q, k = (2, 1, 32, 128), (2, 32768, 8, 128)
     p = params(q, k, causal=True, causal_offset=32767)
     bufs = forward_buffers(q, k, BFLOAT16)
-    b.forward(bufs, p)
+    plan = make_plan(b, "forward", bufs, p)
+    b.run_plan(plan, ptrs(bufs), 7)
     first = runs[:]
     assert [r[0] for r in first] == [DECODE_KERNEL[BFLOAT16]]  # splits merged in the kernel
-    assert set(first[0][3]) == {"q", "k", "v", "out", "part_o", "part_ml", "tickets"}  # absent: NULL
+    assert set(plan.launches[0].slot_names) == {"q", "k", "v", "out", "part_o", "part_ml",
+                                                "tickets"}  # absent: NULL
     assert not first[0][1]["tickets"] % 4 and runs[0][1]["tickets"] != runs[0][1]["part_o"]
-    b.forward(dict(bufs, out=buf(q, BFLOAT16, offset=4096)), p)  # another output, same shape
-    assert len(b._plans) == 1 and runs[1][1]["out"] == 0x10000 + 4096
+    b.run_plan(plan, ptrs(dict(bufs, out=buf(q, BFLOAT16, offset=4096))), 7)  # another output
+    assert runs[1][1]["out"] == 0x10000 + 4096
     assert runs[1][1]["part_o"] == runs[0][1]["part_o"]  # the workspace, reused on its stream
-    plan = next(iter(b._plans.values()))
     assert set(plan.workspace) == {"part_o", "part_ml", "tickets"} and set(plan.owned) == {7}
     assert not plan.owned[7]["tickets"].any()  # zeroed where made (each launch leaves it so)
-    b.xp.cuda.get_current_stream = lambda: SimpleNamespace(ptr=8)
-    b.forward(bufs, p)
-    assert len(b._plans) == 1 and set(plan.owned) == {7, 8}  # another stream, its own workspace
+    b.run_plan(plan, ptrs(bufs), 8)
+    assert set(plan.owned) == {7, 8}  # another stream, its own workspace
     assert runs[-1][2] == 8 and runs[-1][1]["part_o"] != runs[0][1]["part_o"]
     made = []
-    b.forward(bufs, p, stream=9, alloc=lambda shape: made.append(np.full(shape, 7, np.float32))
-              or made[-1])
+    b.run_plan(plan, ptrs(bufs), 9, alloc=lambda shape: made.append(
+        np.full(shape, 7, np.float32)) or made[-1])
     assert [m.shape for m in made] == [plan.workspace[n] for n in ("part_o", "part_ml", "tickets")]
     assert not made[2].any() and made[0].all()  # the caller's tickets zeroed, the rest left
     assert runs[-1][1]["part_o"] == made[0].ctypes.data and set(plan.owned) == {7, 8}
@@ -239,60 +263,61 @@ def test_persistent_forward_takes_its_streams_tile_counter(monkeypatch):
     past the backend's COUNTER_STREAMS streams a launch gets none (NULL: blocks take tiles in a
     fixed turn). Plans without a persistent launch take none."""
     from ferrocupy.cuda import backend as backend_mod
-    from ferrocupy.cuda import launch
 
-    runs = []
-    monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
-        (self.fn.name, dict(ptrs), stream)))
+    runs = recorded(monkeypatch, "ptrs", "stream")
     b = backend()
-    fake_runtime(b)
     q, k = (4, 1024, 16, 64), (4, 1024, 16, 64)
     bufs, p = forward_buffers(q, k, BFLOAT16), params(q, k, causal=True)
+    plan = make_plan(b, "forward", bufs, p)
+    assert plan.counted
     base = address(b._counters)
     for stream in (7, 8, 7):
-        b.forward(bufs, p, stream=stream)
+        b.run_plan(plan, ptrs(bufs), stream)
     assert [r[1]["tile_counter"] for r in runs] == [base, base + 4, base]
-    assert next(iter(b._plans.values())).counted
     for stream in range(100, 100 + backend_mod.COUNTER_STREAMS - 1):  # 2 taken: 63 more calls
-        b.forward(bufs, p, stream=stream)
+        b.run_plan(plan, ptrs(bufs), stream)
     assert runs[-2][1]["tile_counter"] == base + 4 * (backend_mod.COUNTER_STREAMS - 1)
     assert runs[-1][1]["tile_counter"] == 0  # the 65th stream: none left
     assert len(b._counter_of) == backend_mod.COUNTER_STREAMS  # (and nothing kept for it)
     own = np.zeros(1, np.uint32)  # a counter of the call's own (a launch captured in a graph)
-    plan = next(iter(b._plans.values()))
     b.run_plan(plan, {n: 0x10000 for n in ("q", "k", "v", "out")}, 7, counter=own)
     assert runs[-1][1]["tile_counter"] == address(own)
     runs.clear()
-    b.forward(forward_buffers(q, k, FLOAT32), params(q, k), stream=7)  # float32: not persistent
+    bufs32 = forward_buffers(q, k, FLOAT32)
+    plan32 = make_plan(b, "forward", bufs32, params(q, k))  # float32: not persistent
+    b.run_plan(plan32, ptrs(bufs32), 7)
+    assert not plan32.counted
     assert [r[0] for r in runs] == ["flash_attn_v2"] and "tile_counter" not in runs[0][1]
 
 
 def test_backward_plan_owns_its_stats(monkeypatch):
     from ferrocupy.cuda import launch
 
-    runs = []
-    monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
-        (self.fn.name, self.args, dict(ptrs))))
+    runs = recorded(monkeypatch, "args", "ptrs")
     b = backend()
-    fake_runtime(b)
     q, k = (1, 256, 8, 64), (1, 256, 4, 64)
     bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
                 grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16))
     bufs.pop("kv_lens")
     p = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(AttentionOptions(causal=True))
-    b.backward(bufs, p)
-    b.backward(bufs, p)
+
+    def backward(bufs, p):
+        plan = make_plan(b, "backward", bufs, p)
+        b.run_plan(plan, ptrs(bufs), 7)
+        return plan
+
+    plan = backward(bufs, p)
+    b.run_plan(plan, ptrs(bufs), 7)
     names = [r[0] for r in runs]
     # (a plain call on the fake sm_90 with 16-byte rows: dK/dV on the warpgroup tensor cores)
     assert names == ["flash_bwd_dq_half", "flash_bwd_dkdv_wgmma"] * 2
     assert "stats" in [a.name for a in runs[0][1] if isinstance(a, launch.Slot)]
-    plan = next(iter(b._plans.values()))
     assert plan.workspace == {"stats": (8 * 256, 2)}
     assert runs[0][2]["stats"] == runs[3][2]["stats"]  # the same stats buffer on the second call
     runs.clear()  # with dropout, the mma.sync dK/dV kernel (the wgmma one is built without it)
-    b.backward(bufs, AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
+    backward(bufs, AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
         AttentionOptions(causal=True, dropout_prob=0.1)))
     assert [r[0] for r in runs] == ["flash_bwd_dq_half", "flash_bwd_dkdv_half"]
     runs.clear()  # given the forward's lse, dQ on the warpgroup tensor cores too
-    b.backward(dict(bufs, lse=buf((1, 8, 256), FLOAT32)), p)
+    backward(dict(bufs, lse=buf((1, 8, 256), FLOAT32)), p)
     assert [r[0] for r in runs] == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"]

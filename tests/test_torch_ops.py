@@ -5,6 +5,8 @@ torch's own `scaled_dot_product_attention` (computed in float64), dropout seeds,
 
 from __future__ import annotations
 
+import ctypes
+
 import math
 
 import numpy as np
@@ -142,7 +144,7 @@ def test_gradients_match_torch_sdpa(gen, case, hkv):
 def test_backward_takes_the_forwards_lse_and_never_recomputes_it(gen, monkeypatch):
     calls = []
     engine = ft._REFERENCE
-    for name in ("flash_attention_v2_with", "flash_attention_v2_backward_with"):
+    for name in ("plan_attention", "plan_attention_backward"):
         real = getattr(engine, name)
 
         def spy(*args, _real=real, _name=name, **kw):
@@ -153,9 +155,9 @@ def test_backward_takes_the_forwards_lse_and_never_recomputes_it(gen, monkeypatc
     q, k, v = _qkv(gen)
     _grads(lambda q, k, v: ft.attention(q, k, v, causal=True, dropout_p=0.2, seed=3), (q, k, v),
            _randn(gen, *q.shape))
-    assert [n for n, _ in calls] == ["flash_attention_v2_with", "flash_attention_v2_backward_with"]
-    fwd_lse, bwd_lse = (lse.buffer() for _, lse in calls)
-    assert bwd_lse.shape == (2, 4, 7) and np.shares_memory(fwd_lse, bwd_lse)
+    assert [n for n, _ in calls] == ["plan_attention", "plan_attention_backward"]
+    fwd_lse, bwd_lse = (lse for _, lse in calls)
+    assert bwd_lse.shape == (2, 4, 7) and bwd_lse.data_ptr() == fwd_lse.data_ptr()
 
 
 def test_bool_mask_is_sdpa_convention(gen):
@@ -172,12 +174,13 @@ def test_non_contiguous_inputs(gen, monkeypatch):
     their strides: no copy), and a non-contiguous grad."""
     q, k, v = _qkv(gen)
     qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
-    wrapped = []
-    real_wrap = ft._wrap
-    monkeypatch.setattr(ft, "_wrap", lambda t: wrapped.append(t) or real_wrap(t))
+    planned = []
+    real_plan = ft._REFERENCE.plan_attention
+    monkeypatch.setattr(ft._REFERENCE, "plan_attention",
+                        lambda *a, **kw: planned.append(a) or real_plan(*a, **kw))
     out = ft.attention(qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2), causal=True)
-    assert [t.data_ptr() for t in wrapped[:3]] == [x.data_ptr() for x in (qt, kt, vt)]
-    assert not wrapped[0].is_contiguous()  # the view itself went to the engine
+    assert [t.data_ptr() for t in planned[0][:3]] == [x.data_ptr() for x in (qt, kt, vt)]
+    assert not planned[0][0].is_contiguous()  # the view itself went to the engine
     go = _randn(gen, 2, 4, 7, 16)
     out.backward(go.transpose(1, 2))
     want, grads = _grads(lambda q, k, v: ft.attention(q, k, v, causal=True), (q, k, v),
@@ -429,84 +432,98 @@ def test_kv_lens_is_each_sequence_on_its_own_and_has_no_backward(gen):
     torch.testing.assert_close(got, out, rtol=0, atol=0)
 
 
-def test_the_cuda_fast_path_checks_once_and_launches_from_addresses(gen, monkeypatch):
-    """`_cuda_call`'s logic on CPU tensors: the engine's full checks on the first call of a call
-    shape, then straight to the backend with each call's addresses and workspace from torch's
-    allocator; kv_lens' values checked on every call. (The GPU runs it for real.)"""
+class _CudaRecorder:
+    """A CUDA backend stand-in on host memory: plans are strings, runs are recorded."""
+
+    name, device, generation = "cuda", "cpu", 0
+    dtypes = ComputeEngine("reference", quiet=True).backend.dtypes
+
+    def __init__(self, counted=True):
+        self.plans, self.launches, self.counted = [], [], counted
+
+    def plan(self, op, buffers, params, layout, ptrs):
+        self.plans.append((op, {n: b and b.dtype for n, b in buffers.items()}))
+        plan = type("Plan", (str,), {"counted": self.counted})(op)
+        return plan
+
+    @staticmethod
+    def alignment(ptrs):
+        return 0
+
+    def read_int32(self, ptr, n, stream):  # "device" memory is host memory here
+        return np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(ptr)).copy()
+
+    def run_plan(self, plan, ptrs, stream, alloc, counter=None):
+        work = alloc((3, 2))
+        self.launches.append((plan, dict(ptrs), stream, work.dtype, tuple(work.shape), counter))
+
+
+def test_cuda_tensors_run_a_kept_plan_from_their_addresses(gen, monkeypatch):
+    """`_run_cuda` on CPU tensors: the engine plans a call shape once (every check), and
+    each call runs it from the tensors' addresses on torch's stream with workspace from torch's
+    allocator; kv_lens' values are checked on every call. (The GPU runs it for real.)"""
     engine = ComputeEngine("reference", quiet=True)
-    launches, checks = [], []
-    real_check = engine._check_call
-    monkeypatch.setattr(engine, "_check_call",
-                        lambda *a: checks.append(a[0]) or real_check(*a))
-
-    plans = []
-
-    class Plan(str):
-        counted = True  # a persistent launch: claims tiles from a counter
-
-    class Recorder:
-        def plan(self, op, buffers, params, layout, ptrs):
-            plans.append((op, {n: b and b.dtype for n, b in buffers.items()}))
-            return Plan(op)
-
-        def run_plan(self, plan, ptrs, stream, alloc, counter=None):
-            work = alloc((3, 2))
-            launches.append((plan, dict(ptrs), stream, work.dtype, tuple(work.shape), counter))
-
-    engine.backend = Recorder()
-    engine.backend.name, engine.backend.device, engine.backend.dtypes = \
-        "cuda", "cpu", ComputeEngine("reference").backend.dtypes
+    engine.backend = rec = _CudaRecorder()
     monkeypatch.setattr(ft, "_engine", lambda device: engine)
     monkeypatch.setattr(ft, "_stream", lambda device: 77)
-    monkeypatch.setattr(ft, "_CHECKED", {})  # this test's calls only
+
+    def run(named, capturing=False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        plan = engine.plan_attention(*(named[n] for n in ("q", "k", "v", "out")), opts,
+                                     named["mask"], lse=named["lse"], kv_lens=named["kv_lens"])
+        ft._run_cuda(plan, named, torch.device("cpu"))
+        return plan
+
     opts = AttentionOptions(causal=True, causal_offset=8)
+    plans = []
     for _ in range(2):
         q, k, v = _qkv(gen, B=2, Sq=1, Sk=9)
         out, lse = torch.empty_like(q), torch.empty(2, 4, 1)
         lens = torch.tensor([9, 4], dtype=torch.int32)
         named = {"q": q, "k": k, "v": v, "out": out, "mask": None, "lse": lse, "kv_lens": lens}
-        ft._cuda_call("forward", named, opts, full=lambda: pytest.fail("not empty"),
-                      fresh=("out", "lse"))
-        plan, ptrs, stream, wdtype, wshape, counter = launches[-1]
+        plans.append(run(named))
+        plan, ptrs, stream, wdtype, wshape, counter = rec.launches[-1]
         assert plan == "forward" and counter is None  # not capturing: the stream's counter
         assert ptrs["q"] == q.data_ptr() and ptrs["out"] == out.data_ptr()
         assert ptrs["mask"] == 0 and ptrs["lse"] == lse.data_ptr() and stream == 77
         assert wdtype == torch.float32 and wshape == (3, 2)
-    assert checks == ["forward"]  # the second call of the same shape was not checked again
-    # one plan (the second call's addresses share the first's alignment: torch's allocator)
-    assert plans == [("forward", {"q": np.float32, "k": np.float32, "v": np.float32,
-                                  "out": np.float32, "mask": None, "lse": np.float32,
-                                  "kv_lens": np.int32})]
+    assert plans[0] is plans[1]  # one plan for the call shape, kept by the engine
+    assert rec.plans == [("forward", {"q": np.float32, "k": np.float32, "v": np.float32,
+                                      "out": np.float32, "mask": None, "lse": np.float32,
+                                      "kv_lens": np.int32})]
     # Captured in a CUDA graph, the launch gets a zeroed counter of its own (made in the graph).
-    monkeypatch.setattr(ft, "_capturing", lambda device: True)
-    ft._cuda_call("forward", named, opts, full=lambda: pytest.fail("not empty"), fresh=("out", "lse"))
-    counter = launches.pop()[-1]
-    assert counter.dtype == torch.int32 and counter.tolist() == [0]
+    run(named, capturing=True)
+    counter = rec.launches.pop()[-1]
+    assert counter.dtype == torch.float32 and counter.tolist() == [0]
     lens[1] = 10
     with pytest.raises(ValueError, match=r"kv_lens\[1\] = 10 is outside \[0, seq_k = 9\]"):
-        ft._cuda_call("forward", named, opts, full=lambda: None)
-    assert len(launches) == 2
+        run(named)
+    assert len(rec.launches) == 2
+    with pytest.raises(ValueError, match="lse .* shares memory with q"):  # checked every call
+        run(dict(named, lse=q.view(-1)[:8].view(2, 4, 1)))
+    assert len(rec.launches) == 2
 
 
 def test_eager_inference_runs_the_ops_body_without_the_op(gen, monkeypatch):
     """An eager CUDA call that needs no gradient skips the custom op (its dispatch costs more
-    than a decode step's kernel) but not the checks: `_forward_now` goes through `_cuda_call`
-    with a fresh `out`, no lse, and the op's seed. Everything else takes the op."""
+    than a decode step's kernel) but not the checks: `_forward_now` plans with a fresh `out`, no
+    lse, and the op's seed. Everything else takes the op."""
     calls = []
-    monkeypatch.setattr(ft, "_cuda_call", lambda op, named, opts, full, fresh=(): calls.append(
-        (op, {n: t is not None for n, t in named.items()}, opts, fresh)))
+    monkeypatch.setattr(ft, "_run", lambda plan, named: calls.append(
+        (plan, {n: t is not None for n, t in named.items()})))
     q, k, v = _qkv(gen, B=1, Sq=2, Sk=5)
     out = ft._forward_now(q, k, v, None, True, 3, 0, 0.0, None, None, None)
     assert out.shape == q.shape and out.dtype == q.dtype
-    op, present, opts, fresh = calls[-1]
-    assert op == "forward" and fresh == ("out",)
+    plan, present = calls[-1]
+    assert plan.op == "forward"
     assert present == {"q": True, "k": True, "v": True, "out": True, "mask": False,
-                       "lse": False, "kv_lens": False}
-    assert opts == AttentionOptions(causal=True, causal_offset=3)
+                       "kv_lens": False}
+    assert plan.specs["lse"] is None
+    assert plan.options == AttentionOptions(causal=True, causal_offset=3)
     torch.manual_seed(5)
     ft._forward_now(q, k, v, None, False, 0, 0, 0.25, None, None, None)
     torch.manual_seed(5)
-    assert calls[-1][2].seed == ft._seed_int(ft._seed_tensor(None, 0.25))  # the op's draw
+    assert calls[-1][0].options.seed == ft._seed_int(ft._seed_tensor(None, 0.25))  # the op's draw
     # CPU tensors, and any call that needs a gradient, take the op
     assert not ft._eager_inference(q, k, v, None, None)
 

@@ -1,8 +1,9 @@
-"""The CUDA backend: runs the engine's three operations (rope, forward, backward) as kernel
-launches. Each operation picks its kernel variants from `configs.py` (by dtype, head_dim and the
-GPU's shared memory), checks every launch it will make, then launches them in order on CuPy's
-current stream of this backend's device. The engine has already validated the inputs and packed
-the parameter struct, which each kernel receives by value."""
+"""The CUDA backend: runs the engine's operations as kernel launches. RoPE launches directly;
+attention is planned (`plan`: the kernel variants picked from `configs.py` by dtype, head_dim,
+copy width and the GPU's shared memory, every launch compiled and checked, arguments packed) and
+then run (`run_plan`: addresses filled in, workspace found, launched in order on a stream).
+`ferrocupy.plan.AttentionPlan` holds the plans and does every check of the call before this
+sees it; each kernel receives the packed parameter struct by value."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import threading
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
-from ..params import LAYOUT_TENSORS, contiguous_layout
+from ..params import LAYOUT_TENSORS
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
 from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
-_PLANS_MAX = 256  # remembered plans per backend (a long-running job sees few)
 _NOT_ROWS = ("mask", "lse", "kv_lens", "stats")  # buffers whose alignment picks no copy width
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
@@ -44,7 +44,7 @@ class CudaBackend:
         # (op, dtype, head_dim, copy bytes, decode rows, many decode blocks) -> (variant, kernel); a decode variant ->
         # its combine
         self._kernels: dict = {}
-        self._plans: dict = {}  # see _run
+        self.generation = 0  # counts table swaps: a plan made before one is stale
         # Read once: CuPy's `attributes` queries every device attribute on each access.
         attrs = cupy.cuda.Device(self._id).attributes
         self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
@@ -65,7 +65,7 @@ class CudaBackend:
     def table(self, table: dict) -> None:  # a tuning sweep swaps it; forget the chosen kernels
         self._table = table
         self._kernels = {}
-        self._plans = {}
+        self.generation += 1  # plans made with the old table are made again
 
     def device_name(self) -> str:
         props = self.xp.cuda.runtime.getDeviceProperties(self._id)
@@ -95,57 +95,43 @@ class CudaBackend:
                                       configs.rope_defines(x.dtype))
             fn((blocks,), (threads,), (x, np.uint64(tokens), params))
 
-    def forward(self, buffers: dict, params: np.void, layout: np.void | None = None,
-                stream: int | None = None, alloc=None) -> None:
-        """The attention forward (or the decode kernels) on `stream` (a CUstream handle; default
-        CuPy's current stream). `buffers` need only `.dtype` and `.data.ptr`; `layout` (the
-        packed AttnLayout) gives their strides (None: C-contiguous). `alloc(shape)`, if given,
-        makes each call's float32 workspace (a torch tensor, say: the caller's allocator then
-        orders it by stream, and a CUDA graph capture keeps it)."""
-        self._run("forward", buffers, params, layout, stream, alloc)
-
-    def backward(self, buffers: dict, params: np.void, layout: np.void | None = None,
-                 stream: int | None = None, alloc=None) -> None:
-        """dQ (and each row's [Delta, LSE] into the stats workspace), then dK/dV from the
-        stats."""
-        self._run("backward", buffers, params, layout, stream, alloc)
-
-    def _run(self, op: str, buffers: dict, params: np.void, layout, stream, alloc) -> None:
-        """Run the plan of (op, params, dtypes, which buffers are given, their alignment), made
-        on first use: every launch of it is compiled and checked before any runs, so nothing is
-        written if one cannot run. Its workspace (the decode splits' partial results, the
-        backward's stats) comes from `alloc`, or else is the plan's own for this stream, reused
-        by every call on it (stream order keeps those calls apart)."""
-        if self.xp.cuda.runtime.getDevice() != self._id:  # CuPy's current stream is per device
+    # --- attention: plans made by ferrocupy.plan.AttentionPlan, one per alignment ------------
+    def plan(self, op: str, buffers: dict, params: np.void, layout: np.void, ptrs: dict) -> Plan:
+        """The launches of `op` ("forward" or "backward") for these params and layout, the
+        buffers' dtypes (`buffers`: name -> anything with `.dtype`, or None for an absent one)
+        and their addresses' alignment (`ptrs`: name -> address), every launch compiled and
+        checked. The caller keeps it: it is the same for every call with these."""
+        if self.xp.cuda.runtime.getDevice() != self._id:
             with self.xp.cuda.Device(self._id):
-                return self._run(op, buffers, params, layout, stream, alloc)
-        ptrs = _pointers(buffers)
-        if stream is None:
-            stream = self.xp.cuda.get_current_stream().ptr
-        self._run_plan(self.plan(op, buffers, params, layout, ptrs), ptrs, stream, alloc)
+                return self.plan(op, buffers, params, layout, ptrs)
+        return self._make_plan(op, buffers, params, layout, ptrs)
 
-    def plan(self, op: str, buffers: dict, params: np.void, layout: np.void | None = None,
-             ptrs: dict | None = None) -> Plan:
-        """The plan of `op` for these params, layout, dtypes, absent buffers and addresses'
-        alignment (`ptrs`: the buffers' addresses, if already read), made and checked on first
-        use."""
-        if ptrs is None:
-            ptrs = _pointers(buffers)
-        if layout is None:
-            layout = contiguous_layout(params)
-        key = (op, params.tobytes(), layout.tobytes(), buffers["q"].dtype,
-               _dtype_or_none(buffers.get("mask")),
-               tuple(n for n, x in buffers.items() if x is None), alignment(ptrs))
-        plan = self._plans.get(key)
-        if plan is None:
-            if self.xp.cuda.runtime.getDevice() != self._id:
-                with self.xp.cuda.Device(self._id):
-                    return self.plan(op, buffers, params, layout, ptrs)
-            plan = self._make_plan(op, buffers, params, layout)
-            if len(self._plans) >= _PLANS_MAX:
-                self._plans.clear()
-            self._plans[key] = plan
-        return plan
+    @staticmethod
+    def alignment(ptrs: dict) -> int:
+        return alignment(ptrs)
+
+    def current_stream(self) -> int:
+        """CuPy's current stream on this backend's device, as a CUstream handle."""
+        with self.xp.cuda.Device(self._id):
+            return self.xp.cuda.get_current_stream().ptr
+
+    def read_int32(self, ptr: int, n: int, stream: int) -> np.ndarray:
+        """`n` int32 values at device address `ptr`, copied to the host in `stream`'s order."""
+        host = np.empty(n, np.int32)
+        if n:
+            runtime = self.xp.cuda.runtime
+            runtime.memcpyAsync(host.ctypes.data, ptr, 4 * n, runtime.memcpyDeviceToHost, stream)
+            runtime.streamSynchronize(stream)
+        return host
+
+    def zero_view(self, ptr: int, shape, strides, dtype, stream: int) -> None:
+        """Write zeros to the strided view (element `strides`) at device address `ptr`."""
+        xp, dtype = self.xp, np.dtype(dtype)
+        span = (sum((n - 1) * st for n, st in zip(shape, strides)) + 1) * dtype.itemsize
+        with xp.cuda.Device(self._id), xp.cuda.ExternalStream(stream, self._id):
+            mem = xp.cuda.MemoryPointer(xp.cuda.UnownedMemory(ptr, span, None, self._id), 0)
+            xp.ndarray(tuple(shape), dtype, mem,
+                       tuple(st * dtype.itemsize for st in strides)).fill(0)
 
     def run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc=None, counter=None) -> None:
         """Launch `plan` on `stream` with these buffer addresses (name -> int, 0 for an absent
@@ -185,22 +171,21 @@ class CudaBackend:
         plan.run(ptrs, stream)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
-    def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void) -> Plan:
-        slots = set(buffers)
+    def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void,
+                   ptrs: dict) -> Plan:
         if op == "forward":
             if configs.decode_wanted(params):
-                launches, workspace = self._plan_decode(buffers, params, slots, layout)
+                launches, workspace = self._plan_decode(buffers, params, layout, ptrs)
             else:
-                launches = [self._plan(configs.FORWARD, buffers, params, slots, layout)]
+                launches = [self._plan(configs.FORWARD, buffers, params, layout, ptrs)]
                 workspace = {}
         else:
             rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
             workspace = {"stats": (rows, 2)}
             bufs = dict(buffers, stats=Slot("stats"))
-            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, slots | {"stats"}, layout)]
+            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, layout, ptrs)]
             if int(params["seq_k"]):
-                launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params,
-                                           slots | {"stats"}, layout))
+                launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params, layout, ptrs))
         return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params,))
                      for fn, blocks, threads, smem, args in launches], workspace)
 
@@ -221,16 +206,13 @@ class CudaBackend:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
                               self.capability, copy_bytes, rows, many_blocks, plain)
 
-    def _plan(self, op: str, buffers: dict, params, slots=(), layout=None):
-        """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; the
-        buffers named in `slots` become `Slot`s (filled in on each run), the others are passed
-        as they are. `layout`: the buffers' strides (None: C-contiguous)."""
-        if layout is None:
-            layout = contiguous_layout(params)
+    def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict):
+        """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; each
+        buffer is a `Slot` (its address filled in on each run), NULL where absent."""
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
         names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
-        vec = _copy_width(dtype, d, [buffers[a] for a in names], _strides(layout, names))
+        vec = _copy_width(dtype, d, [ptrs[a] for a in names], _strides(layout, names))
         mask = buffers.get("mask")
         # the `plain` variants: no mask, no dropout (and dQ given the forward's lse)
         plain = (mask is None and float(params["dropout_prob"]) == 0.0
@@ -241,25 +223,22 @@ class CudaBackend:
         if v.tiles(params) > GRID_X_MAX:
             raise ValueError(f"{op}: {v.tiles(params)} tiles exceed the grid limit {GRID_X_MAX}")
         def arg(a):
-            if a == configs.TILE_COUNTER:  # the stream's: filled in on each run, or CuPy's current
-                return Slot(a) if slots else np.uint64(
-                    self._tile_counter(self.xp.cuda.get_current_stream().ptr))
-            return NULL if buffers.get(a) is None else Slot(a) if a in slots else buffers[a]
+            if a == configs.TILE_COUNTER:  # the stream's, or the call's own: filled in on each run
+                return Slot(a)
+            return NULL if buffers.get(a) is None else Slot(a)
 
         args = tuple(arg(a) for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
 
-    def _plan_decode(self, buffers: dict, params, slots=(), layout=None) -> tuple[list, dict]:
+    def _plan_decode(self, buffers: dict, params, layout, ptrs: dict) -> tuple[list, dict]:
         """The decode kernel over (batch, KV head, split) blocks; with more than one split, the
         last block of each pair to finish merges the splits (counted in the workspace's
         `tickets`), except in the tiles design, which always leaves its result in the workspace
         for the combine kernel. Every launch is planned (compiled, checked) before any runs."""
-        if layout is None:
-            layout = contiguous_layout(params)
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
-        vec = _copy_width(dtype, d, [buffers["k"], buffers["v"]], _strides(layout, ("k", "v")))
+        vec = _copy_width(dtype, d, [ptrs["k"], ptrs["v"]], _strides(layout, ("k", "v")))
         group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
         pairs = int(params["batch"]) * int(params["kv_heads"])
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows,
@@ -273,26 +252,18 @@ class CudaBackend:
         combined = splits > 1 or combine_launch
         # The workspace: per split, each row's unnormalised O and (max, sum); none when the one
         # split writes out itself; with the split merged in the kernel, a ticket per pair (zero
-        # before the launch: see _run_plan). Slots when planning (the caller supplies it on
-        # each run), else arrays made here.
+        # before the launch: see _run_plan), each a Slot filled in on each run.
         workspace = {"part_o": (splits, rows, v.head_dim), "part_ml": (splits, rows, 2)} \
             if combined else {}
         if combined and not combine_launch:
             workspace[configs.TICKETS] = (pairs,)
-        names = ("part_o", "part_ml", configs.TICKETS)
-        if slots:
-            part_o, part_ml, tickets = (Slot(n) if n in workspace else NULL for n in names)
-        else:
-            part_o, part_ml, tickets = (
-                (self.xp.zeros if n == configs.TICKETS else self.xp.empty)(
-                    workspace.get(n, (0,)), dtype=np.float32) for n in names)
+        part_o, part_ml, tickets = (Slot(n) if n in workspace else NULL
+                                    for n in ("part_o", "part_ml", configs.TICKETS))
         mask = buffers.get("mask")
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
 
         def opt(name):
-            if buffers.get(name) is None:
-                return NULL
-            return Slot(name) if name in slots else buffers[name]
+            return NULL if buffers.get(name) is None else Slot(name)
 
         args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, tickets, opt("out"),
                 opt("lse"), opt("mask"), opt("kv_lens"), np.uint32(splits),
@@ -332,19 +303,14 @@ class CudaBackend:
             hit = self._kernels[key] = (v, fn)
         return hit
 
-    @staticmethod
-    def _launch(fn, blocks, threads, smem, args, params) -> None:
-        if blocks:
-            fn((blocks,), (threads,), args + (params,), shared_mem=smem)
 
-
-def _copy_width(dtype: np.dtype, d: int, arrays, strides=()) -> int:
+def _copy_width(dtype: np.dtype, d: int, ptrs, strides=()) -> int:
     """Elements per global load of a tile row: 16 bytes when head_dim and every row allow it
-    (each array's address and every row stride in `strides`, in elements, a multiple of it),
+    (each address in `ptrs` and every row stride in `strides`, in elements, a multiple of it),
     else 4 bytes, else one element (a half-precision head_dim that is odd)."""
     size = dtype.itemsize
     for width in (16 // size, 4 // size):
-        if width and d % width == 0 and all(a.data.ptr % (width * size) == 0 for a in arrays) \
+        if width and d % width == 0 and all(p % (width * size) == 0 for p in ptrs) \
                 and all(st % width == 0 for st in strides):
             return width
     return 1
@@ -362,11 +328,3 @@ def alignment(ptrs: dict) -> int:
         if name not in _NOT_ROWS:
             low |= ptr
     return low & 15
-
-
-def _pointers(buffers: dict) -> dict:
-    return {n: (0 if b is None else b.data.ptr) for n, b in buffers.items()}
-
-
-def _dtype_or_none(a):
-    return None if a is None else a.dtype

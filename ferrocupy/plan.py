@@ -1,0 +1,385 @@
+"""Attention plans: the front door every caller goes through.
+
+A plan is one attention operation (forward or backward) for one set of tensor *specs* (shape,
+element strides, dtype, device of each argument) and options. Making it runs every check that
+depends on those alone and packs the kernels' parameter structs; `ComputeEngine.plan_attention`
+and `plan_attention_backward` make plans and keep them, one per combination. Running it runs
+the checks that depend on the call's memory, on every call and before anything is launched:
+
+- each argument matches the plan's spec (`run`; `run_pointers` takes the caller's word);
+- no output shares a byte with any other argument (inputs, the other outputs; the span of a
+  strided view counts whole, so views interleaved in one buffer overlap), and a host output is
+  writable;
+- every `kv_lens` value lies in `[0, seq_k]` (read from the call's memory, on the call's stream).
+
+If any check fails, the call raises `ValueError` (or `TypeError`) naming the argument and its
+shape, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import dtypes as _dt
+from .params import LAYOUT_TENSORS, AttentionDims, layout_params
+
+FORWARD, BACKWARD = "forward", "backward"
+# Argument names in call order; which are optional (None allowed), which are written.
+ARGS = {
+    FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens"),
+    BACKWARD: ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v", "mask", "lse"),
+}
+OPTIONAL = ("mask", "lse", "kv_lens")
+WRITTEN = {FORWARD: ("out", "lse"), BACKWARD: ("grad_q", "grad_k", "grad_v")}
+_Q_SHAPED = {FORWARD: ("out",), BACKWARD: ("out", "grad_out", "grad_q")}
+_K_SHAPED = {FORWARD: (), BACKWARD: ("grad_k", "grad_v")}
+_CONTIGUOUS = ("lse", "kv_lens")  # C-contiguous; the rank-4 tensors need a contiguous last dim
+
+_TORCH_DTYPES = {"torch.float32": _dt.FLOAT32, "torch.float16": _dt.FLOAT16,
+                 "torch.bfloat16": _dt.BFLOAT16, "torch.int32": np.dtype(np.int32),
+                 "torch.int64": np.dtype(np.int64), "torch.float64": np.dtype(np.float64)}
+
+
+class TensorSpec(NamedTuple):
+    """What a plan knows of a tensor: shape, element strides, dtype and device ("cpu" or
+    "cuda:N"). `TensorSpec.of(x)` reads them from a UnifiedTensor, a NumPy or CuPy array or a
+    PyTorch tensor; `TensorSpec.contiguous(shape, dtype, device)` is a C-contiguous one."""
+
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype
+    device: str
+
+    @classmethod
+    def contiguous(cls, shape, dtype, device: str) -> "TensorSpec":
+        shape = tuple(int(n) for n in shape)
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        return cls(shape, tuple(reversed(strides)), _dt.parse(dtype), device)
+
+    @classmethod
+    def of(cls, x) -> "TensorSpec":
+        if isinstance(x, TensorSpec):
+            return x
+        if _is_torch(x):
+            name = str(x.dtype)
+            if name not in _TORCH_DTYPES:
+                raise TypeError(f"tensor of shape {tuple(x.shape)} has dtype {name}, which "
+                                f"ferrocupy does not take")
+            dev = x.device
+            device = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
+            return cls(tuple(x.shape), tuple(x.stride()), _TORCH_DTYPES[name], device)
+        from .tensor import UnifiedTensor
+
+        t = x if isinstance(x, UnifiedTensor) else UnifiedTensor(x)
+        return cls(t.shape, t.strides, t.dtype, t.device)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_contiguous(self) -> bool:
+        """C order (a dimension of size 1 may have any stride, as in NumPy)."""
+        step = 1
+        for n, st in zip(reversed(self.shape), reversed(self.strides)):
+            if n > 1 and st != step:
+                return False
+            step *= n
+        return True
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from the first element's address to one past the last byte the view can
+        touch (0 for an empty tensor): its span, not its size."""
+        if self.numel == 0:
+            return 0
+        return int(sum((n - 1) * st for n, st in zip(self.shape, self.strides)) + 1) \
+            * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"shape {self.shape}, strides {self.strides}, {self.dtype}, {self.device}"
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+class AttentionPlan:
+    """One checked attention operation for one set of specs and options (see the module
+    docstring). Read-only attributes: `op` ("forward" / "backward"), `options`, `dims`
+    (`AttentionDims`), `specs` (name -> `TensorSpec` or None), `params` and `layout` (the packed
+    structs the kernels receive), `names` (the arguments in call order), `written`."""
+
+    def __init__(self, backend, op: str, specs: dict, opts):
+        self.backend, self.op, self.options = backend, op, opts
+        self.names = ARGS[op]
+        self.specs = {n: specs.get(n) for n in self.names}
+        self.dims, self.params, self.layout = _check(backend, op, self.specs, opts)
+        self.written = tuple(n for n in WRITTEN[op] if self.specs[n] is not None)
+        self.empty = self.dims.batch * self.dims.heads * self.dims.seq_q == 0
+        # (index, name, span) of the arguments that occupy memory; outputs' indexes
+        self._spans = [(i, n, s.span_bytes) for i, (n, s) in enumerate(self.specs.items())
+                       if s is not None and s.numel]
+        self._outputs = [(i, n, span) for i, n, span in self._spans if n in self.written]
+        self._kv_lens = self.specs.get("kv_lens")
+        self._launches: dict = {}  # the CUDA backend's plans, by (its table, rows' alignment)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{n}={tuple(s.shape)}" for n, s in self.specs.items() if s)
+        return f"AttentionPlan({self.op}, {shown}, {self.options})"
+
+    # --- running ----------------------------------------------------------------------------
+    def run(self, *args, stream=None, alloc=None, **named) -> None:
+        """Run on these tensors (the plan's argument names, positional in `names` order or by
+        keyword; an optional one the plan has no spec for is None). Each must match its spec.
+        `stream` (CUDA): a CUstream handle (int) or a CuPy stream, default CuPy's current;
+        `alloc(shape)`: makes the call's float32 workspace (e.g. `torch.empty`), default the
+        plan's own per stream."""
+        tensors = self._bind(args, named)
+        cuda = self.backend.name == "cuda"
+        arrays, ptrs = {}, {}
+        for n, x in tensors.items():
+            spec = self.specs[n]
+            if (x is None) != (spec is None):
+                raise ValueError(f"{n}: the plan was made {'without' if spec is None else 'with'}"
+                                 f" it, but this call {'passes' if spec is None else 'omits'} it")
+            if x is None:
+                arrays[n], ptrs[n] = None, 0
+                continue
+            got = TensorSpec.of(x)
+            if got != spec:
+                raise ValueError(f"{n} ({got}) does not match the plan's {n} ({spec}); make a "
+                                 f"plan for it")
+            if cuda and _is_torch(x):
+                ptrs[n] = x.data_ptr()
+            else:
+                arrays[n] = _array(x)
+                ptrs[n] = _address(arrays[n])
+        if cuda:
+            self.run_pointers(ptrs, stream=stream, alloc=alloc)
+            return
+        for n in self.written:
+            if not arrays[n].flags.writeable:
+                raise ValueError(f"{n} (shape {self.specs[n].shape}) is read-only")
+        self._check_memory(tuple(ptrs.values()))
+        if self._kv_lens is not None:
+            check_kv_lens_values(np.asarray(arrays["kv_lens"]), self.dims.seq_k)
+        if self.empty:
+            if self.op == BACKWARD:
+                # No query row: every key gets zero gradient, written, not left as it was.
+                for n in ("grad_k", "grad_v"):
+                    self.backend.zero(arrays[n])
+            return
+        getattr(self.backend, self.op)(arrays, self.params, self.layout)
+
+    def run_pointers(self, pointers: dict, *, stream=None, alloc=None, capturing=False) -> None:
+        """CUDA: run on the tensors at these device addresses (name -> int, 0 or absent for an
+        argument the plan has no spec for). The caller vouches that each address holds a tensor
+        of the plan's spec, on the plan's device; the memory checks still run. `capturing`
+        (a bool, or a function answering it, asked only where it matters): the call is being
+        captured in a CUDA graph, so a persistent kernel claims its tiles from a counter of
+        the call's own, made with `alloc`, not from the stream's."""
+        if self.backend.name != "cuda":
+            raise ValueError(f"run_pointers needs the CUDA backend; this plan runs on "
+                             f"{self.backend.name}: use run()")
+        ptrs = tuple(pointers.get(n, 0) for n in self.names)
+        self._check_memory(ptrs)
+        backend = self.backend
+        stream = _stream_handle(stream, backend)
+        if self._kv_lens is not None:
+            check_kv_lens_values(backend.read_int32(pointers["kv_lens"], self.dims.batch,
+                                                    stream), self.dims.seq_k)
+        if self.empty:
+            if self.op == BACKWARD:
+                for n in ("grad_k", "grad_v"):
+                    spec = self.specs[n]
+                    backend.zero_view(pointers[n], spec.shape, spec.strides, spec.dtype, stream)
+            return
+        ptrs = dict(zip(self.names, ptrs))
+        low = (backend.generation, backend.alignment(ptrs))
+        launch = self._launches.get(low)
+        if launch is None:
+            launch = self._launches[low] = backend.plan(self.op, self.specs, self.params,
+                                                        self.layout, ptrs)
+        counter = None
+        if launch.counted and (capturing() if callable(capturing) else capturing):
+            if alloc is None:
+                raise ValueError("run_pointers(capturing=True) needs alloc (a zeroed tile "
+                                 "counter of the call's own)")
+            counter = alloc((1,))
+            counter.zero_() if hasattr(counter, "zero_") else counter.fill(0)
+        backend.run_plan(launch, ptrs, stream, alloc, counter=counter)
+
+    # --- checks on the call's memory ----------------------------------------------------------
+    def _bind(self, args, named) -> dict:
+        if len(args) > len(self.names):
+            raise TypeError(f"run() takes at most {len(self.names)} tensors ({', '.join(self.names)})"
+                            f", got {len(args)}")
+        tensors = dict.fromkeys(self.names)
+        tensors.update(zip(self.names, args))
+        for n, x in named.items():
+            if n not in tensors:
+                raise TypeError(f"run() got an unexpected argument {n!r}; the plan's are "
+                                f"{', '.join(self.names)}")
+            if n in self.names[:len(args)]:
+                raise TypeError(f"run() got {n!r} twice")
+            tensors[n] = x
+        return tensors
+
+    def _check_memory(self, ptrs) -> None:
+        """No output shares a byte with another argument (`ptrs` in `names` order)."""
+        for i, name, span in self._outputs:
+            lo = ptrs[i]
+            hi = lo + span
+            for j, other, ospan in self._spans:
+                if j != i and ptrs[j] < hi and lo < ptrs[j] + ospan:
+                    raise ValueError(
+                        f"{name} (shape {self.specs[name].shape}) shares memory with {other} "
+                        f"(shape {self.specs[other].shape}); pass a separate output tensor")
+
+
+# --- the checks that depend on the specs and options alone ---------------------------------------
+def _check(backend, op: str, specs: dict, opts):
+    """(dims, params, layout) of a call, every spec rule checked (SPEC "Errors")."""
+    for n in ARGS[op]:
+        if specs[n] is None and n not in OPTIONAL:
+            raise TypeError(f"{n} is required")
+    for n, s in specs.items():
+        if s is None:
+            continue
+        check_device(backend, n, s)
+        if n in _CONTIGUOUS and not s.is_contiguous:
+            raise ValueError(f"{n} (shape {s.shape}) is not C-contiguous (element strides "
+                             f"{s.strides}); pass a contiguous copy")
+    opts.validate()
+    check_dtypes(backend, specs)
+    q, k, v = specs["q"], specs["k"], specs["v"]
+    dims = AttentionDims.new(q, k)
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
+    for n in _Q_SHAPED[op]:
+        if specs[n].shape != q.shape:
+            raise ValueError(f"{n} shape {specs[n].shape} must equal q shape {q.shape}")
+    for n in _K_SHAPED[op]:
+        if specs[n].shape != k.shape:
+            raise ValueError(f"{n} shape {specs[n].shape} must equal k shape {k.shape}")
+    lens = specs.get("kv_lens")
+    if lens is not None:
+        if lens.dtype != np.int32:
+            raise TypeError(f"kv_lens has dtype {lens.dtype} (shape {lens.shape}); it must be "
+                            f"int32")
+        if lens.shape != (dims.batch,):
+            raise ValueError(f"kv_lens shape {lens.shape} must be [batch] = [{dims.batch}]")
+    lse = specs.get("lse")
+    if lse is not None and lse.shape != (dims.batch, dims.heads, dims.seq_q):
+        raise ValueError(f"lse shape {lse.shape} must be [batch, heads, seq_q] = "
+                         f"{[dims.batch, dims.heads, dims.seq_q]} (q shape {q.shape})")
+    _check_layout(specs, WRITTEN[op])
+    pack = dims.params if op == FORWARD else dims.params_bwd
+    return dims, pack(opts, specs["mask"]), layout_params(specs)
+
+
+def check_device(backend, name: str, t) -> None:
+    """`t` (anything with `.device` and `.shape`) is on the backend's device."""
+    want = backend.device
+    if t.device.split(":")[0] != want.split(":")[0] or (":" in want and t.device != want):
+        raise ValueError(f"{name} (shape {t.shape}) is on {t.device}, but this engine's "
+                         f"{backend.name} backend runs on {want}")
+
+
+def check_dtypes(backend, specs: dict) -> None:
+    """One data dtype the backend takes for every tensor but `mask` (float32 or that dtype),
+    `lse` (float32) and `kv_lens` (int32, checked with its shape)."""
+    ok = backend.dtypes
+    data = [(n, s) for n, s in specs.items() if s is not None and n not in OPTIONAL]
+    for n, s in data:
+        if s.dtype not in ok:
+            raise TypeError(f"{n} has dtype {s.dtype} (shape {s.shape}); the {backend.name} "
+                            f"kernels take {', '.join(str(d) for d in ok)}")
+    if len({s.dtype for _, s in data}) > 1:
+        listing = ", ".join(f"{n}: {s.dtype}" for n, s in data)
+        raise TypeError(f"inputs and outputs must share one dtype, got {listing}")
+    mask, dtype = specs.get("mask"), data[0][1].dtype
+    if mask is not None and mask.dtype not in _dt.mask_dtypes(dtype):
+        allowed = " or ".join(str(d) for d in _dt.mask_dtypes(dtype))
+        raise TypeError(f"mask has dtype {mask.dtype} (shape {mask.shape}); with {dtype} inputs "
+                        f"it must be {allowed}")
+    lse = specs.get("lse")
+    if lse is not None and lse.dtype != _dt.FLOAT32:
+        raise TypeError(f"lse has dtype {lse.dtype} (shape {lse.shape}); it is float32 for "
+                        f"every input dtype")
+
+
+def _check_layout(specs: dict, written) -> None:
+    """Strides: whole elements, none negative. The rank-4 tensors (q, k, v, out and the
+    gradients) need only a contiguous last dimension (rows are copied in 16-byte pieces);
+    their other dimensions, and the mask's, may have any stride (a transposed or sliced view,
+    a broadcast input). An output must not overlap itself."""
+    for name, s in specs.items():
+        if s is None or s.numel == 0:  # nothing is read or written (CuPy may give 0 strides)
+            continue
+        st, shape = s.strides, s.shape
+        if any(not isinstance(x, (int, np.integer)) or x < 0 for x in st):
+            raise ValueError(f"{name} (shape {shape}) has strides {st} (in elements): each must "
+                             f"be a non-negative whole number of elements")
+        if name in LAYOUT_TENSORS and shape[-1] > 1 and st[-1] != 1:
+            raise ValueError(f"{name} (shape {shape}, element strides {st}) must have a "
+                             f"contiguous last dimension (head_dim stride 1); its other "
+                             f"dimensions may have any stride")
+        if name in written and _overlaps_itself(shape, st):
+            raise ValueError(f"{name} (shape {shape}, element strides {st}) has elements that "
+                             f"share memory; an output needs one place per element")
+
+
+def _overlaps_itself(shape, strides) -> bool:
+    """Whether two indices of a view can reach one element: sorted by stride, each dimension
+    must step past everything the smaller ones reach (sufficient, and what dense layouts and
+    their transposes and slices satisfy)."""
+    reach = 0
+    for st, n in sorted((st, n) for n, st in zip(shape, strides) if n > 1):
+        if st <= reach:
+            return True
+        reach += (n - 1) * st
+    return False
+
+
+def check_kv_lens_values(values: np.ndarray, seq_k: int) -> None:
+    """Every kv_lens value (on the host) in [0, seq_k]."""
+    bad = np.flatnonzero((values < 0) | (values > seq_k))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"kv_lens[{i}] = {int(values[i])} is outside [0, seq_k = {seq_k}] "
+                         f"({bad.size} of {values.size} entries are)")
+
+
+# --- tensors of any kind -----------------------------------------------------------------------
+def _array(x):
+    """The NumPy or CuPy array behind `x` (no copy)."""
+    from .tensor import UnifiedTensor
+
+    if isinstance(x, UnifiedTensor):
+        return x.buffer()
+    if isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy"):
+        return x
+    if _is_torch(x):
+        x = x.detach()  # DLPack refuses a tensor that requires grad (no copy)
+    return UnifiedTensor(x).buffer()
+
+
+def _address(a) -> int:
+    """A NumPy array's host address or a CuPy array's device address."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    return a.data.ptr
+
+
+def _stream_handle(stream, backend) -> int:
+    if stream is None:
+        return backend.current_stream()
+    return int(getattr(stream, "ptr", stream))

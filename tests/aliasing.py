@@ -1,0 +1,158 @@
+"""Attention calls whose tensors are all carved from one buffer, in every way views allow: each
+tensor at its own offset with its own padded strides, some far apart, some at nearby offsets
+(same buffer, offset), some interleaved with another (same strides, shifted by a head: two
+halves of one [.., 2, H, D] buffer, as packed QKV is). A hypothesis strategy draws them; `run`
+makes the call cold or warm (after a valid call with the same shapes and strides from separate
+buffers) and checks the rule: an output whose span (first to last byte it can touch) meets any
+other argument's span is refused with a ValueError and the buffer is left as it was; otherwise
+the call runs and its outputs equal the reference's on contiguous copies.
+
+Used by tests/test_plans.py (reference backend) and tests/test_cuda_plans.py (CUDA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import strategies as st
+
+from ferrocupy import AttentionOptions, ComputeEngine
+
+FWD_NAMES = ("q", "k", "v", "out", "mask", "lse")
+BWD_NAMES = ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v", "mask", "lse")
+WRITTEN = {"forward": ("out", "lse"), "backward": ("grad_q", "grad_k", "grad_v")}
+
+
+@dataclass
+class Call:
+    op: str
+    shapes: dict  # name -> shape (absent: not in the call)
+    places: dict  # name -> (element offset, element strides)
+    size: int  # elements of the shared buffer
+    opts: AttentionOptions
+
+    def spans(self) -> dict:
+        return {n: (off, off + sum((d - 1) * s for d, s in zip(self.shapes[n], st)) + 1)
+                for n, (off, st) in self.places.items() if np.prod(self.shapes[n])}
+
+    def expect_error(self) -> bool:
+        spans = self.spans()
+        return any(lo < ohi and olo < hi
+                   for out in WRITTEN[self.op] if out in spans
+                   for other, (olo, ohi) in spans.items() if other != out
+                   for lo, hi in [spans[out]])
+
+
+def _padded_strides(shape, pads):
+    """Element strides of a C-order layout whose dimensions 0..2 carry extra padding."""
+    strides, step = [], 1
+    for i in reversed(range(len(shape))):
+        strides.append(step)
+        step = step * shape[i] + (pads[i - 1] if i >= 1 and i - 1 < len(pads) else 0)
+    return tuple(reversed(strides))
+
+
+@st.composite
+def calls(draw, op: str | None = None):
+    op = op or draw(st.sampled_from(["forward", "backward"]))
+    b = draw(st.integers(1, 2))
+    sq, sk = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    hkv = draw(st.sampled_from([1, 2]))
+    h = hkv * draw(st.sampled_from([1, 2]))
+    d = draw(st.sampled_from([4, 8, 16]))
+    qs, ks = (b, sq, h, d), (b, sk, hkv, d)
+    shapes = {"q": qs, "k": ks, "v": ks, "out": qs}
+    if op == "backward":
+        shapes.update(grad_out=qs, grad_q=qs, grad_k=ks, grad_v=ks)
+    if draw(st.booleans()):
+        shapes["mask"] = (1, 1, sq, sk)
+    if draw(st.booleans()):
+        shapes["lse"] = (b, h, sq)
+    names = [n for n in (FWD_NAMES if op == "forward" else BWD_NAMES) if n in shapes]
+    places, end = {}, 0
+    for n in names:
+        shape = shapes[n]
+        if len(shape) == 4 and n != "mask":
+            pads = (draw(st.sampled_from([0, 1, 3])), draw(st.sampled_from([0, 5])),
+                    draw(st.sampled_from([0, d])))  # batch, row, head padding
+        else:
+            pads = (0, 0, 0)  # mask, lse: C-contiguous
+        strides = _padded_strides(shape, pads)
+        reach = sum((x - 1) * s for x, s in zip(shape, strides)) + 1
+        how = draw(st.sampled_from(["apart", "near", "interleave"]))
+        partners = [m for m in places if len(shapes[m]) == 4 and m != "mask"
+                    and shapes[m] == shape and places[m][1][2] >= 2 * d]
+        if how == "interleave" and len(shape) == 4 and n != "mask" and partners:
+            partner = draw(st.sampled_from(partners))
+            off = places[partner][0] + d  # the other half of each padded head
+            strides = places[partner][1]
+        elif how == "near" and places:
+            off = draw(st.integers(0, end))
+        else:
+            off = end + draw(st.integers(0, 3))
+        places[n] = (off, strides)
+        end = max(end, off + reach)
+    opts = AttentionOptions(causal=draw(st.booleans()), causal_offset=draw(st.integers(0, 3)))
+    return Call(op, shapes, places, end + 1, opts)
+
+
+def carve(xp, base, call: Call) -> dict:
+    """Each tensor of `call` as a strided view of `base` (element offsets and strides)."""
+    size = base.dtype.itemsize
+    return {n: xp.lib.stride_tricks.as_strided(base[off:], shape=call.shapes[n],
+                                                strides=tuple(s * size for s in strides))
+            for n, (off, strides) in call.places.items()}
+
+
+def _invoke(engine: ComputeEngine, call: Call, t: dict) -> None:
+    if call.op == "forward":
+        engine.flash_attention_v2_with(t["q"], t["k"], t["v"], t["out"], call.opts, t.get("mask"),
+                                       lse=t.get("lse"))
+    else:
+        engine.flash_attention_v2_backward_with(
+            t["q"], t["k"], t["v"], t["out"], t["grad_out"], t["grad_q"], t["grad_k"],
+            t["grad_v"], call.opts, t.get("mask"), lse=t.get("lse"))
+
+
+def _reference(call: Call, host: dict) -> dict:
+    """The outputs on contiguous copies of the inputs, by the reference backend."""
+    ref = ComputeEngine("reference", quiet=True)
+    t = {n: np.ascontiguousarray(a) for n, a in host.items()}
+    for n in WRITTEN[call.op]:
+        if n in t:
+            t[n] = np.full_like(t[n], np.nan)
+    _invoke(ref, call, t)
+    return {n: t[n] for n in WRITTEN[call.op] if n in t}
+
+
+def run(engine: ComputeEngine, xp, to_host, call: Call, rng, warm: bool, tol: float) -> None:
+    """Check `call` on `engine` whose arrays live in `xp` (`to_host` copies one back)."""
+    if warm:  # the same shapes and strides, every tensor in a buffer of its own: valid
+        own = {n: carve(xp, xp.asarray(rng.standard_normal(call.size, dtype=np.float32)),
+                        Call(call.op, {n: call.shapes[n]}, {n: call.places[n]}, call.size,
+                             call.opts))[n] for n in call.places}
+        _invoke(engine, call, own)
+    base = xp.asarray(rng.standard_normal(call.size, dtype=np.float32))
+    t = carve(xp, base, call)
+    before = to_host(base).copy()
+    host_inputs = {n: to_host(a).copy() for n, a in t.items()}
+    if call.expect_error():
+        try:
+            _invoke(engine, call, t)
+        except ValueError as e:
+            assert "shares memory" in str(e), e
+        else:
+            raise AssertionError(f"no error for {call}")
+        assert np.array_equal(to_host(base), before), "memory written before the error"
+        return
+    for n in WRITTEN[call.op]:  # poisoned: an element left unwritten shows
+        if n in t:
+            t[n][...] = np.nan
+    _invoke(engine, call, t)
+    want = _reference(call, host_inputs)
+    for n, w in want.items():
+        got = to_host(t[n]).astype(np.float64)
+        finite = np.isfinite(w)
+        assert np.array_equal(got[~finite], w[~finite]), f"{n}: non-finite entries differ"
+        err = np.linalg.norm((got - w)[finite]) / max(np.linalg.norm(w[finite]), 1e-30)
+        assert err <= tol, f"{n}: relative error {err:.2e} for {call}"

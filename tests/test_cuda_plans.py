@@ -1,0 +1,102 @@
+"""The front door on the GPU: the checks of each call's memory run on every call, warm or cold,
+for CuPy arrays, UnifiedTensors and PyTorch tensors alike (tests/test_plans.py has the CPU side
+and the rules)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aliasing
+from ferrocupy import ComputeEngine
+from gpu_helpers import gpu_pytestmark, needs_real_gpu
+from test_plans import _call, issue_case_decode_out_in_q, issue_case_lse_in_q
+
+pytestmark = gpu_pytestmark()
+
+
+@pytest.fixture(scope="module")
+def cuda_engine():
+    needs_real_gpu()
+    return ComputeEngine("cuda", quiet=True)
+
+
+def _put(a):
+    import cupy
+
+    if a.dtype.itemsize == 2:  # half dtypes cross as their 16-bit patterns
+        return cupy.asarray(a.view(np.uint16)).view(a.dtype)
+    return cupy.asarray(a)
+
+
+def _torch_put(a):
+    import torch
+
+    if a.dtype.itemsize == 2 and a.dtype != np.float16:
+        return torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def _bits(x) -> np.ndarray:
+    if hasattr(x, "cpu"):
+        import torch
+
+        return x.view(torch.int16 if x.element_size() == 2 else torch.int32).cpu().numpy()
+    return (x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)).get()
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("warm", [False, True])
+def test_issue_case_lse_inside_q_is_refused(cuda_engine, rng, warm, kind):
+    if kind == "torch":
+        pytest.importorskip("torch")
+    t, bad_lse, qbuf, opts = issue_case_lse_in_q(rng, put=_put if kind == "cupy" else _torch_put)
+    if warm:
+        _call(cuda_engine, t, opts)
+    before = _bits(qbuf)
+    with pytest.raises(ValueError, match=r"lse \(shape \(3, 4, 3\)\) shares memory with q"):
+        _call(cuda_engine, t, opts, lse=bad_lse)
+    np.testing.assert_array_equal(_bits(qbuf), before)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("warm", [False, True])
+def test_issue_case_decode_out_interleaved_with_q_is_refused(cuda_engine, rng, warm, kind):
+    if kind == "torch":
+        pytest.importorskip("torch")
+    t, bad_out, both, opts = issue_case_decode_out_in_q(
+        rng, put=_put if kind == "cupy" else _torch_put)
+    if warm:
+        _call(cuda_engine, t, opts)
+    before = _bits(both)
+    with pytest.raises(ValueError, match=r"out \(shape \(1, 1, 8, 127\)\) shares memory with q"):
+        _call(cuda_engine, t, opts, out=bad_out)
+    np.testing.assert_array_equal(_bits(both), before)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(call=aliasing.calls(), warm=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_overlapping_outputs_are_refused_and_others_run(cuda_engine, call, warm, seed):
+    import cupy
+
+    aliasing.run(cuda_engine, cupy, cupy.asnumpy, call, np.random.default_rng(seed), warm,
+                 tol=2e-5)
+
+
+def test_plan_runs_on_a_given_stream(cuda_engine, rng):
+    import cupy
+
+    q, k, v = (_put(rng.standard_normal(s).astype(np.float32))
+               for s in ((2, 64, 4, 64), (2, 80, 2, 64), (2, 80, 2, 64)))
+    outs = [cupy.full(q.shape, np.nan, np.float32) for _ in range(2)]
+    plan = cuda_engine.plan_attention(q, k, v, outs[0])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    plan.run(q, k, v, outs[0], stream=stream)
+    plan.run(q, k, v, outs[1], stream=stream.ptr)
+    stream.synchronize()
+    cuda_engine.flash_attention_v2_with(q, k, v, want := cupy.full(q.shape, np.nan, np.float32))
+    for out in outs:
+        assert cupy.array_equal(out, want)

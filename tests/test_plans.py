@@ -1,0 +1,176 @@
+"""The front door: plans (`ComputeEngine.plan_attention`, `plan_attention_backward`), kept one per
+call shape, and the checks of each call's memory on every call, warm or cold (aliasing and
+overlap of outputs with any argument, read-only outputs, kv_lens' values). On the reference
+backend here; tests/test_cuda_plans.py runs the same on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aliasing
+from ferrocupy import AttentionOptions, ComputeEngine, TensorSpec, UnifiedTensor
+from ferrocupy.dtypes import BFLOAT16
+
+
+@pytest.fixture
+def eng():
+    return ComputeEngine("reference", quiet=True)
+
+
+def _qkvo(rng, b=2, sq=3, sk=5, h=4, hkv=2, d=8, dtype=np.float32):
+    mk = lambda *s: rng.standard_normal(s).astype(dtype)  # noqa: E731
+    return mk(b, sq, h, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d), np.full((b, sq, h, d), np.nan,
+                                                                         dtype)
+
+
+def test_one_plan_per_call_shape(eng, rng):
+    q, k, v, out = _qkvo(rng)
+    opts = AttentionOptions(causal=True)
+    plan = eng.plan_attention(q, k, v, out, opts)
+    assert eng.plan_attention(*_qkvo(rng), AttentionOptions(causal=True)) is plan  # equal options
+    assert eng.plan_attention(q, k, v, out, AttentionOptions()) is not plan
+    assert eng.plan_attention(q, k, v, np.full((2, 4, 3, 8), np.nan, np.float32).transpose(
+        0, 2, 1, 3), opts) is not plan  # other strides: another plan
+    assert plan.op == "forward" and plan.specs["lse"] is None and plan.dims.seq_k == 5
+    assert plan.specs["q"] == TensorSpec((2, 3, 4, 8), (96, 32, 8, 1), np.dtype(np.float32), "cpu")
+    plan.run(q, k, v, out)
+    want = np.full_like(out, np.nan)
+    eng.flash_attention_v2_with(q, k, v, want, opts)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_a_plan_made_from_specs_runs_on_tensors(eng, rng):
+    q, k, v, out = _qkvo(rng)
+    spec = lambda a: TensorSpec.contiguous(a.shape, a.dtype, "cpu")  # noqa: E731
+    plan = eng.plan_attention(spec(q), spec(k), spec(v), spec(out))
+    plan.run(q, k, v, out=out)
+    assert np.isfinite(out).all()
+    assert eng.plan_attention(q, k, v, out) is not None
+
+
+def test_run_refuses_tensors_unlike_the_plan(eng, rng):
+    q, k, v, out = _qkvo(rng)
+    plan = eng.plan_attention(q, k, v, out)
+    with pytest.raises(ValueError, match=r"q \(shape \(2, 3, 4, 16\).*does not match the plan"):
+        plan.run(_qkvo(rng, d=16)[0], k, v, out)
+    with pytest.raises(ValueError, match="the plan was made without it"):
+        plan.run(q, k, v, out, lse=np.empty((2, 4, 3), np.float32))
+    with pytest.raises(TypeError, match="unexpected argument 'grad_q'"):
+        plan.run(q, k, v, out, grad_q=out)
+    assert np.isnan(out).all()  # nothing written
+
+
+def test_read_only_output_refused_on_every_call(eng, rng):
+    q, k, v, out = _qkvo(rng)
+    eng.flash_attention_v2_with(q, k, v, out)
+    out[...] = np.nan
+    out.flags.writeable = False
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"out \(shape \(2, 3, 4, 8\)\) is read-only"):
+            eng.flash_attention_v2_with(q, k, v, out)
+
+
+def test_kv_lens_values_checked_on_every_call(eng, rng):
+    q, k, v, out = _qkvo(rng, sq=1)
+    lens = np.array([5, 2], np.int32)
+    eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(), kv_lens=lens)
+    lens[1] = 6
+    out[...] = np.nan
+    with pytest.raises(ValueError, match=r"kv_lens\[1\] = 6 is outside \[0, seq_k = 5\]"):
+        eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(), kv_lens=lens)
+    assert np.isnan(out).all()
+
+
+# --- the two aliasing holes found by fuzzing (issue 27), each after a valid warm call -----------
+def issue_case_lse_in_q(rng, xp=np, put=np.asarray):
+    """float32, B3 Sq3 Sk403 H4 Hkv1 D96, causal, offset 1, window 2, mask [1, 4, 3, 403];
+    q, out and v are views with padded heads, k and v one packed buffer. Returns the call's
+    (valid) tensors, and an lse that is a view into q's memory."""
+    B, Sq, Sk, H, D = 3, 3, 403, 4, 96
+
+    def padded(shape):
+        full = put(rng.standard_normal(shape[:3] + (shape[3] + 8,)).astype(np.float32))
+        return full, full[..., :D]
+
+    qbuf, q = padded((B, Sq, H, D))
+    _, out = padded((B, Sq, H, D))
+    kv = put(rng.standard_normal((B, Sk, 2, 1, D)).astype(np.float32))
+    _, v_padded = padded((B, Sk, 1, D))
+    mask = put(rng.standard_normal((1, H, Sq, Sk)).astype(np.float32))
+    tensors = dict(q=q, k=kv[:, :, 0], v=v_padded, out=out, mask=mask,
+                   lse=put(np.empty((B, H, Sq), np.float32)))
+    bad_lse = qbuf.reshape(-1)[7:7 + B * H * Sq].reshape(B, H, Sq)
+    opts = AttentionOptions(causal=True, causal_offset=1, window=2)
+    return tensors, bad_lse, qbuf, opts
+
+
+def issue_case_decode_out_in_q(rng, dtype=BFLOAT16, put=np.asarray):
+    """bfloat16 decode, B1 Sq1 Sk3178 H8 Hkv1 D127, kv_lens, dropout 0.9, mask [1, 1, 1, 1].
+    Returns the call's (valid) tensors, and an out interleaved with q in one buffer."""
+    B, Sk, H, D = 1, 3178, 8, 127
+    mk = lambda *s: put(rng.standard_normal(s).astype(np.float32).astype(dtype))  # noqa: E731
+    both = mk(B, 1, H, 2, D)
+    tensors = dict(q=both[:, :, :, 0], k=mk(B, Sk, 1, D), v=mk(B, Sk, 1, D),
+                   out=mk(B, 1, H, 2, D)[:, :, :, 1], mask=mk(1, 1, 1, 1),
+                   kv_lens=put(np.array([2000], np.int32)))
+    opts = AttentionOptions(causal=True, causal_offset=Sk - 1, dropout_prob=0.9, seed=7)
+    return tensors, both[:, :, :, 1], both, opts
+
+
+def _call(eng, t, opts, **over):
+    t = dict(t, **over)
+    eng.flash_attention_v2_with(t["q"], t["k"], t["v"], t["out"], opts, t.get("mask"),
+                                lse=t.get("lse"), kv_lens=t.get("kv_lens"))
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_issue_case_lse_inside_q_is_refused(eng, rng, warm):
+    t, bad_lse, qbuf, opts = issue_case_lse_in_q(rng)
+    if warm:
+        _call(eng, t, opts)
+    before = qbuf.copy()
+    with pytest.raises(ValueError, match=r"lse \(shape \(3, 4, 3\)\) shares memory with q"):
+        _call(eng, t, opts, lse=bad_lse)
+    np.testing.assert_array_equal(qbuf, before)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_issue_case_decode_out_interleaved_with_q_is_refused(eng, rng, warm):
+    t, bad_out, both, opts = issue_case_decode_out_in_q(rng)
+    if warm:
+        _call(eng, t, opts)
+    before = both.view(np.uint16).copy()
+    with pytest.raises(ValueError, match=r"out \(shape \(1, 1, 8, 127\)\) shares memory with q"):
+        _call(eng, t, opts, out=bad_out)
+    np.testing.assert_array_equal(both.view(np.uint16), before)
+
+
+# --- every way views can overlap ------------------------------------------------------------------
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=aliasing.calls(), warm=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_overlapping_outputs_are_refused_and_others_run(call, warm, seed):
+    aliasing.run(ComputeEngine("reference", quiet=True), np, np.asarray, call,
+                 np.random.default_rng(seed), warm, tol=1e-12)
+
+
+def test_the_strategy_draws_both_outcomes():
+    """The property above is not vacuous: its calls are refused and accepted, interleaved too."""
+    from hypothesis import find
+
+    find(aliasing.calls(), lambda c: c.expect_error())
+    find(aliasing.calls(), lambda c: not c.expect_error())
+    find(aliasing.calls(), lambda c: c.expect_error() and any(
+        c.places[n][0] - c.places["q"][0] == c.shapes["q"][3] for n in ("out", "grad_q")
+        if n in c.places))
+
+
+def test_unified_tensors_and_arrays_share_plans(eng, rng):
+    q, k, v, out = _qkvo(rng)
+    plan = eng.plan_attention(q, k, v, out)
+    wrapped = [UnifiedTensor(x) for x in (q, k, v, out)]
+    assert eng.plan_attention(*wrapped) is plan
+    plan.run(*wrapped)
+    assert np.isfinite(out).all()
