@@ -123,10 +123,10 @@ class AttentionPlan:
         self.dims, self.params, self.layout = _check(backend, op, self.specs, opts)
         self.written = tuple(n for n in WRITTEN[op] if self.specs[n] is not None)
         self.empty = self.dims.batch * self.dims.heads * self.dims.seq_q == 0
-        # (index, name, span) of the arguments that occupy memory; outputs' indexes
-        self._spans = [(i, n, s.span_bytes) for i, (n, s) in enumerate(self.specs.items())
+        # (name, span) of the arguments that occupy memory, and of the outputs among them
+        self._spans = [(n, s.span_bytes) for n, s in self.specs.items()
                        if s is not None and s.numel]
-        self._outputs = [(i, n, span) for i, n, span in self._spans if n in self.written]
+        self._outputs = [(n, span) for n, span in self._spans if n in self.written]
         self._kv_lens = self.specs.get("kv_lens")
         self._launches: dict = {}  # the CUDA backend's plans, by (its table, rows' alignment)
 
@@ -167,7 +167,7 @@ class AttentionPlan:
         for n in self.written:
             if not arrays[n].flags.writeable:
                 raise ValueError(f"{n} (shape {self.specs[n].shape}) is read-only")
-        self._check_memory(tuple(ptrs.values()))
+        self._check_memory(ptrs)
         if self._kv_lens is not None:
             check_kv_lens_values(np.asarray(arrays["kv_lens"]), self.dims.seq_k)
         if self.empty:
@@ -188,8 +188,7 @@ class AttentionPlan:
         if self.backend.name != "cuda":
             raise ValueError(f"run_pointers needs the CUDA backend; this plan runs on "
                              f"{self.backend.name}: use run()")
-        ptrs = tuple(pointers.get(n, 0) for n in self.names)
-        self._check_memory(ptrs)
+        self._check_memory(pointers)
         backend = self.backend
         stream = _stream_handle(stream, backend)
         if self._kv_lens is not None:
@@ -201,12 +200,12 @@ class AttentionPlan:
                     spec = self.specs[n]
                     backend.zero_view(pointers[n], spec.shape, spec.strides, spec.dtype, stream)
             return
-        ptrs = dict(zip(self.names, ptrs))
-        low = (backend.generation, backend.alignment(ptrs))
+        low = (backend.generation, backend.alignment(pointers))
         launch = self._launches.get(low)
         if launch is None:
             launch = self._launches[low] = backend.plan(self.op, self.specs, self.params,
-                                                        self.layout, ptrs)
+                                                        self.layout, dict.fromkeys(self.names, 0)
+                                                        | pointers)
         counter = None
         if launch.counted and (capturing() if callable(capturing) else capturing):
             if alloc is None:
@@ -214,7 +213,7 @@ class AttentionPlan:
                                  "counter of the call's own)")
             counter = alloc((1,))
             counter.zero_() if hasattr(counter, "zero_") else counter.fill(0)
-        backend.run_plan(launch, ptrs, stream, alloc, counter=counter)
+        backend.run_plan(launch, pointers, stream, alloc, counter=counter)
 
     # --- checks on the call's memory ----------------------------------------------------------
     def _bind(self, args, named) -> dict:
@@ -232,13 +231,13 @@ class AttentionPlan:
             tensors[n] = x
         return tensors
 
-    def _check_memory(self, ptrs) -> None:
-        """No output shares a byte with another argument (`ptrs` in `names` order)."""
-        for i, name, span in self._outputs:
-            lo = ptrs[i]
+    def _check_memory(self, ptrs: dict) -> None:
+        """No output shares a byte with another argument (`ptrs`: name -> address)."""
+        for name, span in self._outputs:
+            lo = ptrs[name]
             hi = lo + span
-            for j, other, ospan in self._spans:
-                if j != i and ptrs[j] < hi and lo < ptrs[j] + ospan:
+            for other, ospan in self._spans:
+                if other != name and ptrs[other] < hi and lo < ptrs[other] + ospan:
                     raise ValueError(
                         f"{name} (shape {self.specs[name].shape}) shares memory with {other} "
                         f"(shape {self.specs[other].shape}); pass a separate output tensor")

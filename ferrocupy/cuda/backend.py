@@ -112,8 +112,10 @@ class CudaBackend:
 
     def current_stream(self) -> int:
         """CuPy's current stream on this backend's device, as a CUstream handle."""
-        with self.xp.cuda.Device(self._id):
-            return self.xp.cuda.get_current_stream().ptr
+        if self.xp.cuda.runtime.getDevice() != self._id:  # CuPy's current stream is per device
+            with self.xp.cuda.Device(self._id):
+                return self.xp.cuda.get_current_stream().ptr
+        return self.xp.cuda.get_current_stream().ptr
 
     def read_int32(self, ptr: int, n: int, stream: int) -> np.ndarray:
         """`n` int32 values at device address `ptr`, copied to the host in `stream`'s order."""
