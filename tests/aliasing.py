@@ -7,7 +7,8 @@ buffers) and checks the rule: an output whose span (first to last byte it can to
 other argument's span is refused with a ValueError and the buffer is left as it was; otherwise
 the call runs and its outputs equal the reference's on contiguous copies.
 
-Used by tests/test_plans.py (reference backend) and tests/test_cuda_plans.py (CUDA)."""
+Also the two cases of issue 27 that a fuzzer found refused cold but not warm. Used by
+tests/test_plans.py (reference backend) and tests/test_cuda_plans.py (CUDA)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ferrocupy import AttentionOptions, ComputeEngine
+from ferrocupy.dtypes import BFLOAT16
 
 FWD_NAMES = ("q", "k", "v", "out", "mask", "lse")
 BWD_NAMES = ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v", "mask", "lse")
@@ -156,3 +158,46 @@ def run(engine: ComputeEngine, xp, to_host, call: Call, rng, warm: bool, tol: fl
         assert np.array_equal(got[~finite], w[~finite]), f"{n}: non-finite entries differ"
         err = np.linalg.norm((got - w)[finite]) / max(np.linalg.norm(w[finite]), 1e-30)
         assert err <= tol, f"{n}: relative error {err:.2e} for {call}"
+
+
+# --- the two aliasing holes found by fuzzing (issue 27) ---------------------------------------
+def issue_case_lse_in_q(rng, xp=np, put=np.asarray):
+    """float32, B3 Sq3 Sk403 H4 Hkv1 D96, causal, offset 1, window 2, mask [1, 4, 3, 403];
+    q, out and v are views with padded heads, k and v one packed buffer. Returns the call's
+    (valid) tensors, and an lse that is a view into q's memory."""
+    B, Sq, Sk, H, D = 3, 3, 403, 4, 96
+
+    def padded(shape):
+        full = put(rng.standard_normal(shape[:3] + (shape[3] + 8,)).astype(np.float32))
+        return full, full[..., :D]
+
+    qbuf, q = padded((B, Sq, H, D))
+    _, out = padded((B, Sq, H, D))
+    kv = put(rng.standard_normal((B, Sk, 2, 1, D)).astype(np.float32))
+    _, v_padded = padded((B, Sk, 1, D))
+    mask = put(rng.standard_normal((1, H, Sq, Sk)).astype(np.float32))
+    tensors = dict(q=q, k=kv[:, :, 0], v=v_padded, out=out, mask=mask,
+                   lse=put(np.empty((B, H, Sq), np.float32)))
+    bad_lse = qbuf.reshape(-1)[7:7 + B * H * Sq].reshape(B, H, Sq)
+    opts = AttentionOptions(causal=True, causal_offset=1, window=2)
+    return tensors, bad_lse, qbuf, opts
+
+
+def issue_case_decode_out_in_q(rng, dtype=BFLOAT16, put=np.asarray):
+    """bfloat16 decode, B1 Sq1 Sk3178 H8 Hkv1 D127, kv_lens, dropout 0.9, mask [1, 1, 1, 1].
+    Returns the call's (valid) tensors, and an out interleaved with q in one buffer."""
+    B, Sk, H, D = 1, 3178, 8, 127
+    mk = lambda *s: put(rng.standard_normal(s).astype(np.float32).astype(dtype))  # noqa: E731
+    both = mk(B, 1, H, 2, D)
+    tensors = dict(q=both[:, :, :, 0], k=mk(B, Sk, 1, D), v=mk(B, Sk, 1, D),
+                   out=mk(B, 1, H, 2, D)[:, :, :, 1], mask=mk(1, 1, 1, 1),
+                   kv_lens=put(np.array([2000], np.int32)))
+    opts = AttentionOptions(causal=True, causal_offset=Sk - 1, dropout_prob=0.9, seed=7)
+    return tensors, both[:, :, :, 1], both, opts
+
+
+def call_with(eng, t, opts, **over):
+    """The forward on tensors `t` with some replaced."""
+    t = dict(t, **over)
+    eng.flash_attention_v2_with(t["q"], t["k"], t["v"], t["out"], opts, t.get("mask"),
+                                lse=t.get("lse"), kv_lens=t.get("kv_lens"))

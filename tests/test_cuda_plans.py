@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aliasing
+from aliasing import call_with as _call
+from aliasing import issue_case_decode_out_in_q, issue_case_lse_in_q
 from ferrocupy import ComputeEngine
 from gpu_helpers import gpu_pytestmark, needs_real_gpu
-from test_plans import _call, issue_case_decode_out_in_q, issue_case_lse_in_q
 
 pytestmark = gpu_pytestmark()
 
