@@ -103,7 +103,6 @@ def _make_backend(backend: str):
                 f"its driver; or use backend='reference' (NumPy, no GPU)") from cause
         from .cuda.backend import CudaBackend
 
-        _CUPY_NDARRAY[0] = cupy.ndarray
         return CudaBackend()
     raise ValueError(f"backend must be 'cuda' or 'reference', got {backend!r}")
 
@@ -242,62 +241,29 @@ class ComputeEngine:
     def _call(self, op: str, args: tuple, opts) -> None:
         plan, ptrs = self._plan(op, args, opts)
         if ptrs is not None:  # CUDA arrays or tensors: their addresses were read with their specs
-            plan.run_pointers(dict(zip(plan.names, ptrs)))
+            plan.run_pointers(ptrs)
         else:
             plan.run(*args)
 
     def _plan(self, op: str, args: tuple, opts):
-        """(the plan for `args`, their device addresses or None). Plans are kept by the
-        arguments' metadata as read here (type-specific, cheap: no wrapping) and the options'
-        values; an argument whose metadata this cannot read makes a plan that is not kept."""
+        """(the plan for `args`, their device addresses by name or None). Plans are kept by
+        the arguments' metadata as read here (type-specific, cheap: no wrapping) and the
+        options' values; an argument whose metadata this cannot read makes a plan that is not
+        kept."""
         if not isinstance(opts, AttentionOptions):
             raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
-        metas, ptrs = self._describe(args)
+        names = ARGS[op]
+        metas, ptrs = _describe(names, args, self.backend.name == "cuda")
         key = None if metas is None or opts.key is None else (op, opts.key, metas)
         plan = None if key is None else self._plans.get(key)
         if plan is None:
-            specs = {n: None if x is None else self._spec(n, x) for n, x in zip(ARGS[op], args)}
+            specs = {n: None if x is None else self._spec(n, x) for n, x in zip(names, args)}
             plan = AttentionPlan(self.backend, op, specs, opts)
             if key is not None:
                 if len(self._plans) >= _PLANS_MAX:
                     self._plans.clear()
                 self._plans[key] = plan
         return plan, ptrs
-
-    def _describe(self, args: tuple):
-        """(each argument's metadata, each one's device address or None for all) for the kinds
-        of tensor read without wrapping: UnifiedTensor, NumPy, CuPy, PyTorch; (None, None) if
-        any other kind is among them."""
-        metas, ptrs = [], [] if self.backend.name == "cuda" else None
-        for x in args:
-            if x is None:
-                metas.append(None)
-                if ptrs is not None:
-                    ptrs.append(0)
-                continue
-            t = type(x)
-            if t is UnifiedTensor:
-                x = x.buffer()
-                t = type(x)
-            if t is np.ndarray:
-                metas.append((x.shape, x.strides, x.dtype, "cpu"))
-                ptrs = None
-            elif t is _CUPY_NDARRAY[0]:
-                data = x.data
-                metas.append((x.shape, x.strides, x.dtype, data.device_id))
-                if ptrs is not None:
-                    ptrs.append(data.ptr)
-            elif t is _torch_tensor():
-                dev = x.device
-                metas.append((x.shape, x.stride(), x.dtype, dev))
-                if ptrs is not None:
-                    if dev.type != "cuda":
-                        ptrs = None
-                    else:
-                        ptrs.append(x.data_ptr())
-            else:
-                return None, None
-        return tuple(metas), ptrs
 
     def _spec(self, name: str, x) -> TensorSpec:
         try:
@@ -325,16 +291,65 @@ class ComputeEngine:
 
 
 _PLANS_MAX = 256  # plans kept per engine (a long-running job sees few call shapes)
-_CUPY_NDARRAY = [None]  # cupy.ndarray once the CUDA backend imported CuPy (set in _make_backend)
 _NO_BACKWARD_KV_LENS = ("flash_attention_v2_backward_with does not take kv_lens (the forward's "
                         "per-sequence cache lengths); train on unpadded keys or use an additive "
                         "mask")
 
 
-def _torch_tensor():
-    """torch.Tensor if PyTorch is imported (the caller passes its tensors), else None."""
-    torch = sys.modules.get("torch")
-    return getattr(torch, "Tensor", None)
+def _describe(names, args, cuda: bool):
+    """(each argument's metadata, {name: device address} of the present ones or None) for
+    the kinds of tensor read without wrapping (UnifiedTensor, NumPy, CuPy, PyTorch); (None,
+    None) if any other kind is among them. Addresses only where `cuda` and every one is on a
+    GPU."""
+    metas, ptrs = [], {} if cuda else None
+    for name, x in zip(names, args):
+        if x is None:
+            metas.append(None)
+            continue
+        read = _READERS.get(type(x)) or _reader(type(x))
+        if read is None:
+            return None, None
+        meta, ptr = read(x)
+        metas.append(meta)
+        if ptrs is not None:
+            if ptr is None:
+                ptrs = None
+            else:
+                ptrs[name] = ptr
+    return tuple(metas), ptrs
+
+
+def _read_numpy(a):
+    return (a.shape, a.strides, a.dtype, "cpu"), None
+
+
+def _read_cupy(a):
+    data = a.data
+    return (a.shape, a.strides, a.dtype, data.device_id), data.ptr
+
+
+def _read_torch(t):
+    dev = t.device
+    return (t.shape, t.stride(), t.dtype, dev), t.data_ptr() if dev.type == "cuda" else None
+
+
+def _read_unified(t):
+    a = t.buffer()
+    return (_READERS.get(type(a)) or _reader(type(a)))(a)
+
+
+_READERS = {np.ndarray: _read_numpy, UnifiedTensor: _read_unified}
+
+
+def _reader(kind):
+    """The metadata reader of tensors of type `kind` once its library is imported (CuPy's
+    ndarray, torch.Tensor), else None (such an argument is wrapped every call)."""
+    cupy, torch = sys.modules.get("cupy"), sys.modules.get("torch")
+    if cupy is not None and kind is cupy.ndarray:
+        _READERS[kind] = _read_cupy
+    elif torch is not None and kind is torch.Tensor:
+        _READERS[kind] = _read_torch
+    return _READERS.get(kind)
 
 
 def _single_head_view(name: str, x, engine: ComputeEngine) -> UnifiedTensor:

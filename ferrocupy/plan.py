@@ -178,17 +178,20 @@ class AttentionPlan:
             return
         getattr(self.backend, self.op)(arrays, self.params, self.layout)
 
-    def run_pointers(self, pointers: dict, *, stream=None, alloc=None, capturing=False) -> None:
+    def run_pointers(self, pointers: dict, *, stream=None, alloc=None, capturing=False,
+                     fresh=()) -> None:
         """CUDA: run on the tensors at these device addresses (name -> int, 0 or absent for an
         argument the plan has no spec for). The caller vouches that each address holds a tensor
         of the plan's spec, on the plan's device; the memory checks still run. `capturing`
         (a bool, or a function answering it, asked only where it matters): the call is being
         captured in a CUDA graph, so a persistent kernel claims its tiles from a counter of
-        the call's own, made with `alloc`, not from the stream's."""
+        the call's own, made with `alloc`, not from the stream's. `fresh`: names of outputs
+        the caller allocated for this call alone (they share memory with nothing), whose
+        overlap checks are skipped."""
         if self.backend.name != "cuda":
             raise ValueError(f"run_pointers needs the CUDA backend; this plan runs on "
                              f"{self.backend.name}: use run()")
-        self._check_memory(pointers)
+        self._check_memory(pointers, fresh)
         backend = self.backend
         stream = _stream_handle(stream, backend)
         if self._kv_lens is not None:
@@ -231,9 +234,12 @@ class AttentionPlan:
             tensors[n] = x
         return tensors
 
-    def _check_memory(self, ptrs: dict) -> None:
-        """No output shares a byte with another argument (`ptrs`: name -> address)."""
+    def _check_memory(self, ptrs: dict, fresh=()) -> None:
+        """No output but the `fresh` ones shares a byte with another argument (`ptrs`: name ->
+        address)."""
         for name, span in self._outputs:
+            if name in fresh:
+                continue
             lo = ptrs[name]
             hi = lo + span
             for other, ospan in self._spans:

@@ -102,23 +102,24 @@ def _stream(device: torch.device) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _run(plan, named: dict) -> None:
+def _run(plan, named: dict, fresh=()) -> None:
     """Run an engine plan on torch tensors: CUDA ones through their addresses on torch's current
     stream, with the workspace (decode splits, backward stats) from torch's allocator (ordered on
     torch's stream, and kept by a CUDA graph that captures the call); CPU ones on the reference
     backend."""
     q = named["q"]
     if q.is_cuda:
-        _run_cuda(plan, named, q.device)
+        _run_cuda(plan, named, q.device, fresh)
     else:
         plan.run(**named)
 
 
-def _run_cuda(plan, named: dict, device: torch.device) -> None:
+def _run_cuda(plan, named: dict, device: torch.device, fresh=()) -> None:
+    """`fresh`: the outputs this module just made with torch.empty (they overlap nothing)."""
     plan.run_pointers({n: t.data_ptr() for n, t in named.items() if t is not None},
                       stream=_stream(device),
                       alloc=lambda shape: torch.empty(shape, dtype=torch.float32, device=device),
-                      capturing=torch.cuda.is_current_stream_capturing)
+                      capturing=torch.cuda.is_current_stream_capturing, fresh=fresh)
 
 
 def _seed_int(seed: Tensor) -> int:
@@ -149,7 +150,8 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], caus
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens}
-    _run(_engine(q.device).plan_attention(q, k, v, out, opts, mask, lse=lse, kv_lens=lens), named)
+    _run(_engine(q.device).plan_attention(q, k, v, out, opts, mask, lse=lse, kv_lens=lens), named,
+         fresh=("out", "lse"))
     return out, lse
 
 
@@ -178,7 +180,8 @@ def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     plan = _engine(q.device).plan_attention_backward(q, k, v, out, grad_out, gq, gk, gv, opts,
                                                      mask, lse=lse)
     _run(plan, {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": gq,
-                "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse})
+                "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse},
+         fresh=("grad_q", "grad_k", "grad_v"))
     return gq, gk, gv
 
 
@@ -347,7 +350,8 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
     lens = None if kv_lens is None else kv_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     plan = _engine(q.device).plan_attention(q, k, v, out, opts, attn_mask, kv_lens=lens)
-    _run(plan, {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "kv_lens": lens})
+    _run(plan, {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "kv_lens": lens},
+         fresh=("out",))
     return out
 
 

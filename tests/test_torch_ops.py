@@ -509,13 +509,13 @@ def test_eager_inference_runs_the_ops_body_without_the_op(gen, monkeypatch):
     than a decode step's kernel) but not the checks: `_forward_now` plans with a fresh `out`, no
     lse, and the op's seed. Everything else takes the op."""
     calls = []
-    monkeypatch.setattr(ft, "_run", lambda plan, named: calls.append(
-        (plan, {n: t is not None for n, t in named.items()})))
+    monkeypatch.setattr(ft, "_run", lambda plan, named, fresh: calls.append(
+        (plan, {n: t is not None for n, t in named.items()}, fresh)))
     q, k, v = _qkv(gen, B=1, Sq=2, Sk=5)
     out = ft._forward_now(q, k, v, None, True, 3, 0, 0.0, None, None, None)
     assert out.shape == q.shape and out.dtype == q.dtype
-    plan, present = calls[-1]
-    assert plan.op == "forward"
+    plan, present, fresh = calls[-1]
+    assert plan.op == "forward" and fresh == ("out",)
     assert present == {"q": True, "k": True, "v": True, "out": True, "mask": False,
                        "kv_lens": False}
     assert plan.specs["lse"] is None
