@@ -1,6 +1,6 @@
 """examples/quickstart.ipynb runs top to bottom (issue 10): executed here by nbclient in a fresh
 kernel, from the examples folder, on whatever backend the machine has (the reference in CI). Its
-text comes from dev/make_quickstart.py, and the committed notebook must be that script's output,
+text comes from examples/make_quickstart.py, and the committed notebook must be that script's output,
 with no stored outputs."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
 
 def test_notebook_is_the_generators_output():
     nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the test extra")
-    spec = importlib.util.spec_from_file_location("make_quickstart", ROOT / "dev" / "make_quickstart.py")
+    spec = importlib.util.spec_from_file_location("make_quickstart", ROOT / "examples" / "make_quickstart.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert nbformat.read(NOTEBOOK, as_version=4) == mod.notebook(), (
-        "examples/quickstart.ipynb differs from dev/make_quickstart.py: run that script")
+        "examples/quickstart.ipynb differs from examples/make_quickstart.py: run that script")
 
 
 def test_quickstart_notebook_runs_top_to_bottom():

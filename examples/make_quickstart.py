@@ -1,5 +1,5 @@
 """Writes examples/quickstart.ipynb (outputs cleared) from the cells below, so the notebook's text
-lives in a reviewable file. Run: python dev/make_quickstart.py"""
+lives in a reviewable file. Run: python examples/make_quickstart.py"""
 
 from pathlib import Path
 
