@@ -156,7 +156,8 @@ def results_page(runs: list[Run]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def _label(row: dict) -> str:
+def case_label(row: dict) -> str:
+    """A row's case in words: "forward, causal", "decode, B16 Sk32k", ..."""
     parts = row["case"].split("-")
     if parts[0] == "decode":  # decode-DT-bB-hHkvK-dD-skN[-qQ]
         rows = f", {parts[6][1:]} query rows a head" if len(parts) > 6 else ""
@@ -212,13 +213,15 @@ def readme_block(runs: list[Run]) -> str:
         for r in rows:
             if HEADLINE.match(r["case"]):
                 peer = (f"{report.short(r['peer'])}, {r['peer_thr']:.1f}" if r["peer"] else "-")
-                out.append(f"| {_label(r)} | {_cell(r['ferro_thr'], '{:.1f}')} | {peer} "
+                out.append(f"| {case_label(r)} | {_cell(r['ferro_thr'], '{:.1f}')} | {peer} "
                            f"| {_cell(r['ratio'], '{:.2f}×')} |")
         means = _sweep_means(rows)
         if means:
             out += ["", "Over the attention sweep (D64 and D128, S 512 to 16k, causal and not; "
                     "geometric mean): " + "; ".join(means) + "."]
         out.append("")
+    out.append(f"![ferrocupy vs PyTorch SDPA on the {gpu}: throughput against sequence length, "
+               f"every dtype, head_dim and direction](benchmarks/{plot_path(gpu).name})")
     return "\n".join(out).rstrip()
 
 
