@@ -25,7 +25,7 @@ from ferrocupy import AttentionDims, AttentionOptions
 from ferrocupy.cuda import configs, tuning
 from ferrocupy.cuda.backend import CudaBackend
 from ferrocupy.dtypes import parse
-from tile_sweep import rel_err, time_ms  # same folder
+from tile_sweep import each_sdpa_backend, rel_err, time_ms  # same folder
 
 SHAPES = [(16, 32768), (1, 131072), (64, 2048)]  # (batch, keys); H32 / KV heads 8, D128
 H, HKV, D = 32, 8, 128
@@ -75,10 +75,10 @@ def timed(runs) -> float:
 
 
 def peer_rows(shape: str, dtype, B, SK, sq, gbytes) -> list:
+    """torch SDPA flash's and cudnn's decode at the same shape, if torch runs."""
     try:
         import torch
         import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return []
     rows = []
@@ -86,13 +86,12 @@ def peer_rows(shape: str, dtype, B, SK, sq, gbytes) -> list:
     tq = torch.randn(B, H, sq, D, device="cuda", dtype=tdt)
     tk, tv = (torch.randn(B, SK, HKV, D, device="cuda", dtype=tdt).transpose(1, 2)
               for _ in range(2))
-    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(be):
-                ms = time_ms(lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True))
-            rows.append((shape, str(dtype), f"torch-{name}", 0, ms, gbytes / ms * 1e3, 0.0))
-        except RuntimeError as e:
-            print(f"torch {name} skipped: {str(e).splitlines()[0]}")
+
+    def run(name):
+        ms = time_ms(lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True))
+        rows.append((shape, str(dtype), f"torch-{name}", 0, ms, gbytes / ms * 1e3, 0.0))
+
+    each_sdpa_backend(run)
     return rows
 
 

@@ -57,31 +57,42 @@ def rel_err(got, want) -> float:
     return float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
 
 
+def each_sdpa_backend(run) -> None:
+    """`run(name)` under torch SDPA's flash and then its cudnn backend, forced; a backend that
+    refuses the call is reported and passed over."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                run(name)
+        except RuntimeError as e:
+            print(f"torch {name} skipped: {str(e).splitlines()[0]}")
+
+
 def peer_rows(dtype, B, S, H, D, causal) -> list:
     """torch SDPA flash's and cudnn's forward and backward at the same shape, if torch runs."""
     try:
         import torch
         import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return []
     rows = []
-    tdt = getattr(torch, str(dtype))
-    tq, tk, tv = (torch.randn(B, H, S, D, device="cuda", dtype=tdt, requires_grad=True)
-                  for _ in range(3))
-    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(be):
-                o = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-                g = torch.randn_like(o)
-                fwd = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731
-                bwd = lambda: torch.autograd.grad(o, (tq, tk, tv), g, retain_graph=True)  # noqa: E731
-                for direction, fn, fl in (("fwd", fwd, 4), ("bwd", bwd, 10)):
-                    ms = time_ms(fn)
-                    rows.append((f"torch-{name}-{direction}", str(dtype), D, causal, "", ms,
-                                 fl * B * H * S * S * D / (2 if causal else 1) / ms / 1e9, 0.0))
-        except RuntimeError as e:
-            print(f"torch {name} skipped: {str(e).splitlines()[0]}")
+    tq, tk, tv = (torch.randn(B, H, S, D, device="cuda", dtype=getattr(torch, str(dtype)),
+                              requires_grad=True) for _ in range(3))
+
+    def run(name):
+        o = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        g = torch.randn_like(o)
+        fwd = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731
+        bwd = lambda: torch.autograd.grad(o, (tq, tk, tv), g, retain_graph=True)  # noqa: E731
+        for direction, fn, fl in (("fwd", fwd, 4), ("bwd", bwd, 10)):
+            ms = time_ms(fn)
+            rows.append((f"torch-{name}-{direction}", str(dtype), D, causal, "", ms,
+                         fl * B * H * S * S * D / (2 if causal else 1) / ms / 1e9, 0.0))
+
+    each_sdpa_backend(run)
     return rows
 
 

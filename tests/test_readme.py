@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ferrocupy
-from ferrocupy import ComputeEngine, cuda_available
+from ferrocupy import ComputeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
