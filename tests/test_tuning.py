@@ -175,3 +175,48 @@ def test_package_sources_unchanged_without_an_overlay(monkeypatch):
 
     monkeypatch.delenv(OVERLAY_ENV, raising=False)
     assert KernelLoader().source("rope.cu") == expand_includes(SOURCE_DIR / "rope.cu")
+
+
+# --- on the GPU: the seams drive the real kernels --------------------------------------------------
+@pytest.mark.gpu
+def test_forced_launches_compute_what_the_engine_does():
+    import cupy as cp
+
+    from ferrocupy import ComputeEngine
+    from ferrocupy.cuda.backend import CudaBackend
+
+    rng = cp.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 32, 128), dtype=cp.float32).astype(BFLOAT16)
+    k, v = (rng.standard_normal((2, 4096, 8, 128), dtype=cp.float32).astype(BFLOAT16)
+            for _ in range(2))
+    want = cp.empty_like(q)
+    ComputeEngine("cuda", quiet=True).flash_attention_v2_with(q, k, v, want)
+    want = want.astype(cp.float32)
+    p = AttentionDims.new(q, k).params(AttentionOptions())
+    tiles = [x for x in configs.TABLE[(configs.DECODE, BFLOAT16, 128)] if x.isa == configs.TILES]
+    for n, table in ((1, None), (3, None), (5, tuning.forcing(tiles[-1]))):
+        out = cp.full(q.shape, cp.nan, dtype=q.dtype)
+        with tuning.decode_splits(n):
+            runs = tuning.launches(CudaBackend(table=table), "forward",
+                                   dict(q=q, k=k, v=v, out=out), p)
+        assert int(runs[0].arg("splits")) == n
+        assert len(runs) == (2 if table else 1)  # the tiles design combines in a second kernel
+        for launch in runs:
+            launch()
+        cp.cuda.get_current_stream().synchronize()
+        got = out.astype(cp.float32)
+        assert float(cp.linalg.norm(got - want) / cp.linalg.norm(want)) < 1e-2, (n, table)
+
+
+@pytest.mark.gpu
+def test_overlay_source_is_what_compiles(tmp_path, monkeypatch):
+    from ferrocupy.cuda.loader import SOURCE_DIR
+
+    monkeypatch.delenv(OVERLAY_ENV, raising=False)
+    (tmp_path / configs.ROPE_SOURCE).write_text(
+        (SOURCE_DIR / configs.ROPE_SOURCE).read_text() + "\n#error the overlay's copy\n")
+    loader = KernelLoader(overlay=tmp_path)
+    with pytest.raises(Exception, match="the overlay's copy"):
+        loader.function(configs.ROPE_SOURCE, configs.ROPE_KERNEL, configs.rope_defines(FLOAT32))
+    KernelLoader().function(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
+                            configs.rope_defines(FLOAT32))  # the package's compiles
