@@ -6,7 +6,7 @@ the median of 5 such rounds): the engine on pre-wrapped UnifiedTensors, the engi
 tensors passed straight in (a DLPack wrap each call), `ferrocupy.torch.attention`, and torch's
 `scaled_dot_product_attention`; the last two again with inputs that require grad (each ratio is
 against the SDPA row of the same kind). Each answer is checked against float64 SDPA first. Used
-by compare.py (the "call-cost" table) and dev/call_cost.py."""
+by compare.py (the "call-cost" table) and lab/call_cost.py."""
 
 from __future__ import annotations
 

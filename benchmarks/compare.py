@@ -2,7 +2,7 @@
 """ferrocupy against PyTorch SDPA and the device's ceilings, in one run on one GPU.
 
     python benchmarks/compare.py --quick                      # all three dtypes, small set
-    python benchmarks/compare.py --json results.json --plot results.png   # full set
+    python benchmarks/compare.py --json benchmarks/results-h100.json   # full set, kept (publish.py)
     python benchmarks/compare.py --dtype bfloat16,float16     # half precision only, full set
     python benchmarks/compare.py --dtype bf16,fp16 --cases s1024-,s4096-,s16384-
     python benchmarks/compare.py --dtype float32 --cases s4096

@@ -148,7 +148,7 @@ def format_tables(rows: list[dict]) -> str:
                         for d in dtypes)
 
 
-def _geomean(xs: list[float]) -> float:
+def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
@@ -166,7 +166,7 @@ def ratio_summary(rows: list[dict]) -> list[str]:
         for peer in _peer_columns(rs):
             xs = [r["ratios"][peer] for r in rs if r["ratios"].get(peer)]
             if xs:
-                parts.append(f"vs {short(peer)} {_geomean(xs):.2f}x ({min(xs):.2f}-"
+                parts.append(f"vs {short(peer)} {geomean(xs):.2f}x ({min(xs):.2f}-"
                              f"{max(xs):.2f}, {len(xs)})")
         ferro = sum(1 for r in rs if r.get("ferro_thr"))
         what = ", ".join(parts) if parts else "no ratio (no case where ferrocupy and a peer ran)"

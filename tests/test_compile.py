@@ -335,15 +335,13 @@ def test_every_selectable_variant_is_compiled():
 
 
 def test_wgmma_header_is_the_generators_output():
-    """ferro_wgmma_ops.cuh is generated (dev/gen_wgmma.py); the committed text must match."""
-    import importlib.util
+    """ferro_wgmma_ops.cuh is generated (ferrocupy/cuda/gen_wgmma.py); the committed text must
+    match."""
+    from ferrocupy.cuda import gen_wgmma
 
-    gen = CUDA_DIR.parents[1] / "dev" / "gen_wgmma.py"
-    spec = importlib.util.spec_from_file_location("gen_wgmma", gen)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert (CUDA_DIR / "ferro_wgmma_ops.cuh").read_text() == mod.header(), (
-        "ferro_wgmma_ops.cuh differs from dev/gen_wgmma.py's output: run python dev/gen_wgmma.py")
+    assert (CUDA_DIR / "ferro_wgmma_ops.cuh").read_text() == gen_wgmma.header(), (
+        "ferro_wgmma_ops.cuh differs from its generator's output: run "
+        "python -m ferrocupy.cuda.gen_wgmma")
 
 
 def test_wgmma_variants_are_chosen_only_where_they_run():

@@ -45,7 +45,7 @@ def test_wheel_contains_package_and_kernel_sources(wheel):
     assert {"ferrocupy/cuda/ferro_params.cuh", "ferrocupy/cuda/ferro_mma_f16.cuh"} <= kernels
     missing = (_sources(["*.py"]) | kernels) - names
     assert not missing, f"not in {wheel.name}: {sorted(missing)}"
-    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "dev/", ".ci/"))]
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "lab/", "examples/", ".ci/"))]
 
 
 def test_wheel_metadata_extras(wheel):

@@ -1,5 +1,7 @@
-"""README.md stays true to the code: its API table matches the engine's signatures, its quick start
-runs, and .ci/run runs exactly its test command."""
+"""README.md stays true to the code: its API table matches the engine's signatures, every python
+block runs as written (here: on the CPU, on the reference backend), .ci/run runs exactly its test
+command, its performance tables are the published runs', and its layout names files that
+exist."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 import ferrocupy
-from ferrocupy import ComputeEngine, cuda_available
+from ferrocupy import ComputeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -89,26 +91,45 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README, re.DOTALL)
 
 
-def test_quick_start_runs(capsys):
-    scope: dict = {}
-    exec(compile(_python_blocks()[0], "README quick start", "exec"), scope)  # noqa: S102
+def _run_block(code: str, name: str) -> dict:
+    """Runs a README block as written, in a fresh namespace (a block needing torch is skipped
+    where torch is not installed: CI installs it)."""
+    if re.search(r"^\s*(import torch|from torch|from ferrocupy.torch)", code, re.MULTILINE):
+        pytest.importorskip("torch", reason="torch is not installed")
+    scope: dict = {"__name__": "__readme__"}
+    exec(compile(code, name, "exec"), scope)  # noqa: S102 - our README
+    return scope
+
+
+@pytest.mark.parametrize("index", range(len(_python_blocks())))
+def test_every_python_block_runs_as_written(index):
+    _run_block(_python_blocks()[index], f"README python block {index}")
+
+
+def test_there_are_python_blocks_to_run():
+    assert len(_python_blocks()) >= 3
+
+
+def _block_with(text: str) -> str:
+    (code,) = [b for b in _python_blocks() if text in b]
+    return code
+
+
+def test_quick_start_computes_the_outputs():
+    scope = _run_block(_block_with("flash_attention_v2_backward_with"), "README quick start")
     out, grads = scope["out"], (scope["grad_q"], scope["grad_k"], scope["grad_v"])
     assert out.shape == (2, 128, 8, 64)
     for t in (out, *grads):
         assert np.isfinite(t.to_numpy()).all()
 
 
-def test_torch_snippet_runs():
+def test_torch_interop_block_writes_in_place():
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    code = _python_blocks()[1]
-    if not cuda_available():
-        code = code.replace('device="cuda"', 'device="cpu"')
+    code = _block_with("torch.from_dlpack(x)")
     lines = code.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("t = torch."))
     lines.insert(at + 1, "t0 = t.clone()")  # remember t before the in-place RoPE
-    scope = {"UnifiedTensor": ferrocupy.UnifiedTensor,
-             "engine": ComputeEngine(None if cuda_available() else "reference", quiet=True)}
-    exec(compile("\n".join(lines), "README torch snippet", "exec"), scope)  # noqa: S102
+    scope = _run_block("\n".join(lines), "README torch interop")
     t, t0, back = scope["t"], scope["t0"], scope["back"]
     assert not torch.equal(t, t0), "RoPE did not write into the torch tensor's memory"
     assert torch.equal(t[:, 0], t0[:, 0])  # position 0 is not rotated
@@ -119,11 +140,10 @@ def test_pytorch_section_example_runs():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     section = README.split("## PyTorch\n", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
-    assert len([line for line in code.splitlines() if line.strip()]) <= 6
-    scope: dict = {}
-    exec(compile(code, "README PyTorch example", "exec"), scope)  # noqa: S102 - our README
-    q, out, x = scope["q"], scope["out"], scope["x"]
-    assert out.shape == q.shape == x.shape == (2, 128, 8, 64)
+    assert len([line for line in code.splitlines() if line.strip()]) <= 8
+    scope = _run_block(code, "README PyTorch example")
+    q, out = scope["q"], scope["out"]
+    assert out.shape == q.shape == (2, 128, 8, 64)
     for t in (scope["q"], scope["k"], scope["v"]):
         assert t.grad is not None and torch.isfinite(t.grad).all()
 
@@ -138,3 +158,70 @@ def test_performance_section_figures_come_from_results():
     assert figures, "the Performance section should state the measured headline figures"
     missing = [f for f in figures if f not in results]
     assert not missing, f"figures in README.md not found in benchmarks/RESULTS.md: {missing}"
+
+
+def test_performance_tables_are_the_published_runs():
+    """README's tables and benchmarks/RESULTS.md are benchmarks/publish.py's output for the run
+    files kept in benchmarks/ (regenerate with `python benchmarks/publish.py`)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import publish
+
+    runs = publish.load_runs()
+    assert runs, "no benchmark run file in benchmarks/"
+    assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == publish.results_page(runs), (
+        "benchmarks/RESULTS.md is out of date: run python benchmarks/publish.py")
+    assert README == publish.readme_with_block(README, publish.readme_block(runs)), (
+        "README.md's performance tables are out of date: run python benchmarks/publish.py")
+    for gpu in publish.latest(runs):
+        assert publish.plot_path(gpu).exists(), publish.plot_path(gpu)
+        assert f"]({publish.plot_path(gpu).name})" in (ROOT / "benchmarks" / "RESULTS.md").read_text()
+
+
+def _layout() -> list[str]:
+    """The paths the Project layout section names (globs allowed), from its indented tree."""
+    section = README.split("## Project layout", 1)[1].split("\n## ", 1)[0]
+    tree = re.search(r"```\n(.*?)```", section, re.DOTALL).group(1)
+    paths, parents = [], []
+    for line in tree.splitlines():
+        indent = (len(line) - len(line.lstrip())) // 2
+        name = line.split()[0].rstrip(",")
+        parents = parents[:indent]
+        if name.endswith("/"):
+            parents.append(name)
+        paths.append("".join(parents[:indent]) + name)
+        if line.split()[0].endswith(","):  # "README.md, LICENSE"
+            paths.append("".join(parents[:indent]) + line.split()[1])
+    return paths
+
+
+def test_layout_names_only_existing_paths():
+    paths = _layout()
+    assert "ferrocupy/cuda/tuning.py" in paths and "lab/" in paths
+    missing = [p for p in paths if not list(ROOT.glob(p.rstrip("/")))]
+    assert not missing, f"README's layout names paths that do not exist: {missing}"
+
+
+def test_layout_covers_the_package_and_the_top_level():
+    import fnmatch
+    import subprocess
+
+    patterns = [p.rstrip("/") for p in _layout()]
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True,
+                             text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    wanted = {f.split("/")[0] for f in tracked} | {
+        f for f in tracked if f.startswith("ferrocupy/") and f.endswith((".py", ".cu", ".cuh"))}
+    wanted -= {".gitignore", ".ci"}
+    wanted |= {".ci/run"}
+    unnamed = sorted(w for w in wanted if not any(
+        fnmatch.fnmatch(w, p) or p.startswith(w + "/") for p in patterns))
+    assert not unnamed, f"README's layout does not name: {unnamed}"
+
+
+def test_reads_as_current():
+    """No timestamps or history in the README: it says what is, the log is lab/TUNING.md."""
+    for phrase in ("UTC", "since then", "Since then", "the seed's", "it was ", "dev/"):
+        assert phrase not in README, phrase

@@ -228,11 +228,9 @@ class Variant:
 
     def blocks(self, params, sm_count: int) -> int:
         """The grid: a block per tile, or for a persistent kernel at most one per SM. Its blocks
-        claim tiles from the tile counter, the heaviest causal tiles first. (Blocks that took
-        tiles in a fixed turn left causal calls unbalanced: bf16 S 4096 causal went from 0.726
-        to 0.784 ms at head_dim 128 against a block per tile. Claimed, it measured 0.723 ms, and with the
-        kernel's second Q buffer d64 S 1024 causal went from 0.329 ms (a block per tile) to
-        0.292; compare.py, H200, 2026-12-03, RESULTS.md.)"""
+        claim tiles from the tile counter, the heaviest causal tiles first: causal tiles differ
+        in cost, and blocks taking them in a fixed turn would finish unevenly (measurements in
+        lab/TUNING.md)."""
         tiles = self.tiles(params)
         return min(tiles, sm_count) if self.persistent else tiles
 
@@ -249,13 +247,11 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
     """The sm_90a variants, tried first where they run: at head_dim 49-64 and 97-128 (at most a
     quarter of the product zero-filled), the forward and dK/dV.
 
-    Forward: three computing warpgroups (192 query rows) beat two in dev/tile_sweep.py (bfloat16,
-    S 4096, H200, 2026-12-03; TFLOP/s non-causal + causal): d64 with 128 keys a tile 331 + 226
-    (two warpgroups: 291 + 228); d128 with 64 keys 378 + 304 (two warpgroups, 128 keys: 359 +
-    291; three at 128 keys do not fit in shared memory). Each comes twice: first `plain` (no
-    additive mask, no dropout: the call most make), then with both. The mask's and dropout's code
-    held registers across the key loop even when unused: at head_dim 64, ptxas spilled 680 bytes
-    with them and none without (2026-12-03).
+    Forward: three computing warpgroups (192 query rows), the fastest in lab/tile_sweep.py;
+    d64 takes 128 keys a tile, d128 64 (three warpgroups at 128 keys do not fit in shared
+    memory). Each comes twice: first `plain` (no additive mask, no dropout: the call most make),
+    then with both, because the mask's and dropout's code holds registers across the key loop
+    even when unused (ptxas spills at head_dim 64 with it, none without).
 
     Backward: two computing warpgroups (their accumulators take 64 registers a thread per
     head_dim-128 output: dQ, or dK and dV), tiles of 64 keys (dQ, 3 buffers) or 64 query rows
@@ -278,13 +274,10 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
     """(warps, mt, step) candidates for one (op, dtype, padded head_dim), best first; later ones
     need less shared memory, for GPUs with a smaller per-block limit.
 
-    The half-precision choices are dev/tile_sweep.py's fastest (sum of causal and non-causal
-    TFLOP/s, bfloat16, S 4096, 16k tokens, H200, 2026-12-03), measured at head_dim 64 and 128 and
-    used for the padded head_dims up to 64 and above 64 respectively:
-      forward  d64  4x32 rows, 64 keys: 202 + 167 (4x16 rows: 180 + 167)
-               d128 4x32 rows, 32 keys: 234 + 202 (64 keys: 236 + 196, but it spills)
-      dQ       d64  4x16 rows, 64 keys: 193 + 182;  d128 4x32 rows, 32 keys: 243 + 218
-      dK/dV    d64  4x32 keys, 32 rows: 113 + 107;  d128 8x16 keys, 64 rows: 157 + 150
+    The half-precision choices are lab/tile_sweep.py's fastest (sum of causal and non-causal
+    TFLOP/s at S 4096), measured at head_dim 64 and 128 and used for the padded head_dims up to
+    64 and above 64 respectively: 32 query rows a warp in the forward (each K/V fragment feeds
+    two m-tiles), with 32 keys a step at d128 (64 spills). lab/TUNING.md has the numbers.
     """
     if op == DECODE:  # tiles: 4 warps, 32 keys a tile (a key per lane in the softmax); 3 or 2 buffers
         return [(4, 1, 32, TILES, 3, DECODE_ROWS), (4, 1, 32, TILES, 2, DECODE_ROWS)]
@@ -307,23 +300,10 @@ def _decode_streams(dtype: np.dtype, dp: int) -> list[Variant]:
     keys per lane group (C x rows <= 16 scores live in registers beside Q and O), at most
     DECODE_STAGE_BYTES; enough buffers per warp (at most 8) for DECODE_IN_FLIGHT bytes of copies
     in flight. Half precision at rows <= 4 takes 8 warps first (4 as the fallback for GPUs with
-    less shared memory): dev/decode_sweep.py (H200, 2026-12-03, H32/KV8 D128, GB/s at B16 Sk32k,
-    B1 Sk128k, B64 Sk2k) gave bf16 8 warps 4296-4354, 3552-3693, 3171-3355 against 4 warps'
-    4078-4178, 3452-3547, 3433-3646; float32 was best at 4 warps (4442, 4039, 4154). A warp per
-    (batch, KV head, split), with no block sharing its key range, was slower (bf16 4005, 3251,
-    3466): its scattered streams read DRAM less well. Each K/V row as one sm_90 `cp.async.bulk`
-    instead of 16-byte cp.async per lane was a third slower (bf16 2996, 2743, 2779; compare.py,
-    2026-12-03 21:44 UTC, RESULTS.md), and reverted. A balanced grid (one wave of blocks, each
-    KV head's keys of all batches shared out evenly, the blocks of a shared pair merged by the
-    last to finish, no combine launch; commits 2c2ca38-008aef7) was slower at B1 and B64 (bf16
-    0.154 and 0.161-0.172 ms against this grid's 0.143 and 0.145, compare.py A/B in one call,
-    2026-12-04, RESULTS.md), and reverted. So was a bulk design (commits ff92d1c-9b65071: sm_90a,
-    a block per SM taking 8 KV heads, a loading warp copying each tile of them with
-    cp.async.bulk, every pair's keys cut evenly among the blocks, a merge kernel): on an H100
-    (compare.py A/B in one call, 2026-12-06, RESULTS.md) bf16 0.716 / 0.225 / 0.207 ms at B16
-    Sk32k, B1 Sk128k, B64 Sk2k against this grid's 0.710 / 0.227 / 0.197; ncu read DRAM at 85%
-    over it against 90% over this kernel at B16, and its merge took 12.4 us against the
-    combine's 8.5 at B1."""
+    less shared memory), float32 4 warps: lab/decode_sweep.py's fastest. The grid is a block per
+    (batch, KV head, split): a block's warps share one key range, so each stream reads
+    contiguous memory, and independent blocks overlap one's start-up with another's streaming;
+    a warp per split, bulk copies and evenly balanced grids were slower (lab/TUNING.md)."""
     out = []
     for rows in (4, 8):
         kw = 32 // Variant(DECODE, dtype, dp, 4, 1, 0, STREAMS, 0, rows).key_lanes
@@ -339,32 +319,15 @@ def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
     """The tensor-core decode kernel (half precision, any group of up to 16 rows), first in the
     table: each warp streams tiles of 16 keys through buffers of its own; 8 warps where each
     block has an SM to itself, with 3 buffers (2 where shared memory is short: sm_80's 163 KB a
-    block), 4 warps with 3 (two blocks an SM) beyond (`select`'s `many_blocks`). 3 buffers over
-    2 at 8 warps: bf16 B16 / B1 674.1 / 180.2 us against 674.8-675.9 / 181.2-182.0 on one H100,
-    682.7 / 182.2 against 683.7-683.8 / 182.5-182.6 on another (dev/decode_probe.py --tensor,
-    2026-12-06): within 0.6%, but ahead in all four; more copies in flight should matter more
-    on the H200's faster memory. 2-warp blocks (three and more an SM) and 4 warps with 2 buffers
-    were no faster anywhere (the same runs; RESULTS.md).
+    block), 4 warps with 3 (two blocks an SM) beyond (`select`'s `many_blocks`): more copies in
+    flight a warp, as far as shared memory allows.
 
-    Why first, ahead of the streams kernel at groups of up to 8 rows (dev/decode_probe.py, bf16
-    H32/KV8 D128 at B16 Sk32k, B1 Sk128k, B64 Sk2k, us per step on an H100, 2026-12-06; each
-    kernel also run with its math left out (copies alone) and with its copies left out (math
-    alone)): the streams kernel's math alone took 377 / 105 / 114 us, over half its copies' 691 /
-    182 / 182, and the two overlapped imperfectly: 708 / 192 / 199 in all, against cudnn's 686 /
-    183 / 181 on the same memory. The tensor kernel's math alone took 56-67 us, but its copies
-    alone took 732 / 193 / 193: its K/V rows were padded (pitch head_dim + 8, for conflict-free
-    ldmatrix), and packed rows copied in 689 / 182 / 183. With the rows swizzled instead
-    (ferro_mma_f16.cuh `swz_at`) it took 694 / 185 / 188 (cudnn 686 / 184 / 182). compare.py A/B
-    in one call (H100, bf16; results-decode-{streams,tensor}-first-h100.json): 0.709 / 0.193 /
-    0.199 ms with the streams kernel first, 0.694 / 0.217 / 0.188 with this one. B1's 0.217 was
-    the harness timing ferrocupy (first in each case) partly before the device was up to speed
-    (harness.Settings.settle_ms); settled, this table measured 0.676 / 0.181 / 0.180 ms against
-    cudnn's 0.672 / 0.179 / 0.176 (H100, 2026-12-06, RESULTS.md).
-
-    Earlier, with padded rows, dev/decode_sweep.py (H200, 2026-12-03, bf16; GB/s at the same
-    shapes) gave it 4132, 3466, 3116 (8 warps) and 3988, 3265, 3392 (4 warps) at 4 rows a group
-    against the streams kernel's 4296-4354, 3552-3693, 3433-3646; ncu (B1) saw the streams kernel
-    issue in 66% of cycles at 81% of DRAM peak, the tensor kernel in 33% at 83%."""
+    Why first, ahead of the streams kernel even at groups of up to 8 rows: decode is bound by
+    copies, and the math must hide behind them. On the CUDA cores (the streams kernel) the math
+    alone takes over half as long as the copies and overlaps them imperfectly; on tensor cores it
+    takes a sixth. The K/V tiles are swizzled (ferro_mma_f16.cuh `swz_at`) rather than padded:
+    padded rows keep ldmatrix conflict-free too but slow the copies. lab/TUNING.md has the
+    measurements."""
     if dtype == FLOAT32:
         return []
     return [Variant(DECODE, dtype, dp, 8, 1, 8 * 16, TENSOR, 3, DECODE_ROWS),
@@ -401,9 +364,8 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
     over the 8-warp streams and tensor kernels: two 4-warp blocks per SM overlap one's start-up and merge
-    with the other's stream, which dev/decode_sweep.py measured faster there (bf16 B64 Sk2k:
-    3433-3646 GB/s against 3171-3355), while 8 warps win when each block has an SM to itself
-    (B16 Sk32k, B1 Sk128k: see _decode_streams). `plain` (the call has no mask and no dropout)
+    with the other's stream (faster there in lab/decode_sweep.py), while 8 warps win when each
+    block has an SM to itself. `plain` (the call has no mask and no dropout)
     admits the variants built without them."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]

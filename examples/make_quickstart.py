@@ -1,11 +1,17 @@
-"""Writes examples/quickstart.ipynb (outputs cleared) from the cells below, so the notebook's text
-lives in a reviewable file. Run: python dev/make_quickstart.py"""
+"""Writes examples/quickstart.ipynb from the cells below, so the notebook's text lives in a
+reviewable file, then runs it top to bottom and saves it with its outputs (printed values and
+plots, so a forge shows them). Run from anywhere, on whatever backend the machine has:
+
+    python examples/make_quickstart.py
+
+Rerun it after the cells change or after benchmarks/publish.py has published new runs (the last
+cell plots them)."""
 
 from pathlib import Path
 
 import nbformat
 
-OUT = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
+OUT = Path(__file__).resolve().parent / "quickstart.ipynb"
 
 CELLS = [
     ("md", """# ferrocupy quickstart
@@ -139,16 +145,38 @@ print("q view strides (elements):", qt.strides, " contiguous:", qt.is_contiguous
 print("same as the contiguous call:", np.array_equal(out_t.to_numpy(), out.to_numpy()))"""),
     ("md", """## Speed
 
-Measured on an H200 by `benchmarks/compare.py` against PyTorch SDPA's backends in the same run
-(every figure and the command that produced it: [benchmarks/RESULTS.md](../benchmarks/RESULTS.md))."""),
-    ("code", """from pathlib import Path
-from IPython.display import Image, display
+The latest full benchmark runs on the newest GPU measured, as `benchmarks/publish.py` publishes
+them: ferrocupy's throughput over the fastest PyTorch implementation in the same run, for the
+cases README.md tabulates (above 1: ferrocupy faster). Every case, with the command and versions
+of each run: [benchmarks/RESULTS.md](../benchmarks/RESULTS.md)."""),
+    ("code", """import sys
+from pathlib import Path
 
-plot = Path("..") / "benchmarks" / "results-half.png"
-if plot.exists():
-    display(Image(filename=str(plot)))
-else:
-    print("no plot here:", plot.resolve())"""),
+sys.path.insert(0, str(Path("..") / "benchmarks"))
+import publish
+
+gpu, by_dtype = next(iter(publish.latest(publish.load_runs()).items()))
+dtypes = [d for d in publish.DTYPES if d in by_dtype]
+fig, axes = plt.subplots(1, len(dtypes), figsize=(4.6 * len(dtypes), 3.8), sharex=True,
+                         squeeze=False)
+for ax, dtype in zip(axes[0], dtypes):
+    run = by_dtype[dtype]
+    rows = [r for r in run.rows(dtype) if publish.HEADLINE.match(r["case"]) and r["ratio"]]
+    ratios = [r["ratio"] for r in rows]
+    bars = ax.barh([publish.case_label(r) for r in rows], ratios,
+                   color=["C0" if x >= 1 else "C1" for x in ratios])
+    ax.bar_label(bars, [f"{x:.2f}" for x in ratios], padding=2, fontsize=8)
+    ax.axvline(1.0, color="gray", ls=":")
+    ax.set_xscale("log")
+    ax.set_xlim(0.25, 16)
+    ax.set_xticks([0.25, 0.5, 1, 2, 4, 8], ["0.25", "0.5", "1", "2", "4", "8"])
+    ax.minorticks_off()
+    ax.invert_yaxis()
+    ax.set_title(f"{dtype}, run of {run.date[:10]}", fontsize=10)
+    ax.set_xlabel("ferrocupy / fastest PyTorch")
+fig.suptitle(f"ferrocupy vs PyTorch, {gpu}")
+fig.tight_layout()
+plt.show()"""),
 ]
 
 
@@ -162,7 +190,23 @@ def notebook():
     return nb
 
 
+def executed(nb):
+    """`nb` run top to bottom in a fresh kernel, from the examples folder, with its outputs (no
+    timing metadata: rerunning changes only what the cells print and plot). The kernel imports
+    this checkout's ferrocupy, installed or not."""
+    import os
+
+    import nbclient
+
+    root = str(OUT.parents[1])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
+                                     resources={"metadata": {"path": str(OUT.parent)}})
+    client.execute()  # raises CellExecutionError, with the cell and its traceback, on a failure
+    return nb
+
+
 if __name__ == "__main__":
-    OUT.parent.mkdir(exist_ok=True)
-    nbformat.write(notebook(), OUT)
-    print(f"wrote {OUT}")
+    nbformat.write(executed(notebook()), OUT)
+    print(f"wrote {OUT}, with its outputs")

@@ -1,9 +1,9 @@
 """One torch SDPA decode step (bf16, Sq 1, H32 / KV heads 8, D128: compare.py's decode shapes) with
-one backend forced, for ncu, to see the peer's kernels beside ours (dev/profile_once.py):
+one backend forced, for ncu, to see the peer's kernels beside ours (lab/profile_once.py):
 
     FERRO_DECODE=1,131072 FERRO_PEER=cudnn ncu --clock-control none \
         --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-        python3 dev/profile_peer.py
+        python3 lab/profile_peer.py
 """
 import os
 

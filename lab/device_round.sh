@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device round: precompile, the GPU test suite, compute-sanitizer on a small run of every
-# kernel. Logs under $OUT. Usage (on the device): bash dev/device_round.sh [pytest args...]
-# The suite alone took more than 330 s on the H200 (2026-12-03, 876 tests): with the sanitizers
-# and the call cost this is more than one 600 s device call. SUITE_ONLY=1 stops after the suite;
-# SKIP_SUITE=1 runs only the sanitizers and the call cost; SUITE_PART (below) picks a part.
+# kernel, the host cost per call. Logs under $OUT. Usage (on the device):
+#   bash lab/device_round.sh [pytest args...]
+# The whole suite takes longer than one 600 s device call: SUITE_PART (below) picks a third of
+# it; SUITE_ONLY=1 stops after the suite; SKIP_SUITE=1 runs only the sanitizers and the call
+# cost; SWEEP=1 adds lab/tile_sweep.py.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -22,11 +23,11 @@ esac
     "$@" 2>&1 | tee "$OUT/gpu_tests${SUITE_PART:-}.log" | grep -E "passed|failed|error" | tail -3
 [ -n "${SUITE_ONLY:-}" ] && exit 0
 for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool python3 dev/sanitize_run.py > "$OUT/sanitize_$tool.log" 2>&1
+    compute-sanitizer --tool $tool python3 lab/sanitize_run.py > "$OUT/sanitize_$tool.log" 2>&1
     echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Error|error' "$OUT/sanitize_$tool.log" | tail -2)"
 done
-python3 dev/call_cost.py > "$OUT/call_cost.txt" 2>&1; tail -8 "$OUT/call_cost.txt"
+python3 lab/call_cost.py > "$OUT/call_cost.txt" 2>&1; tail -8 "$OUT/call_cost.txt"
 if [ -n "${SWEEP:-}" ]; then
-    timeout 150 python3 dev/tile_sweep.py --dtype bfloat16 > "$OUT/sweep.txt" 2>&1
+    timeout 150 python3 lab/tile_sweep.py --dtype bfloat16 > "$OUT/sweep.txt" 2>&1
     tail -90 "$OUT/sweep.txt"
 fi

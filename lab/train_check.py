@@ -1,10 +1,10 @@
-"""Training check (issue 10 item 3): a small GPT-style model (RoPE + causal GQA attention + MLP)
+"""Training check: a small GPT-style model (RoPE + causal GQA attention + MLP)
 trained on next-byte prediction over this repository's README, from one seed, with
 `ferrocupy.torch.attention` and with torch SDPA, in float32 and in bfloat16 (autocast). The
 run-to-run noise is the gap between two SDPA runs from different seeds; ferrocupy's curve should
 sit within it of SDPA's from the same seed.
 
-    python3 dev/train_check.py [--steps 300] [--out benchmarks/training-check]
+    python3 lab/train_check.py [--steps 300] [--out lab/results/training-check]
 
 Writes OUT.json (the loss curves) and OUT.png (the plot), and prints a summary per dtype: the
 mean loss over the last 50 steps of each run, and the largest gap between smoothed curves (same
@@ -112,7 +112,7 @@ def smooth(xs, w=20):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "training-check"))
+    ap.add_argument("--out", default=str(ROOT / "lab" / "results" / "training-check"))
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = ap.parse_args()
     data = torch.tensor(list((ROOT / "README.md").read_bytes()), dtype=torch.long)

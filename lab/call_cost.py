@@ -1,6 +1,6 @@
-"""Host cost of one call at a decode shape (issue 10 item 2): B1, Sq1, Sk128, H8, D64, float32.
+"""Host cost of one call at a decode shape: B1, Sq1, Sk128, H8, D64, float32.
 
-    python3 dev/call_cost.py [--profile]
+    python3 lab/call_cost.py [--profile]
 
 The table is benchmarks/call_cost.py's (compare.py prints it too); --profile adds where the host
 time of the engine and of ferrocupy.torch.attention goes (cProfile, 500 calls each)."""

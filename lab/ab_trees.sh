@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A/B of commits on the device, one compare.py run per tree in one device call (the device gets
 # the working tree without .git, so earlier commits travel as untracked copies under ab/).
-#   here:       bash dev/ab_trees.sh prepare SHA...      # ab/SHA/{ferrocupy,benchmarks}; not committed
-#   on device:  bash dev/ab_trees.sh run CASES SHA... .  # "." = the working tree
+#   here:       bash lab/ab_trees.sh prepare SHA...      # ab/SHA/{ferrocupy,benchmarks}; not committed
+#   on device:  bash lab/ab_trees.sh run CASES SHA... .  # "." = the working tree
 # Prints each tree's "case, ms, vs flash, vs cudnn" rows; full outputs go to $OUT/ab_NAME.{txt,json}.
 # DTYPES (default bf16,fp16) picks the dtypes. Remove ab/ when done (rm -rf ab).
 set -uo pipefail

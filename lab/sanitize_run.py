@@ -1,7 +1,7 @@
 """A small run of every kernel variant family, for `compute-sanitizer` (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck python3 dev/sanitize_run.py
-    compute-sanitizer --tool racecheck python3 dev/sanitize_run.py
+    compute-sanitizer --tool memcheck python3 lab/sanitize_run.py
+    compute-sanitizer --tool racecheck python3 lab/sanitize_run.py
 
 Each dtype runs the forward (with lse, a mask, dropout), the backward with and without lse, at a
 head_dim that takes 16-byte copies, one that takes 4-byte copies and (half) an odd one that

@@ -1,6 +1,6 @@
 """One forward and one backward (given lse) at the benchmark's D128 S4096 bf16 shape, for ncu:
 
-    ncu --clock-control none --section SpeedOfLight ... python3 dev/profile_once.py
+    ncu --clock-control none --section SpeedOfLight ... python3 lab/profile_once.py
 
 FERRO_FWD_ISA=mma (say) profiles that forward kernel instead of the table's first choice.
 FERRO_DECODE=B,SK (say 1,131072) runs one bf16 decode step instead (Sq 1, H32 / KV heads 8,
@@ -8,7 +8,7 @@ D128: compare.py's decode shapes), its decode kernel and combine; FERRO_DECODE_D
 (or tensor, tiles) restricts the decode kernels to that design:
 
     FERRO_DECODE=1,131072 ncu --clock-control none --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis --section Occupancy python3 dev/profile_once.py
+        --section MemoryWorkloadAnalysis --section Occupancy python3 lab/profile_once.py
 """
 import os
 
@@ -32,11 +32,11 @@ if os.environ.get("FERRO_DECODE"):
     cp.cuda.Device().synchronize()
     raise SystemExit(0)
 if os.environ.get("FERRO_FWD_ISA"):
-    from ferrocupy.cuda import configs
+    from ferrocupy.cuda import configs, tuning
+    from ferrocupy.dtypes import BFLOAT16
 
-    key = (configs.FORWARD, configs.BFLOAT16, D)
-    eng.backend.table = dict(configs.TABLE) | {key: (configs.Variant(
-        configs.FORWARD, configs.BFLOAT16, D, 8, 1, 128, os.environ["FERRO_FWD_ISA"]),)}
+    eng.backend.table = tuning.forcing(configs.Variant(
+        configs.FORWARD, BFLOAT16, D, 8, 1, 128, os.environ["FERRO_FWD_ISA"]))
 rng = cp.random.default_rng(0)
 q, k, v, do = (UnifiedTensor(rng.standard_normal((B, S, H, D), dtype=cp.float32)
                              .astype("bfloat16")) for _ in range(4))

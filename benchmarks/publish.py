@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Publishes the kept benchmark runs: benchmarks/RESULTS.md (the latest full run per GPU and
+dtype), one plot per GPU, and README.md's performance tables (between its `perf:begin` and
+`perf:end` markers), all from the run files `benchmarks/results-*.json`. No GPU needed.
+
+    python benchmarks/compare.py --json benchmarks/results-h100.json   # on a GPU: a full run
+    python benchmarks/publish.py                                       # then, anywhere
+    python benchmarks/publish.py --check    # exit 1 if RESULTS.md or README.md is out of date
+
+A run file must hold a full run (no `--quick`, no `--cases`): partial runs and A/B experiments
+belong under lab/results/. For each GPU and dtype the newest run that measured that dtype is the
+one shown; an older run file that no dtype takes is reported, to be deleted."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import call_cost  # noqa: E402
+import report  # noqa: E402
+from harness import DTYPES, Case  # noqa: E402
+
+RESULTS = HERE / "RESULTS.md"
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- perf:begin (python benchmarks/publish.py) -->", "<!-- perf:end -->"
+# The README's cases per dtype: the attention forward and backward at the sweep's middle shape,
+# every decode case, RoPE.
+HEADLINE = re.compile(r"^(attn-(fwd|bwd)-\w+-d128-s4096-|decode-|rope-)")
+
+
+@dataclasses.dataclass
+class Run:
+    path: Path
+    payload: dict
+
+    @property
+    def meta(self) -> dict:
+        return self.payload["meta"]
+
+    @property
+    def gpu(self) -> str:
+        return self.meta["gpu"]
+
+    @property
+    def date(self) -> str:
+        return self.meta["date"]
+
+    @property
+    def dtypes(self) -> list:
+        return [d for d in DTYPES if d in self.meta.get("dtypes", [])]
+
+    @property
+    def command(self) -> str:
+        return f"python benchmarks/compare.py --dtype {','.join(self.dtypes)}"
+
+    def rows(self, dtype: str) -> list[dict]:
+        """The run's table rows for `dtype`, summarized afresh from its raw results (so a run
+        saved by an older harness reads like a new one)."""
+        fields = {f.name for f in dataclasses.fields(Case)}
+        rows = []
+        for rec in self.payload["cases"]:
+            if rec["dtype"] == dtype:
+                case = Case(**{k: (tuple(v) if k == "shape" else v) for k, v in rec.items()
+                               if k in fields})
+                rows.append(report.summarize(case, rec["results"], self.payload["ceilings"]))
+        return rows
+
+
+def load_runs(folder: Path = HERE) -> list[Run]:
+    runs = []
+    for path in sorted(folder.glob("results-*.json")):
+        payload = json.loads(path.read_text())
+        meta = payload.get("meta", {})
+        if meta.get("quick") or meta.get("cases_filter"):
+            raise ValueError(f"{path.name} is not a full run (quick={meta.get('quick')}, "
+                             f"cases={meta.get('cases_filter')!r}): move it to lab/results/")
+        runs.append(Run(path, payload))
+    return runs
+
+
+def latest(runs: list[Run]) -> dict:
+    """GPU -> dtype -> the newest run that measured that dtype on that GPU, GPUs newest first."""
+    out: dict = {}
+    for run in sorted(runs, key=lambda r: r.date, reverse=True):
+        out.setdefault(run.gpu, {})
+        for d in run.dtypes:
+            out[run.gpu].setdefault(d, run)
+    return out
+
+
+def slug(gpu: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower().replace("nvidia", "")).strip("-")
+
+
+def plot_path(gpu: str) -> Path:
+    return HERE / f"results-{slug(gpu)}.png"
+
+
+def _fence(text: str) -> list[str]:
+    return ["```", text, "```"]
+
+
+def _run_section(run: Run, dtypes: list[str]) -> list[str]:
+    info = run.meta
+    out = [f"### {', '.join(dtypes)}", "",
+           f"Run of {run.date}, ferrocupy at {info.get('ferrocupy') or 'an unrecorded commit'}:"
+           f" `{run.command}` (raw results: `{run.path.name}`).", ""]
+    ceilings = run.payload["ceilings"]
+    ceiling = (f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s; matmul "
+               + ", ".join(f"{d} {ceilings['matmul_tflops'][d]:.0f} TFLOP/s" for d in dtypes
+                           if d in ceilings.get("matmul_tflops", {})))
+    out += _fence("\n".join(report.header_lines(info) + [ceiling]))
+    rows = [r for d in dtypes for r in run.rows(d)]
+    out += ["", *_fence(report.format_tables(rows))]
+    summary = report.ratio_summary(rows)
+    if summary:
+        out += ["", *_fence("\n".join(summary))]
+    if run.payload.get("call_cost"):
+        out += ["", *_fence(call_cost.format_table(run.payload["call_cost"]))]
+    return out + [""]
+
+
+def results_page(runs: list[Run]) -> str:
+    out = ["# Benchmark results", "",
+           "The latest full run of `benchmarks/compare.py` per GPU and dtype, generated by "
+           "`python benchmarks/publish.py` from the run files beside this page "
+           "(`results-*.json`); not edited by hand. Experiments, and what was tried and "
+           "measured on the way, are in [lab/TUNING.md](../lab/TUNING.md).", "",
+           "**Method.** Each case checks every implementation's first output against a float64 "
+           "reference and times only right answers: the median of CUDA-event-timed repetitions "
+           "after a warm-up and at least 100 ms of untimed back-to-back calls (so no one is "
+           "timed on a device still speeding up); compilation stays out. The peers are torch "
+           "SDPA's backends, each forced with `sdpa_kernel` (`flash` and `cudnn` take only "
+           "float16/bfloat16), and eager rotate-half RoPE. Attention FLOPs are 4·B·H·Sq·Sk·D "
+           "forward, half of it causal, 2.5× that backward (FlashAttention's convention); the "
+           "backward is given the forward's `out` and `lse`, as a training step runs it. The "
+           "attention sweep is D64 and D128, S 512 to 16384 at 16384 tokens a batch and hidden "
+           "2048 (B = 16384 / S, H = 2048 / D). Decode counts the bytes of K and V, RoPE the "
+           "bytes read and written; `%ceil` is throughput over the ceiling measured in the same "
+           "run (a large matmul, or copy bandwidth).", ""]
+    for gpu, by_dtype in latest(runs).items():
+        out += [f"## {gpu}", "", f"![ferrocupy vs PyTorch SDPA, {gpu}]({plot_path(gpu).name})",
+                ""]
+        groups: dict = {}
+        for d, run in by_dtype.items():
+            groups.setdefault(run.path, (run, []))[1].append(d)
+        for run, dtypes in groups.values():
+            out += _run_section(run, dtypes)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def case_label(row: dict) -> str:
+    """A row's case in words: "forward, causal", "decode, B16 Sk32k", ..."""
+    parts = row["case"].split("-")
+    if parts[0] == "decode":  # decode-DT-bB-hHkvK-dD-skN[-qQ]
+        rows = f", {parts[6][1:]} query rows a head" if len(parts) > 6 else ""
+        return f"decode, B{parts[2][1:]} Sk{int(parts[5][2:]) // 1024}k{rows}"
+    if parts[0] == "rope":
+        return f"RoPE in place, [{parts[2].replace('x', ', ')}]"
+    what = {"fwd": "forward", "bwd": "backward"}[parts[1]]
+    return f"{what}, {parts[-1].replace('noncausal', 'non-causal')}"
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _sweep_means(rows: list[dict]) -> list[str]:
+    """Per direction of the attention sweep: ferrocupy over each SDPA backend but math (which
+    runs only the smaller cases), geometric mean of the cases both ran."""
+    out = []
+    for direction, name in (("fwd", "forward"), ("bwd", "backward")):
+        grid = [r for r in rows if r.get("suite") == "grid" and r["direction"] == direction]
+        means = []
+        for peer in report.PEER_ORDER[:3]:
+            xs = [r["ratios"][peer] for r in grid if r["ratios"].get(peer)]
+            if xs:
+                gm = report.geomean(xs)
+                means.append(f"{gm:.2f}× `{report.short(peer)}`")
+        if means:
+            out.append(f"{name} {', '.join(means)}")
+    return out
+
+
+def readme_block(runs: list[Run]) -> str:
+    """README's performance tables: the newest GPU's latest runs, the headline cases per dtype,
+    ferrocupy against the fastest torch peer that gave a right answer."""
+    by_gpu = latest(runs)
+    if not by_gpu:
+        return "No benchmark run is kept yet: see benchmarks/compare.py."
+    gpu, by_dtype = next(iter(by_gpu.items()))
+    out = [f"Measured on one {gpu}. Attention is B = 4, S = 4096, H = 16, D = 128 (TFLOP/s); "
+           f"decode is one query row a head, H = 32 over 8 KV heads, D = 128 (GB/s of K and V); "
+           f"RoPE is GB/s read and written. The ratio is ferrocupy's throughput over the fastest "
+           f"PyTorch implementation's in the same run (above 1: ferrocupy faster). Every case, "
+           f"the sweep over sequence lengths and the versions are in "
+           f"[benchmarks/RESULTS.md](benchmarks/RESULTS.md).", ""]
+    for d in DTYPES:
+        run = by_dtype.get(d)
+        if run is None:
+            continue
+        rows = run.rows(d)
+        out += [f"**{d}**, run of {run.date[:10]} (ferrocupy {run.meta.get('ferrocupy') or '?'}),"
+                f" `{run.command}`:", "",
+                f"| {d} | ferrocupy | fastest PyTorch | ratio |", "|---|---|---|---|"]
+        for r in rows:
+            if HEADLINE.match(r["case"]):
+                peer = (f"{report.short(r['peer'])}, {r['peer_thr']:.1f}" if r["peer"] else "-")
+                out.append(f"| {case_label(r)} | {_cell(r['ferro_thr'], '{:.1f}')} | {peer} "
+                           f"| {_cell(r['ratio'], '{:.2f}×')} |")
+        means = _sweep_means(rows)
+        if means:
+            out += ["", "Over the attention sweep (D64 and D128, S 512 to 16k, causal and not; "
+                    "geometric mean): " + "; ".join(means) + "."]
+        out.append("")
+    out.append(f"![ferrocupy vs PyTorch SDPA on the {gpu}: throughput against sequence length, "
+               f"every dtype, head_dim and direction](benchmarks/{plot_path(gpu).name})")
+    return "\n".join(out).rstrip()
+
+
+def plot_payload(gpu: str, by_dtype: dict) -> dict:
+    """The cases each dtype's latest run measured on `gpu`, as one payload for report.plot."""
+    cases = [c for d, run in by_dtype.items() for c in run.payload["cases"] if c["dtype"] == d]
+    ceilings = {d: run.payload["ceilings"].get("matmul_tflops", {}).get(d)
+                for d, run in by_dtype.items()}
+    dates = sorted({run.date[:10] for run in by_dtype.values()})
+    return {"cases": cases, "ceilings": {"matmul_tflops": ceilings},
+            "meta": {"gpu": gpu, "date": " and ".join(dates)}}
+
+
+def readme_with_block(readme: str, block: str) -> str:
+    if readme.count(BEGIN) != 1 or readme.count(END) != 1:
+        raise ValueError(f"README.md needs one {BEGIN!r} and one {END!r} line")
+    head, rest = readme.split(BEGIN, 1)
+    return head + BEGIN + "\n" + block + "\n" + END + rest.split(END, 1)[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 where "
+                    "RESULTS.md or README.md differs from what the run files give")
+    ap.add_argument("--no-plot", action="store_true", help="leave the plots as they are")
+    args = ap.parse_args(argv)
+    runs = load_runs()
+    page = results_page(runs)
+    readme = readme_with_block(README.read_text(), readme_block(runs))
+    shown = {run.path for by_dtype in latest(runs).values() for run in by_dtype.values()}
+    for run in runs:
+        if run.path not in shown:
+            print(f"{run.path.name}: superseded by newer runs of every dtype it holds; delete it")
+    if args.check:
+        stale = [p.name for p, text in ((RESULTS, page), (README, readme))
+                 if p.read_text() != text]
+        if stale:
+            print(f"out of date: {', '.join(stale)}: run python benchmarks/publish.py")
+        return 1 if stale else 0
+    RESULTS.write_text(page)
+    README.write_text(readme)
+    print(f"wrote {RESULTS} and the performance tables of {README}")
+    if not args.no_plot:
+        for gpu, by_dtype in latest(runs).items():
+            if report.plot(plot_payload(gpu, by_dtype), str(plot_path(gpu))):
+                print(f"wrote {plot_path(gpu)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
