@@ -172,7 +172,6 @@ def test_there_are_lab_scripts_to_check():
     assert len(LAB_FILES) >= 5, LAB_FILES
 
 
-@pytest.mark.xfail(strict=True, reason="the lead's front-door rewrite")
 def test_torch_module_uses_public_names_only():
     path = PACKAGE / "torch.py"
     uses = private_uses(path.read_text(), in_package=True)

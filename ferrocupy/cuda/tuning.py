@@ -16,6 +16,7 @@ import contextlib
 
 import numpy as np
 
+from ..params import contiguous_layout
 from . import configs
 from .launch import address
 
@@ -51,8 +52,8 @@ def shared_memory_limit(device: int | None = None) -> int:
 def decode_splits(n: int):
     """Within the block, decode plans split each (batch, KV head)'s keys `n` ways (fewer where
     there are fewer key tiles), to time split counts against `configs.decode_splits`' choice.
-    Backends remember their plans: plan inside the block on a fresh backend or after swapping its
-    table (`backend.table = ...` forgets them)."""
+    It acts on launches planned inside the block (`launches`); an engine's kept plan made before
+    it keeps its own split."""
     if n < 1:
         raise ValueError(f"decode_splits: n must be >= 1, not {n}")
     chosen = configs.decode_splits
@@ -108,11 +109,12 @@ def launches(backend, op: str, buffers: dict, params, layout=None,
         raise ValueError(f"launches: {op} takes no buffer {sorted(unknown)}; it takes "
                          f"{BUFFERS[op]}")
     buffers = {n: buffers.get(n) for n in BUFFERS[op]}
-    plan = backend.plan(op, buffers, params, layout)
+    pointers = {n: 0 if b is None else address(b) for n, b in buffers.items()}
+    plan = backend.plan(op, buffers, params,
+                        contiguous_layout(params) if layout is None else layout, pointers)
     xp = backend.xp
     if stream is None:
         stream = xp.cuda.get_current_stream().ptr
-    pointers = {n: 0 if b is None else address(b) for n, b in buffers.items()}
     keep = []
     for name, shape in plan.workspace.items():
         # the decode's tickets start at zero, and every launch leaves them so
