@@ -98,11 +98,45 @@ def calls(draw, op: str | None = None):
     return Call(op, shapes, places, end + 1, opts)
 
 
-def carve(xp, base, call: Call) -> dict:
-    """Each tensor of `call` as a strided view of `base` (element offsets and strides)."""
-    size = base.dtype.itemsize
-    return {n: xp.lib.stride_tricks.as_strided(base[off:], shape=call.shapes[n],
+class Memory:
+    """Where a call's buffers live: NumPy (`Memory()`), CuPy or PyTorch CUDA tensors."""
+
+    def __init__(self, kind: str = "numpy"):
+        self.kind = kind
+
+    def array(self, host: np.ndarray):
+        if self.kind == "numpy":
+            return host
+        if self.kind == "cupy":
+            import cupy
+
+            return cupy.asarray(host)
+        import torch
+
+        return torch.from_numpy(host).cuda()
+
+    def carve(self, base, off: int, shape, strides):
+        """A view of 1-D `base` at element offset `off` with element `strides`."""
+        if self.kind == "torch":
+            import torch
+
+            return torch.as_strided(base, shape, strides, off)
+        lib = np if self.kind == "numpy" else __import__("cupy")
+        size = base.dtype.itemsize
+        return lib.lib.stride_tricks.as_strided(base[off:], shape=shape,
                                                 strides=tuple(s * size for s in strides))
+
+    def host(self, x) -> np.ndarray:
+        if self.kind == "numpy":
+            return np.array(x)
+        if self.kind == "cupy":
+            return x.get()
+        return x.cpu().numpy()
+
+
+def carve(mem: Memory, base, call: Call) -> dict:
+    """Each tensor of `call` as a strided view of `base` (element offsets and strides)."""
+    return {n: mem.carve(base, off, call.shapes[n], strides)
             for n, (off, strides) in call.places.items()}
 
 
@@ -127,17 +161,17 @@ def _reference(call: Call, host: dict) -> dict:
     return {n: t[n] for n in WRITTEN[call.op] if n in t}
 
 
-def run(engine: ComputeEngine, xp, to_host, call: Call, rng, warm: bool, tol: float) -> None:
-    """Check `call` on `engine` whose arrays live in `xp` (`to_host` copies one back)."""
+def run(engine: ComputeEngine, mem: Memory, call: Call, rng, warm: bool, tol: float) -> None:
+    """Check `call` on `engine` with its buffers in `mem`."""
     if warm:  # the same shapes and strides, every tensor in a buffer of its own: valid
-        own = {n: carve(xp, xp.asarray(rng.standard_normal(call.size, dtype=np.float32)),
+        own = {n: carve(mem, mem.array(rng.standard_normal(call.size, dtype=np.float32)),
                         Call(call.op, {n: call.shapes[n]}, {n: call.places[n]}, call.size,
                              call.opts))[n] for n in call.places}
         _invoke(engine, call, own)
-    base = xp.asarray(rng.standard_normal(call.size, dtype=np.float32))
-    t = carve(xp, base, call)
-    before = to_host(base).copy()
-    host_inputs = {n: to_host(a).copy() for n, a in t.items()}
+    base = mem.array(rng.standard_normal(call.size, dtype=np.float32))
+    t = carve(mem, base, call)
+    before = mem.host(base).copy()
+    host_inputs = {n: mem.host(a).copy() for n, a in t.items()}
     if call.expect_error():
         try:
             _invoke(engine, call, t)
@@ -145,15 +179,15 @@ def run(engine: ComputeEngine, xp, to_host, call: Call, rng, warm: bool, tol: fl
             assert "shares memory" in str(e), e
         else:
             raise AssertionError(f"no error for {call}")
-        assert np.array_equal(to_host(base), before), "memory written before the error"
+        assert np.array_equal(mem.host(base), before), "memory written before the error"
         return
     for n in WRITTEN[call.op]:  # poisoned: an element left unwritten shows
         if n in t:
-            t[n][...] = np.nan
+            t[n][...] = float("nan")
     _invoke(engine, call, t)
     want = _reference(call, host_inputs)
     for n, w in want.items():
-        got = to_host(t[n]).astype(np.float64)
+        got = mem.host(t[n]).astype(np.float64)
         finite = np.isfinite(w)
         assert np.array_equal(got[~finite], w[~finite]), f"{n}: non-finite entries differ"
         err = np.linalg.norm((got - w)[finite]) / max(np.linalg.norm(w[finite]), 1e-30)
@@ -161,7 +195,7 @@ def run(engine: ComputeEngine, xp, to_host, call: Call, rng, warm: bool, tol: fl
 
 
 # --- the two aliasing holes found by fuzzing (issue 27) ---------------------------------------
-def issue_case_lse_in_q(rng, xp=np, put=np.asarray):
+def issue_case_lse_in_q(rng, put=np.asarray):
     """float32, B3 Sq3 Sk403 H4 Hkv1 D96, causal, offset 1, window 2, mask [1, 4, 3, 403];
     q, out and v are views with padded heads, k and v one packed buffer. Returns the call's
     (valid) tensors, and an lse that is a view into q's memory."""

@@ -45,3 +45,12 @@ def rng():
     seed = int(os.environ.get("FERROCUPY_TEST_SEED") or secrets.randbits(63))
     print(f"rng seed: {seed} (replay with FERROCUPY_TEST_SEED={seed})")
     return np.random.default_rng(seed)
+
+
+def pytest_runtest_logreport(report):
+    """With FERRO_FAILURE_LOG set, each failure is appended to that file as it happens (a run cut
+    off by a time limit still says what failed). Written by the controlling process only."""
+    path = os.environ.get("FERRO_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -4,6 +4,8 @@ and the rules)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -77,13 +79,14 @@ def test_issue_case_decode_out_interleaved_with_q_is_refused(cuda_engine, rng, w
     np.testing.assert_array_equal(_bits(both), before)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=int(os.environ.get("FERRO_ALIASING_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(call=aliasing.calls(), warm=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_overlapping_outputs_are_refused_and_others_run(cuda_engine, call, warm, seed):
-    import cupy
-
-    aliasing.run(cuda_engine, cupy, cupy.asnumpy, call, np.random.default_rng(seed), warm,
+@given(call=aliasing.calls(), warm=st.booleans(), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["cupy", "torch"]))
+def test_overlapping_outputs_are_refused_and_others_run(cuda_engine, call, warm, seed, kind):
+    if kind == "torch":
+        pytest.importorskip("torch")
+    aliasing.run(cuda_engine, aliasing.Memory(kind), call, np.random.default_rng(seed), warm,
                  tol=2e-5)
 
 
