@@ -80,7 +80,6 @@ def calls(draw, op: str | None = None):
         else:
             pads = (0, 0, 0)  # mask, lse: C-contiguous
         strides = _padded_strides(shape, pads)
-        reach = sum((x - 1) * s for x, s in zip(shape, strides)) + 1
         how = draw(st.sampled_from(["apart", "near", "interleave"]))
         partners = [m for m in places if len(shapes[m]) == 4 and m != "mask"
                     and shapes[m] == shape and places[m][1][2] >= 2 * d]
@@ -93,9 +92,9 @@ def calls(draw, op: str | None = None):
         else:
             off = end + draw(st.integers(0, 3))
         places[n] = (off, strides)
-        end = max(end, off + reach)
+        end = max(end, off + sum((x - 1) * s for x, s in zip(shape, strides)) + 1)
     opts = AttentionOptions(causal=draw(st.booleans()), causal_offset=draw(st.integers(0, 3)))
-    return Call(op, shapes, places, end + 1, opts)
+    return Call(op, shapes, places, end, opts)
 
 
 class Memory:
@@ -117,6 +116,8 @@ class Memory:
 
     def carve(self, base, off: int, shape, strides):
         """A view of 1-D `base` at element offset `off` with element `strides`."""
+        reach = sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+        assert off + reach <= base.shape[0], (off, shape, strides, base.shape)
         if self.kind == "torch":
             import torch
 

@@ -82,6 +82,18 @@ def needs_real_gpu():
         pytest.skip(f"checks the CUDA engine itself; meaningless with {SELF_CHECK_ENV}=1")
 
 
+def count_launches(monkeypatch, engine: ComputeEngine) -> list:
+    """A list that records each attention operation `engine`'s backend runs from now on (the
+    CUDA backend's plan runs; the reference backend's forward and backward)."""
+    runs = []
+    cls = type(engine.backend)
+    for name in ("run_plan",) if hasattr(cls, "run_plan") else ("forward", "backward"):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, _real=real, _name=name, **kw: (
+            runs.append(_name), _real(self, *a, **kw))[1])
+    return runs
+
+
 # --- engines and tensors -----------------------------------------------------------------------
 
 class Device:

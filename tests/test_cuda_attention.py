@@ -17,6 +17,7 @@ from ferrocupy import AttentionOptions
 # gpu_helpers is in tests/, which conftest puts on sys.path.
 from gpu_helpers import (BIG_BATCH_SLICES, DEAD_ROW_CASES, SEQ_Q_NE_K,
                          DROPOUT_SEED, FWD_TOL, assert_close, batch_slice, check_forward,
+                         count_launches,
                          dead_rows, dense_forward, dev, gpu_pytestmark, make_case,
                          needs_real_gpu, option_case, option_rows, ref, run_forward)
 
@@ -253,15 +254,7 @@ def test_forward_seq_k_zero_with_mask(dev, ref, rng):
                                    dict(b=0, sq=0, sk=0)], ids=["batch0", "seq_q0", "all0"])
 def test_forward_empty_runs_without_launching(dev, rng, monkeypatch, shape):
     case = make_case(rng, h=4, hkv=2, d=32, **shape)
-    launches = []
-    backend_cls = type(dev.engine.backend)
-    real_op = backend_cls.forward
-
-    def counting_op(self, *args, **kwargs):
-        launches.append("forward")
-        return real_op(self, *args, **kwargs)
-
-    monkeypatch.setattr(backend_cls, "forward", counting_op)
+    launches = count_launches(monkeypatch, dev.engine)
     out = dev.poisoned(case.q.shape)
     dev.engine.flash_attention_v2_with(dev.put(case.q), dev.put(case.k), dev.put(case.v), out)
     dev.sync()

@@ -19,6 +19,7 @@ from ferrocupy import AttentionOptions
 # gpu_helpers is in tests/, which conftest puts on sys.path.
 from gpu_helpers import (BIG_BATCH_SLICES, DEAD_ROW_CASES, SEQ_Q_NE_K,
                          DROPOUT_SEED, assert_grads_close, batch_slice, check_backward,
+                         count_launches,
                          dead_keys, dead_rows, dense_backward, dense_forward, dev,
                          gpu_pytestmark, make_case, needs_real_gpu, option_case, option_rows,
                          ref, run_backward, run_forward)
@@ -263,15 +264,7 @@ def test_backward_seq_q_zero_zeroes_kv_grads(dev, ref, rng):
 
 def test_backward_batch_zero_runs_without_launching(dev, rng, monkeypatch):
     case = make_case(rng, b=0, sq=5, sk=5, h=4, hkv=2, d=32)
-    launches = []
-    backend_cls = type(dev.engine.backend)
-    real_op = backend_cls.backward
-
-    def counting_op(self, *args, **kwargs):
-        launches.append("backward")
-        return real_op(self, *args, **kwargs)
-
-    monkeypatch.setattr(backend_cls, "backward", counting_op)
+    launches = count_launches(monkeypatch, dev.engine)
     got = run_backward(dev, case, np.zeros_like(case.q))
     assert launches == [], f"launched {launches} for batch 0"
     assert all(x.size == 0 for x in got.values())
