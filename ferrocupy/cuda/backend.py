@@ -94,8 +94,8 @@ class CudaBackend:
             with self.xp.cuda.Device(self._id):
                 return self.rope(x, params, out=out, positions=positions, layout=layout)
         out = x if out is None else out
-        ptrs = {"x": x.data.ptr, "out": out.data.ptr,
-                "positions": 0 if positions is None else positions.data.ptr}
+        ptrs = {"x": address(x), "out": address(out),
+                "positions": 0 if positions is None else address(positions)}
         if layout is None:
             layout = contiguous_rope_layout(params)
         key = (params.tobytes(), layout.tobytes(), x.dtype, x.size, ptrs["x"] == ptrs["out"],
