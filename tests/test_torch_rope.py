@@ -152,7 +152,7 @@ def test_positions_get_no_gradient(gen):
     assert positions.grad is None and x.grad is not None
 
 
-# --- the in-place form ------------------------------------------------------------------------------
+# --- the in-place form ---------------------------------------------------------------------------
 def test_issue_27_rope_in_place_on_a_recorded_tensor_raises(gen):
     """`x = w * 2; rope_(x, 8, pos=3); x.sum().backward()` gave w.grad = 2 everywhere: wrong.
     Now the in-place call raises, as torch's in-place ops on a leaf that requires grad do."""
@@ -192,7 +192,7 @@ def test_rope_in_place_on_a_view_with_strided_head_dim_writes_back(gen):
     assert torch.equal(base[..., ::2], want)
 
 
-# --- the op: opcheck and torch.compile --------------------------------------------------------------
+# --- the op: opcheck and torch.compile -----------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kw", [dict(), dict(positions="BS"), dict(rotary_dim=4),
                                 dict(interleaved=True, positions="S"), dict(inverse=True)],

@@ -59,7 +59,9 @@ typedef typename RawOf<VEC_BYTES>::type raw_t;  // one access: VEC elements as o
 union Pack { raw_t raw; elem_t e[VEC]; };
 static_assert(sizeof(Pack) == VEC_BYTES, "a Pack is one access");
 
-__device__ __forceinline__ raw_t load_raw(const elem_t* p) { return *reinterpret_cast<const raw_t*>(p); }
+__device__ __forceinline__ raw_t load_raw(const elem_t* p) {
+    return *reinterpret_cast<const raw_t*>(p);
+}
 __device__ __forceinline__ void store_raw(elem_t* p, raw_t v) { *reinterpret_cast<raw_t*>(p) = v; }
 
 __device__ __forceinline__ void unpack(raw_t raw, float (&f)[VEC]) {
@@ -198,7 +200,8 @@ rope(const elem_t* x, elem_t* out, const void* positions, const float* __restric
     const u32 lanes = rot_lanes + (out != x ? (p.head_dim - rd) / VEC : 0);
     const u64 items = tokens * head_groups * lanes;
     if (items + (u64)gridDim.x * blockDim.x < 0xFFFFFFFFull)
-        rope_items<u32>(x, out, positions, inv_freq, (u32)items, lanes, rot_lanes, head_groups, p, l);
+        rope_items<u32>(x, out, positions, inv_freq, (u32)items, lanes, rot_lanes, head_groups,
+                        p, l);
     else
         rope_items<u64>(x, out, positions, inv_freq, items, lanes, rot_lanes, head_groups, p, l);
 }
