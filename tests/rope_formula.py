@@ -5,6 +5,36 @@ RoPE tests (reference, kernel and torch op alike)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
+
+POSITION_KINDS = ("pos", "S-int32", "BS-int64", "1S-int64")
+
+
+def option_params(head_dim: int, inverse: bool = True) -> list:
+    """pytest params of the RoPE options for a head_dim (a multiple of 8): full, partial (half,
+    and narrow), interleaved, both, (and with `inverse`, the inverse, and everything at once)."""
+    d = head_dim
+    params = [pytest.param({}, id="full"),
+              pytest.param(dict(rotary_dim=d // 2), id="partial-half"),
+              pytest.param(dict(rotary_dim=d // 8 * 2 if d > 8 else 2), id="partial-narrow"),
+              pytest.param(dict(interleaved=True), id="interleaved"),
+              pytest.param(dict(rotary_dim=d // 2, interleaved=True), id="partial-interleaved")]
+    if inverse:
+        params += [pytest.param(dict(inverse=True), id="inverse"),
+                   pytest.param(dict(rotary_dim=d // 4, interleaved=True, inverse=True),
+                                id="all")]
+    return params
+
+
+def make_positions(rng: np.random.Generator, kind: str, b: int, s: int):
+    """(pos, positions) of one of POSITION_KINDS for b sequences of s tokens: `pos` near 1e5
+    and no positions, or int32 `[S]`, int64 `[B, S]` or int64 `[1, S]` positions reaching 1e5
+    and going negative (with pos 0)."""
+    if kind == "pos":
+        return 99_000, None
+    shape = {"S-int32": (s,), "BS-int64": (b, s), "1S-int64": (1, s)}[kind]
+    return 0, rng.integers(-500, 100_000, shape).astype(
+        np.int32 if kind.endswith("int32") else np.int64)
 
 
 def inverse_frequencies(rotary_dim: int, theta) -> list:

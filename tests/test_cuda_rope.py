@@ -16,6 +16,7 @@ import pytest
 from ferrocupy import UnifiedTensor
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from gpu_helpers import ROPE_TOL, assert_close, dev, gpu_pytestmark, needs_real_gpu, ref
+from rope_formula import POSITION_KINDS, make_positions, option_params
 
 __all__ = ["dev", "ref"]  # fixtures, imported for pytest (`rng` comes from conftest)
 
@@ -183,25 +184,7 @@ def test_rope_bad_theta_and_pos_raise(dev, rng):
 DTYPES = [pytest.param(FLOAT32, id="f32"), pytest.param(FLOAT16, id="f16"),
           pytest.param(BFLOAT16, id="bf16")]
 ULP = {FLOAT16: 2.0**-10, BFLOAT16: 2.0**-7}  # relative spacing of the mantissa
-OPTIONS = [
-    pytest.param({}, id="full"),
-    pytest.param(dict(rotary_dim=32), id="partial-half"),
-    pytest.param(dict(rotary_dim=8), id="partial-8"),
-    pytest.param(dict(interleaved=True), id="interleaved"),
-    pytest.param(dict(rotary_dim=32, interleaved=True), id="partial-interleaved"),
-    pytest.param(dict(inverse=True), id="inverse"),
-    pytest.param(dict(rotary_dim=16, interleaved=True, inverse=True), id="all"),
-]
-POSITIONS = ["pos", "S-int32", "BS-int64", "1S-int64"]
-
-
-def make_positions(rng, kind: str, b: int, s: int):
-    """(pos, host positions or None): positions reach 1e5 and go negative."""
-    if kind == "pos":
-        return 99_000, None
-    shape = {"S-int32": (s,), "BS-int64": (b, s), "1S-int64": (1, s)}[kind]
-    return 0, rng.integers(-500, 100_000, shape).astype(
-        np.int32 if kind.endswith("int32") else np.int64)
+OPTIONS = option_params(64)
 
 
 def assert_matches(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -263,7 +246,7 @@ def same(a):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kw", OPTIONS)
-@pytest.mark.parametrize("kind", POSITIONS)
+@pytest.mark.parametrize("kind", POSITION_KINDS)
 @pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out"])
 def test_rope_options(dev, ref, rng, dtype, kw, kind, out_of_place):
     x = (2 * rng.standard_normal((2, 37, 3, 64))).astype(dtype)

@@ -9,23 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import gpu_pytestmark, needs_real_gpu
+from gpu_helpers import gpu_pytestmark
+from rope_formula import POSITION_KINDS, option_params
+from test_cuda_torch import torch  # noqa: F401 - the fixture: torch with a CUDA device
 
 pytestmark = gpu_pytestmark()
 
 DTYPES = ["float32", "float16", "bfloat16"]
-OPTIONS = [{}, dict(rotary_dim=64), dict(rotary_dim=16), dict(interleaved=True),
-           dict(rotary_dim=64, interleaved=True)]
+OPTIONS = option_params(128, inverse=False)  # the inverse is the gradient
 B, S, H, D = 2, 65, 4, 128
-
-
-@pytest.fixture(scope="module")
-def torch():
-    needs_real_gpu()
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch has no CUDA device")
-    return torch
 
 
 @pytest.fixture
@@ -37,32 +29,28 @@ def on_cuda(x):
     return None if x is None else x.cuda()
 
 
-def option_id(kw) -> str:
-    return "-".join(f"{k}{v}" for k, v in kw.items()) or "full"
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kw", OPTIONS, ids=option_id)
-@pytest.mark.parametrize("kind", ["pos", "S-int32", "BS-int64", "1S-int64"])
+@pytest.mark.parametrize("kw", OPTIONS)
+@pytest.mark.parametrize("kind", POSITION_KINDS)
 @pytest.mark.parametrize("layout", ["B,S,H,D", "B,S,H*D", "S,H*D"])
-def test_values_and_gradients(torch, gen, dtype, kw, kind, layout):
-    from test_torch_rope import check, make_positions, randn
+def test_values_and_gradients(torch, gen, rng, dtype, kw, kind, layout):
+    from test_torch_rope import check, positions_like, randn
 
     b = 1 if layout == "S,H*D" else B
     shape = {"B,S,H,D": (b, S, H, D), "B,S,H*D": (b, S, H * D), "S,H*D": (S, H * D)}[layout]
-    pos, positions = make_positions(gen, kind, b, S)
+    pos, positions = positions_like(rng, kind, b, S)
     x = on_cuda(randn(gen, *shape, dtype=getattr(torch, dtype)) * 2)
     check(gen, x, D, pos, on_cuda(positions), 500000.0, **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
-def test_cuda_equals_the_cpu_reference(torch, gen, dtype, inverse):
+def test_cuda_equals_the_cpu_reference(torch, gen, rng, dtype, inverse):
     """The kernel and the reference backend agree (float32: to rounding; half: one ulp)."""
-    from test_torch_rope import assert_close, make_positions, randn
+    from test_torch_rope import assert_close, positions_like, randn
 
     x = randn(gen, B, S, H, D, dtype=getattr(torch, dtype))
-    _, positions = make_positions(gen, "BS-int64", B, S)
+    _, positions = positions_like(rng, "BS-int64", B, S)
     rope = torch.ops.ferrocupy.rope
     want = rope(x, D, 0, 10000.0, positions, 64, True, inverse)
     got = rope(x.cuda(), D, 0, 10000.0, positions.cuda(), 64, True, inverse)
@@ -142,21 +130,12 @@ def test_opcheck(torch, gen, dtype):
 def test_torch_compile_fullgraph(torch, gen):
     import torch._dynamo
 
-    from test_torch_rope import _layer, randn
+    from test_torch_rope import _layer, assert_compiled_equals_eager, randn
 
     torch._dynamo.reset()
     x = on_cuda(randn(gen, 2, 6, 2, 3, 16))
     positions = torch.randint(0, 1000, (2, 6), device="cuda")
-    compiled = torch.compile(_layer, fullgraph=True)
-    results = []
-    for fn in (_layer, compiled):
-        xg = x.clone().requires_grad_(True)
-        loss = fn(xg, positions)
-        loss.backward()
-        results.append((loss.detach(), xg.grad))
-    (want, want_grad), (got, got_grad) = results
-    assert torch.allclose(got, want, rtol=1e-5)
-    assert torch.allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert_compiled_equals_eager(torch.compile(_layer, fullgraph=True), x, positions)
 
 
 def test_issue_27_regression_on_cuda(torch, gen):

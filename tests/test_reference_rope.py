@@ -15,7 +15,8 @@ from ferrocupy import ComputeEngine, rope_params
 from ferrocupy import reference as ref
 from ferrocupy.dtypes import BFLOAT16, FLOAT16
 from ferrocupy.params import contiguous_rope_layout, rope_layout, words
-from rope_formula import as_bshd, positions_of, rope_formula
+from rope_formula import (POSITION_KINDS, as_bshd, make_positions, option_params,
+                          positions_of, rope_formula)
 from test_reference_dtypes import assert_rounded_once
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
@@ -55,29 +56,11 @@ def test_option_words(kw, word5, word6):
 
 
 # --- the reference kernel against the formula ---------------------------------------------------
-OPTIONS = [
-    pytest.param({}, id="full"),
-    pytest.param(dict(rotary_dim=8), id="partial-half"),
-    pytest.param(dict(rotary_dim=2), id="partial-2"),
-    pytest.param(dict(interleaved=True), id="interleaved"),
-    pytest.param(dict(rotary_dim=6, interleaved=True), id="partial-interleaved"),
-    pytest.param(dict(inverse=True), id="inverse"),
-    pytest.param(dict(rotary_dim=4, interleaved=True, inverse=True), id="all"),
-]
-POSITIONS = ["pos", "S-int32", "BS-int64", "1S-int64"]
-
-
-def make_positions(rng, kind: str, b: int, s: int):
-    """(pos, positions) of one kind; positions reach 1e5 and go negative."""
-    if kind == "pos":
-        return 99_990, None
-    shape = {"S-int32": (s,), "BS-int64": (b, s), "1S-int64": (1, s)}[kind]
-    dtype = np.int32 if kind.endswith("int32") else np.int64
-    return 0, rng.integers(-300, 100_000, shape).astype(dtype)
+OPTIONS = option_params(16)
 
 
 @pytest.mark.parametrize("kw", OPTIONS)
-@pytest.mark.parametrize("kind", POSITIONS)
+@pytest.mark.parametrize("kind", POSITION_KINDS)
 def test_reference_kernel_matches_the_formula(rng, kw, kind):
     """float64 in, float64 out: the reference is the formula to float64 rounding."""
     x = rng.standard_normal((3, 5, 2, 16))
@@ -127,7 +110,7 @@ def assert_f32_close(got, want, what=""):
 
 
 @pytest.mark.parametrize("kw", OPTIONS)
-@pytest.mark.parametrize("kind", POSITIONS)
+@pytest.mark.parametrize("kind", POSITION_KINDS)
 @pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out"])
 def test_engine_options(eng, rng, kw, kind, out_of_place):
     x = rng.standard_normal((3, 5, 2, 16)).astype(np.float32)

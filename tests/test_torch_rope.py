@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
 import ferrocupy.torch as ft  # noqa: E402
+from rope_formula import POSITION_KINDS, make_positions, option_params  # noqa: E402
 from torch_rope_formulas import bshd, positions_for, rope_torch  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
@@ -21,13 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 ROPE = torch.ops.ferrocupy.rope.default
 ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-OPTIONS = [
-    pytest.param({}, id="full"),
-    pytest.param(dict(rotary_dim=8), id="partial-half"),
-    pytest.param(dict(rotary_dim=4), id="partial-4"),
-    pytest.param(dict(interleaved=True), id="interleaved"),
-    pytest.param(dict(rotary_dim=8, interleaved=True), id="partial-interleaved"),
-]
+OPTIONS = option_params(16, inverse=False)  # the inverse is the gradient
 
 
 @pytest.fixture
@@ -39,13 +34,10 @@ def randn(gen, *shape, dtype=torch.float32):
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
 
-def make_positions(gen, kind: str, b: int, s: int):
-    """(pos, positions) of one kind; positions reach 1e5 and go negative."""
-    if kind == "pos":
-        return 99_000, None
-    shape = {"S-int32": (s,), "BS-int64": (b, s), "1S-int64": (1, s)}[kind]
-    dtype = torch.int32 if kind.endswith("int32") else torch.int64
-    return 0, torch.randint(-300, 100_000, shape, generator=gen).to(dtype)
+def positions_like(rng, kind: str, b: int, s: int):
+    """rope_formula.make_positions as torch tensors."""
+    pos, positions = make_positions(rng, kind, b, s)
+    return pos, None if positions is None else torch.from_numpy(positions)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
@@ -79,19 +71,19 @@ def check(gen, x, head_dim, pos, positions, theta=10000.0, **kw):
 
 # --- values and gradients -------------------------------------------------------------------------
 @pytest.mark.parametrize("kw", OPTIONS)
-@pytest.mark.parametrize("kind", ["pos", "S-int32", "BS-int64", "1S-int64"])
+@pytest.mark.parametrize("kind", POSITION_KINDS)
 @pytest.mark.parametrize("layout", ["B,S,H,D", "B,S,H*D", "S,H*D"])
-def test_values_and_gradients(gen, kw, kind, layout):
+def test_values_and_gradients(gen, rng, kw, kind, layout):
     b, s, h, d = (1 if layout == "S,H*D" else 2), 7, 3, 16
     shape = {"B,S,H,D": (b, s, h, d), "B,S,H*D": (b, s, h * d), "S,H*D": (s, h * d)}[layout]
-    pos, positions = make_positions(gen, kind, b, s)
+    pos, positions = positions_like(rng, kind, b, s)
     check(gen, randn(gen, *shape), d, pos, positions, 500000.0, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kw", OPTIONS)
-def test_half_precision_rounds_once(gen, dtype, kw):
-    pos, positions = make_positions(gen, "BS-int64", 2, 5)
+def test_half_precision_rounds_once(gen, rng, dtype, kw):
+    pos, positions = positions_like(rng, "BS-int64", 2, 5)
     check(gen, randn(gen, 2, 5, 3, 16, dtype=dtype) * 3, 16, pos, positions, **kw)
 
 
@@ -103,13 +95,13 @@ VIEWS = {  # base shape for b, s, h, d = 2, 6, 3, 16, and the view of it RoPE ge
 
 
 @pytest.mark.parametrize("view", list(VIEWS))
-def test_strided_views_of_a_model(gen, view):
+def test_strided_views_of_a_model(gen, rng, view):
     """q or k as models hand them over: views, read where they lie (the same bits as the
     contiguous copy); the gradient lands in the view's elements of the base, zero elsewhere."""
     shape, cut = VIEWS[view]
     full = randn(gen, *shape).requires_grad_(True)
     x = cut(full)
-    _, positions = make_positions(gen, "BS-int64", 2, 6)
+    _, positions = positions_like(rng, "BS-int64", 2, 6)
     kw = dict(positions=positions, rotary_dim=8, interleaved=True)
     out = ft.rope(x, 16, **kw)
     assert torch.equal(out, ft.rope(x.detach().contiguous(), 16, **kw))
@@ -240,7 +232,12 @@ def test_torch_compile_fullgraph(gen, backend):
     positions = torch.randint(0, 1000, (2, 6), generator=gen)
     explained = torch._dynamo.explain(_layer)(x, positions)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained
-    compiled = torch.compile(_layer, fullgraph=True, backend=backend)
+    assert_compiled_equals_eager(torch.compile(_layer, fullgraph=True, backend=backend), x,
+                                 positions)
+
+
+def assert_compiled_equals_eager(compiled, x, positions):
+    """`_layer`'s loss and gradient, compiled and eager, agree."""
     results = []
     for fn in (_layer, compiled):
         xg = x.clone().requires_grad_(True)
@@ -248,25 +245,25 @@ def test_torch_compile_fullgraph(gen, backend):
         loss.backward()
         results.append((loss.detach(), xg.grad))
     (want, want_grad), (got, got_grad) = results
-    assert torch.allclose(got, want, rtol=1e-5) and torch.allclose(got_grad, want_grad,
-                                                                    rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got, want, rtol=1e-5)
+    assert torch.allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
 # --- hypothesis: shapes, layouts and options; bad inputs ----------------------------------------
 @given(st.data())
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_random_calls(gen, data):
+def test_random_calls(gen, rng, data):
     d = data.draw(st.sampled_from([2, 4, 8, 12]), label="head_dim")
     r = data.draw(st.sampled_from([None, *range(2, d + 1, 2)]), label="rotary_dim")
     rank = data.draw(st.sampled_from([2, 3, 4]), label="rank")
     b = 1 if rank == 2 else data.draw(st.integers(1, 3), label="batch")
     s, h = data.draw(st.integers(1, 6), label="seq"), data.draw(st.integers(1, 3), label="heads")
-    kind = data.draw(st.sampled_from(["pos", "S-int32", "BS-int64", "1S-int64"]), label="kind")
+    kind = data.draw(st.sampled_from(POSITION_KINDS), label="kind")
     transposed = rank == 4 and data.draw(st.booleans(), label="transposed")
     x = randn(gen, b, h, s, d).transpose(1, 2) if transposed else randn(gen, b, s, h, d)
     x = x if rank == 4 else x.reshape(b, s, h * d) if rank == 3 else x.reshape(s, h * d)
-    pos, positions = make_positions(gen, kind, b, s)
+    pos, positions = positions_like(rng, kind, b, s)
     check(gen, x, d, pos, positions, data.draw(st.sampled_from([10.0, 10000.0])),
           rotary_dim=r, interleaved=data.draw(st.booleans(), label="interleaved"))
 
