@@ -134,9 +134,10 @@ class ComputeEngine:
         elements are contiguous and whose heads are evenly spaced is read (and written) where it
         lies, through its strides. Keywords, each off by default:
 
-        - `positions`: int32 or int64 `[seq_len]` or `[batch, seq_len]` on this engine's device;
-          token (b, s) sits at `positions[s]` or `positions[b, s]` instead of `pos + s` (pos must
-          then be 0). Its values are not checked: every integer is a position.
+        - `positions`: int32 or int64 `[seq_len]` or `[batch, seq_len]` on this engine's device,
+          its last dimension contiguous (any batch stride: an expanded row too); token (b, s)
+          sits at `positions[s]` or `positions[b, s]` instead of `pos + s` (pos must then be 0).
+          Its values are not checked: every integer is a position.
         - `rotary_dim`: an even width in [2, head_dim]; only the first `rotary_dim` features of
           each head rotate (frequencies over `rotary_dim`), the rest pass through.
         - `interleaved`: rotate the pairs (x[2i], x[2i+1]) (GPT-J) instead of (x[i], x[i + r/2]).
@@ -145,7 +146,7 @@ class ComputeEngine:
           as it is; `out` may be `tensor` itself, but must not otherwise share its memory."""
         t = self._tensor("tensor", tensor, contiguous=False)
         o = None if out is None else self._tensor("out", out, contiguous=False)
-        ps = None if positions is None else self._tensor("positions", positions)
+        ps = None if positions is None else self._tensor("positions", positions, contiguous=False)
         self._check_dtype(("tensor", t), *(() if o is None else (("out", o),)))
         opts = rope_args.Options(head_dim, pos, theta, rotary_dim, interleaved, inverse)
         call = rope_args.checked_call(self.backend, t, o, ps, opts)

@@ -114,21 +114,25 @@ def _check(t, o, ps, opts: Options) -> RopeCall:
 
 def _check_positions(ps, t, pos: int, batch: int, seq_len: int) -> int:
     """positions: int32 or int64, `[seq_len]` or `[batch, seq_len]` (`[1, seq_len]` shared by
-    every batch entry), C-contiguous (the engine's `_tensor` checked that), with pos 0. Returns
-    its batch stride. Its values are not read: any integer is a position (negative ones too)."""
+    every batch entry), its last dimension contiguous, with pos 0. Returns its batch stride (in
+    elements; any, an expanded row's 0 included). Its values are not read: any integer is a
+    position (negative ones too)."""
     if ps.dtype not in POSITION_DTYPES:
         raise TypeError(f"positions has dtype {ps.dtype} (shape {ps.shape}); it must be int32 "
                         f"or int64")
     if pos:
         raise ValueError(f"pass pos or positions, not both: pos = {pos} with positions of shape "
                          f"{ps.shape}")
-    if ps.shape == (seq_len,) or ps.shape == (1, seq_len):
-        return 0
-    if ps.shape == (batch, seq_len):
-        return seq_len if batch > 1 else 0
-    raise ValueError(f"positions shape {ps.shape} must be [seq_len] = [{seq_len}] or "
-                     f"[batch, seq_len] = [{batch}, {seq_len}] (tensor shape {t.shape}, read as "
-                     f"[batch, seq_len, ...] from rank 3 on, [seq_len, ...] at rank 2)")
+    if ps.shape not in ((seq_len,), (1, seq_len), (batch, seq_len)):
+        raise ValueError(f"positions shape {ps.shape} must be [seq_len] = [{seq_len}] or "
+                         f"[batch, seq_len] = [{batch}, {seq_len}] (tensor shape {t.shape}, read "
+                         f"as [batch, seq_len, ...] from rank 3 on, [seq_len, ...] at rank 2)")
+    strides = ps.strides
+    if any(not isinstance(st, int) or st < 0 for st in strides) or (
+            seq_len > 1 and strides[-1] != 1):
+        raise ValueError(f"positions (shape {ps.shape}, element strides {strides}) must have a "
+                         f"contiguous last dimension (stride 1) and a non-negative batch stride")
+    return strides[0] if len(ps.shape) == 2 and ps.shape[0] > 1 else 0
 
 
 def _head_view(name: str, x, heads: int, head_dim: int) -> tuple[int, int, int]:
@@ -198,11 +202,14 @@ def check_buffers(t, o, ps) -> bool:
     if written.numel == 0:
         return o is None
     lo, hi = _memory_range(buf)
-    same = o is None or (_memory_range(t.buffer()) == (lo, hi) and t.strides == o.strides)
-    for other_name, other in (("tensor", None if same else t), ("positions", ps)):
-        if other is None or other.numel == 0:
-            continue
-        olo, ohi = _memory_range(other.buffer())
+    others = [] if ps is None or ps.numel == 0 else [("positions", ps, _memory_range(ps.buffer()))]
+    same = o is None
+    if not same:
+        span = _memory_range(t.buffer())
+        same = span == (lo, hi) and t.strides == o.strides
+        if not same and t.numel:
+            others.append(("tensor", t, span))
+    for other_name, other, (olo, ohi) in others:
         if lo < ohi and olo < hi:
             raise ValueError(f"{name} (shape {written.shape}) shares memory with {other_name} "
                              f"(shape {other.shape}); pass out=None for in place, or a "

@@ -151,7 +151,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in
                                                              kw.items()) or "full")
-@pytest.mark.parametrize("positions", ["pos", "S-int32", "BS-int64"])
+@pytest.mark.parametrize("positions", ["pos", "S-int32", "BS-int64", "BS-expanded", "BS-cut"])
 @pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out"])
 def test_kernel_matches_the_reference(engine, ref, rng, layout, kw, positions, out_of_place):
     shape, cut = LAYOUTS[layout]
@@ -160,9 +160,14 @@ def test_kernel_matches_the_reference(engine, ref, rng, layout, kw, positions, o
     pos, ps = 0, None
     if positions == "pos":
         pos = 99_000
-    else:
-        ps = rng.integers(-300, 100_000, (s,) if positions == "S-int32" else (b, s)).astype(
-            np.int32 if positions == "S-int32" else np.int64)
+    elif positions == "S-int32":
+        ps = rng.integers(-300, 100_000, s).astype(np.int32)
+    elif positions == "BS-int64":
+        ps = rng.integers(-300, 100_000, (b, s))
+    elif positions == "BS-expanded":  # one row for every batch entry: batch stride 0
+        ps = np.broadcast_to(rng.integers(-300, 100_000, (1, s)), (b, s))
+    else:  # rows of a wider buffer: batch stride s + 3
+        ps = rng.integers(-300, 100_000, (b, s + 3))[:, 2:2 + s]
     got, got_base = call(engine, base, cut, 16, pos, out_of_place, positions=ps, **kw)
     want, want_base = call(ref, base, cut, 16, pos, out_of_place, positions=ps, **kw)
     assert not np.isnan(got).any(), "an output element was not written"

@@ -137,6 +137,13 @@ def test_double_backward_is_the_forward_rotation(gen):
     assert torch.allclose(g.grad, ft.rope(v, 8, pos=2, rotary_dim=4), rtol=0, atol=1e-6)
 
 
+def test_expanded_position_ids(gen, rng):
+    """transformers' `position_ids` expanded to the batch (stride 0) are read where they lie."""
+    x = randn(gen, 3, 7, 2, 16)
+    _, row = positions_like(rng, "1S-int64", 3, 7)
+    assert torch.equal(ft.rope(x, 16, positions=row.expand(3, 7)), ft.rope(x, 16, positions=row))
+
+
 def test_positions_get_no_gradient(gen):
     x = randn(gen, 2, 5, 3, 8).requires_grad_(True)
     positions = torch.arange(5)
