@@ -3,14 +3,15 @@
 // else 4 bytes or one element: cuda/configs.py's rope_vector). One pass: each element is read
 // once and written once.
 //
-// A thread takes one (token, group of heads, lane). A rotation lane owns VEC consecutive
-// frequencies i0 .. i0+VEC-1: it forms their angles once (the float32 inverse frequencies come
-// from the host, computed by the NumPy reference itself; angle = f32(t) * inv in float32; sincosf
-// in full precision), then rotates them in every head of its group, HU heads' loads in flight
-// at a time. Rotate-half reads its pairs as two vectors, x[i0 ..] and x[rotary_dim/2 + i0 ..];
-// interleaved reads the 2*VEC elements x[2*i0 ..] as two vectors and pairs neighbours. Out of
-// place, further lanes copy the features past rotary_dim. Rotations run in float32 and are
-// rounded once to the element type.
+// A thread takes one (token, group of heads, lane). Rotation lane l reads two vectors of each
+// head, at i0 = l*VEC and at r/2 + i0 (r = rotary_dim): in a warp, consecutive lanes read
+// consecutive 16 bytes. Rotate-half pairs them element by element (frequencies i0 + k);
+// interleaved pairs neighbours within each vector (frequencies i0/2 + k and (r/2 + i0)/2 + k),
+// except with one element per access, where lane l reads the pair x[2l], x[2l+1]. The lane forms
+// its VEC angles once (float32 inverse frequencies from the host, computed by the NumPy reference
+// itself; angle = f32(t) * inv in float32; sincosf in full precision) and rotates them in every
+// head of its group, HU heads' loads in flight at a time. Out of place, further lanes copy the
+// features past rotary_dim. Rotations run in float32 and are rounded once to the element type.
 #include "ferro_params.cuh"
 
 #ifndef FERRO_ROPE_DTYPE
@@ -78,7 +79,8 @@ __device__ __forceinline__ raw_t pack(const float (&f)[VEC]) {
 }
 
 // Rotates the VEC pairs held in (a, b) by the angles whose cos/sin are given: rotate-half pairs
-// (a[k], b[k]); interleaved pairs neighbours (c[2k], c[2k+1]) of c = a ++ b.
+// (a[k], b[k]); interleaved pairs neighbours (c[2k], c[2k+1]) of c = a ++ b (within a, then
+// within b; with VEC = 1, the pair (a[0], b[0])).
 template <bool INTERLEAVED>
 __device__ __forceinline__ void turn(float (&a)[VEC], float (&b)[VEC], const float (&cs)[VEC],
                                      const float (&sn)[VEC]) {
@@ -179,14 +181,21 @@ __device__ __forceinline__ void rope_items(const elem_t* x, elem_t* out, const v
         float cs[VEC], sn[VEC];
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-            const float angle = t * inv_freq[i0 + k];  // float32, as the reference forms it
+            // pair k of the lane's two vectors (c = a ++ b): its frequency
+            const u32 f = !interleaved ? i0 + k
+                        : VEC == 1     ? lane
+                        : k < VEC / 2  ? i0 / 2 + k
+                                       : (half + i0) / 2 + (k - VEC / 2);
+            const float angle = t * inv_freq[f];  // float32, as the reference forms it
             sincosf(angle, &sn[k], &cs[k]);
             if (p.flags & ROPE_INVERSE) sn[k] = -sn[k];  // sin(-a) = -sin(a): the same bits
         }
-        if (interleaved)
-            rotate_heads<true>(xs, os, l.x_h, l.out_h, h0, h1, 2 * i0, 2 * i0 + VEC, cs, sn);
-        else
+        if (!interleaved)
             rotate_heads<false>(xs, os, l.x_h, l.out_h, h0, h1, i0, half + i0, cs, sn);
+        else if (VEC == 1)  // one element per access: the pair's two elements
+            rotate_heads<true>(xs, os, l.x_h, l.out_h, h0, h1, 2 * lane, 2 * lane + 1, cs, sn);
+        else
+            rotate_heads<true>(xs, os, l.x_h, l.out_h, h0, h1, i0, half + i0, cs, sn);
     }
 }
 
