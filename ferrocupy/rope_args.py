@@ -63,6 +63,32 @@ def _key(backend, t, o, ps, opts: Options):
 def _check(t, o, ps, opts: Options) -> RopeCall:
     from .engine import _overlaps_itself  # (engine imports this module)
 
+    head_dim, pos, rotary_dim = _check_scalars(t, opts)
+    batch, seq_len = rope_dims(t.shape)
+    tokens = max(1, batch * seq_len)
+    if t.numel % (tokens * head_dim):
+        raise ValueError(f"tensor of shape {t.shape} ({t.numel} elements) is not a whole "
+                         f"number of {tokens} tokens x head_dim {head_dim}")
+    if ps is None and pos + seq_len > 2**32:
+        raise ValueError(f"pos {pos} + seq_len {seq_len} overflows 32 bits")
+    positions_b = 0 if ps is None else _check_positions(ps, t, pos, batch, seq_len)
+    if o is not None and o.shape != t.shape:
+        raise ValueError(f"out shape {o.shape} must equal tensor shape {t.shape}")
+    heads = t.numel // (tokens * head_dim)
+    x_strides = _head_view("tensor", t, heads, head_dim)
+    out_strides = x_strides if o is None else _head_view("out", o, heads, head_dim)
+    if t.numel and _overlaps_itself((batch, seq_len, heads, head_dim), out_strides + (1,)):
+        name, x = ("tensor", t) if o is None else ("out", o)
+        raise ValueError(f"{name} (shape {x.shape}, element strides {x.strides}) has elements "
+                         f"that share memory; rope writes one place per element")
+    params = rope_params(t.shape, head_dim, pos, opts.theta, rotary_dim=rotary_dim,
+                         interleaved=bool(opts.interleaved), inverse=bool(opts.inverse),
+                         positions_dtype=None if ps is None else ps.dtype)
+    return RopeCall(params, rope_layout(x_strides, out_strides, positions_b))
+
+
+def _check_scalars(t, opts: Options) -> tuple[int, int, int | None]:
+    """(head_dim, pos, rotary_dim) as ints once every scalar option is checked."""
     head_dim, pos, theta, rotary_dim, interleaved, inverse = opts
     for name, value in (("head_dim", head_dim), ("pos", pos)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -79,37 +105,14 @@ def _check(t, o, ps, opts: Options) -> RopeCall:
     for name, value in (("interleaved", interleaved), ("inverse", inverse)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {value!r}")
-    if rotary_dim is not None:
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)):
-            raise TypeError(f"rotary_dim must be an int or None, got {rotary_dim!r}")
-        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim = {head_dim}], got "
-                             f"{rotary_dim} (tensor shape {t.shape})")
-        rotary_dim = int(rotary_dim)
-    batch, seq_len = rope_dims(t.shape)
-    tokens = max(1, batch * seq_len)
-    if t.numel % (tokens * head_dim):
-        raise ValueError(f"tensor of shape {t.shape} ({t.numel} elements) is not a whole "
-                         f"number of {tokens} tokens x head_dim {head_dim}")
-    if ps is None and pos + seq_len > 2**32:
-        raise ValueError(f"pos {pos} + seq_len {seq_len} overflows 32 bits")
-    positions_b = 0
-    if ps is not None:
-        positions_b = _check_positions(ps, t, pos, batch, seq_len)
-    if o is not None and o.shape != t.shape:
-        raise ValueError(f"out shape {o.shape} must equal tensor shape {t.shape}")
-    heads = t.numel // (tokens * head_dim)
-    x_strides = _head_view("tensor", t, heads, head_dim)
-    out_strides = x_strides if o is None else _head_view("out", o, heads, head_dim)
-    view = (batch, seq_len, heads, head_dim)
-    if t.numel and _overlaps_itself(view, out_strides + (1,)):
-        name, x = ("tensor", t) if o is None else ("out", o)
-        raise ValueError(f"{name} (shape {x.shape}, element strides {x.strides}) has elements "
-                         f"that share memory; rope writes one place per element")
-    params = rope_params(t.shape, head_dim, pos, theta, rotary_dim=rotary_dim,
-                         interleaved=bool(interleaved), inverse=bool(inverse),
-                         positions_dtype=None if ps is None else ps.dtype)
-    return RopeCall(params, rope_layout(x_strides, out_strides, positions_b))
+    if rotary_dim is None:
+        return head_dim, pos, None
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)):
+        raise TypeError(f"rotary_dim must be an int or None, got {rotary_dim!r}")
+    if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim = {head_dim}], got "
+                         f"{rotary_dim} (tensor shape {t.shape})")
+    return head_dim, pos, int(rotary_dim)
 
 
 def _check_positions(ps, t, pos: int, batch: int, seq_len: int) -> int:
