@@ -27,6 +27,10 @@ from ferrocupy.cuda import configs
 from ferrocupy.cuda.backend import CudaBackend
 from ferrocupy.dtypes import FLOAT32
 
+hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
 CUDA_DIR = Path(__file__).resolve().parents[1] / "ferrocupy" / "cuda"
 SM_COUNT = 2  # a small "GPU": few resident threads, so small calls split their heads in groups
 
@@ -197,3 +201,43 @@ def test_a_plan_is_made_once_per_call_shape(engine, rng):
     engine.rope(x.copy(), 16, 3, interleaved=True)
     assert len(engine.backend._rope_plans) == 2 and len(engine.backend._rope_tables) == 1
     assert len(engine.grids) == 4
+
+
+@st.composite
+def host_calls(draw):
+    """A random call: head_dim, rotary width, shape, layout (a view), options, positions."""
+    d = draw(st.sampled_from([2, 4, 6, 8, 12, 16, 24, 32]))
+    b, s, h = (draw(st.integers(1, 4)) for _ in range(3))
+    return dict(d=d, r=draw(st.sampled_from(range(2, d + 1, 2))), b=b, s=s, h=h,
+                layout=draw(st.sampled_from(["contiguous", "qkv-slice", "bhsd-transposed",
+                                             "padded", "one-element-off"])),
+                interleaved=draw(st.booleans()), inverse=draw(st.booleans()),
+                kind=draw(st.sampled_from(["pos", "S", "BS", "expanded"])),
+                out_of_place=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@given(host_calls())
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_random_calls(engine, ref, c):
+    rng = np.random.default_rng(c["seed"])
+    b, s, h, d = c["b"], c["s"], c["h"], c["d"]
+    shape, cut = {"contiguous": ((b, s, h, d), lambda a: a),
+                  "qkv-slice": ((b, s, 3, h, d), lambda a: a[:, :, 1]),
+                  "bhsd-transposed": ((b, h, s, d), lambda a: a.transpose(0, 2, 1, 3)),
+                  "padded": ((b, s, h, d + 8), lambda a: a[..., 4:4 + d]),
+                  "one-element-off": ((b, s, h, d + 1), lambda a: a[..., 1:])}[c["layout"]]
+    base = rng.standard_normal(shape).astype(np.float32)
+    ps = {"pos": None, "S": rng.integers(-9, 10**5, s).astype(np.int32),
+          "BS": rng.integers(-9, 10**5, (b, s)),
+          "expanded": np.broadcast_to(rng.integers(0, 10**5, (1, s)), (b, s))}[c["kind"]]
+    kw = dict(positions=ps, rotary_dim=c["r"], interleaved=c["interleaved"],
+              inverse=c["inverse"])
+    pos = 12345 if ps is None else 0
+    got, got_base = call(engine, base, cut, d, pos, c["out_of_place"], **kw)
+    want, want_base = call(ref, base, cut, d, pos, c["out_of_place"], **kw)
+    assert not np.isnan(got).any(), "an output element was not written"
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    if c["out_of_place"]:
+        assert np.array_equal(got_base, base), "the input was written"
+    assert np.abs(got_base - want_base).max() <= 1e-6 * np.abs(want_base).max()
