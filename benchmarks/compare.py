@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     if args.list:
         cases = harness.filter_cases(harness.build_cases(dtypes, args.quick), args.cases)
         for c in cases:
-            print(f"{c.id}{'  [issue-3 floor]' if c.floor else ''}")
+            mark = "  [issue-3 floor]" if c.floor else "  [issue-27 gate]" if c.gate else ""
+            print(f"{c.id}{mark}")
         minutes = estimate_seconds(cases, settings) / 60
         print(f"{len(cases)} cases, dtypes {', '.join(dtypes)}, "
               f"{'quick' if args.quick else 'full'} set; rough estimate {minutes:.1f} min "
@@ -247,6 +248,10 @@ def main(argv=None) -> int:
     floors = report.floor_lines(rows)
     if floors:
         print("issue-3 floor:\n" + "\n".join(floors))
+    gates = report.floor_lines(rows, "gate")
+    if gates:
+        print(f"issue-27 RoPE gate (out of place, >= {harness.GATE_ROPE_PCT:.0f}% of the copy "
+              f"bandwidth measured above):\n" + "\n".join(gates))
     wrong = [r["case"] for c, r in zip(records, rows)
              if c["results"].get("ferrocupy", {}).get("status") in ("wrong", "error")]
     if wrong:

@@ -59,7 +59,8 @@ def pytest_generate_tests(metafunc):
         if case.kind not in kinds:
             continue
         for impl in peers.implementations(case):
-            group = case.id + ("  [issue-3 floor]" if case.floor else "")
+            group = case.id + ("  [issue-3 floor]" if case.floor else
+                               "  [issue-27 gate]" if case.gate else "")
             mark = pytest.mark.benchmark(group=group, timer=harness.GPU_CLOCK)
             params.append(pytest.param(case.id, impl, id=f"{case.id}-{impl}", marks=mark))
     metafunc.parametrize("case_id,impl", params)

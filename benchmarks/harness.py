@@ -27,6 +27,10 @@ FLOOR_ROPE_SHAPE = (8, 8192, 32, 128)                     # 1 GiB of float32
 ROPE_SHAPE = (16, 4096, 32, 128)
 FLOOR_ATTN_RATIO = 0.5       # ferrocupy >= half of torch SDPA `efficient` (float32)
 FLOOR_ROPE_PCT = 60.0        # RoPE >= 60% of device-to-device copy bandwidth
+# Issue 27's gate: every out-of-place RoPE form (what ferrocupy.torch.rope runs: read x once,
+# write out once) at >= 85% of the device-to-device copy bandwidth measured in the same run.
+GATE_ROPE_PCT = 85.0
+ROPE_FORMS = ("full", "partial", "interleaved", "positions")  # partial: rotary_dim = D/2
 
 # Relative error ||impl - ref|| / ||ref|| against a float64 reference, per dtype: (forward,
 # backward). These guard against timing a wrong answer; precision itself is the tests' business.
@@ -54,13 +58,15 @@ class Case:
     causal_offset: int = 0
     direction: str = "fwd"     # "fwd" or "bwd"
     shape: tuple = ()          # RoPE: the tensor's [B, S, H, D]
+    rope: str = ""             # RoPE: "" the seed's call (in place), else a ROPE_FORMS entry
     suite: str = "grid"        # "grid", "gqa", "decode", "rope"
     floor: bool = False        # one of issue 3's performance-floor cases
 
     @property
     def id(self) -> str:
         if self.kind == "rope":
-            return f"rope-{self.dtype}-{'x'.join(map(str, self.shape))}"
+            form = f"-{self.rope}" if self.rope else ""
+            return f"rope-{self.dtype}-{'x'.join(map(str, self.shape))}{form}"
         if self.kind == "decode":
             return (f"decode-{self.dtype}-b{self.batch}-h{self.heads}kv{self.kv_heads}"
                     f"-d{self.head_dim}-sk{self.seq_k}" + (f"-q{self.seq_q}" if self.seq_q > 1 else ""))
@@ -68,6 +74,16 @@ class Case:
         heads = f"-h{self.heads}kv{self.kv_heads}" if self.suite == "gqa" else ""
         return (f"{'gqa' if self.suite == 'gqa' else 'attn'}-{self.direction}-{self.dtype}"
                 f"{heads}-d{self.head_dim}-s{self.seq_q}-{mask}")
+
+    @property
+    def gate(self) -> bool:
+        """One of issue 27's RoPE gate cases (>= GATE_ROPE_PCT of copy bandwidth)."""
+        return self.kind == "rope" and bool(self.rope)
+
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE: the rotated width (half the head under the partial form)."""
+        return self.shape[-1] // 2 if self.rope == "partial" else self.shape[-1]
 
     @property
     def itemsize(self) -> int:
@@ -86,7 +102,8 @@ class Case:
 
     @property
     def bytes(self) -> int:
-        """Decode: bytes of K and V; RoPE: bytes read + written; attention: its inputs + outputs."""
+        """Decode: bytes of K and V; RoPE: bytes read + written (every element read once and
+        written once, in place or out of place); attention: its inputs + outputs."""
         if self.kind == "rope":
             return 2 * math.prod(self.shape) * self.itemsize
         kv = 2 * self.batch * self.seq_k * self.kv_heads * self.head_dim * self.itemsize
@@ -120,7 +137,8 @@ DECODE_SHAPES = ((16, 32768), (1, 131072), (64, 2048))  # (batch, keys); H32 Hkv
 
 
 def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
-    """The cases for `dtypes`; `quick` keeps the floor, D128 S in {1k, 4k}, decode and RoPE."""
+    """The cases for `dtypes`; `quick` keeps the floor, D128 S in {1k, 4k}, decode and RoPE
+    (every RoPE case: the seed's in place, and issue 27's out-of-place forms)."""
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise ValueError(f"unknown dtype(s) {unknown}; choose from {', '.join(DTYPES)}")
@@ -146,6 +164,8 @@ def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
             cases.append(Case("decode", dt, 16, 4, 32768, 32, 8, 128, True, 32767,
                               suite="decode"))
         cases.append(Case("rope", dt, shape=ROPE_SHAPE, suite="rope"))
+        cases.extend(Case("rope", dt, shape=ROPE_SHAPE, suite="rope", rope=form)
+                     for form in ROPE_FORMS)
         if dt == "float32":
             cases.append(Case("rope", dt, shape=FLOOR_ROPE_SHAPE, suite="rope", floor=True))
     return cases

@@ -169,16 +169,21 @@ class CaseRun:
                 shapes["do"] = q
         self.sets = [{n: cast(rng.standard_normal(s, dtype=cp.float32), case.dtype)
                       for n, s in shapes.items()} for _ in range(self.n_sets)]
-        self.reference = (rope_reference if case.kind == "rope" else attention_reference)(
-            case, self.sets[0])
+        # RoPE's positions form: int64 [B, S] positions (transformers' position_ids), a shuffle
+        # of 0 .. 2S per batch entry, shared by the input sets.
+        self.positions = rope_positions(case) if case.kind == "rope" else None
+        if case.kind == "rope":
+            self.reference = rope_reference(case, self.sets[0], self.positions)
+        else:
+            self.reference = attention_reference(case, self.sets[0])
 
     def prepare(self, impl: str) -> Prepared:
         from torch_peers import prepare_torch_rope, prepare_torch_sdpa
 
         if impl == "ferrocupy":
-            return prepare_ferrocupy(self.case, self.sets)
+            return prepare_ferrocupy(self.case, self.sets, self.positions)
         if impl == "torch-eager":
-            return prepare_torch_rope(self.case, self.sets)
+            return prepare_torch_rope(self.case, self.sets, self.positions)
         if impl.startswith("torch-"):
             return prepare_torch_sdpa(self.case, self.sets, impl.split("-", 1)[1])
         raise ValueError(f"unknown implementation {impl!r}")
@@ -266,19 +271,38 @@ def attention_reference(case, s) -> dict:
     return res
 
 
-def rope_reference(case, s) -> dict:
-    """float64 rotate-half RoPE of the first and last batch; angles as SPEC.md: float32."""
+def rope_positions(case):
+    """The positions form's int64 [B, S] positions (None for the other forms)."""
+    if case.rope != "positions":
+        return None
+    cp = _cp()
+    bsz, seq = case.shape[:2]
+    rng = cp.random.default_rng(1)
+    return cp.stack([rng.permutation(2 * seq)[:seq] for _ in range(bsz)]).astype(cp.int64)
+
+
+def rope_reference(case, s, positions=None) -> dict:
+    """float64 RoPE of the first and last batch entry, the case's form (rotate-half or
+    interleaved, rotary_dim, positions); angles as SPEC.md: float32."""
     cp = _cp()
     bsz, seq, _, d = case.shape
-    i = cp.arange(d // 2, dtype=cp.float32)
-    inv = cp.float32(1.0) / cp.power(cp.float32(ROPE_THETA), (2 * i) / cp.float32(d))
-    ang = (cp.arange(seq, dtype=cp.float32)[:, None] * inv[None, :]).astype(cp.float64)
-    cos, sin = cp.cos(ang)[:, None, :], cp.sin(ang)[:, None, :]
+    r = case.rotary_dim
+    i = cp.arange(r // 2, dtype=cp.float32)
+    inv = cp.float32(1.0) / cp.power(cp.float32(ROPE_THETA), (2 * i) / cp.float32(r))
     res = {}
     for b in sorted({0, bsz - 1}):
+        t = cp.arange(seq) if positions is None else positions[b]
+        ang = (t.astype(cp.float32)[:, None] * inv[None, :]).astype(cp.float64)
+        cos, sin = cp.cos(ang)[:, None, :], cp.sin(ang)[:, None, :]
         x = to_f64(head(s["x"], "bshd", b, None))
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        res[(b, None)] = cp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        if case.rope == "interleaved":
+            x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+            rot = cp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(
+                x.shape[:-1] + (r,))
+        else:
+            x1, x2 = x[..., : r // 2], x[..., r // 2:r]
+            rot = cp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        res[(b, None)] = cp.concatenate([rot, x[..., r:]], axis=-1)
     return {"x": res}
 
 
@@ -313,7 +337,7 @@ def _ferro_stream(engine):
     return stream if stream is not None else _cp().cuda.get_current_stream()
 
 
-def prepare_ferrocupy(case, sets) -> Prepared:
+def prepare_ferrocupy(case, sets, positions=None) -> Prepared:
     from ferrocupy import AttentionOptions, UnifiedTensor
 
     eng = ferro_engine()
@@ -323,11 +347,19 @@ def prepare_ferrocupy(case, sets) -> Prepared:
                           f"{', '.join(takes)})")
     t = UnifiedTensor
     runs, outs = [], []
-    if case.kind == "rope":
+    if case.kind == "rope" and not case.rope:
         for st in sets:
             x = t(to_cupy(st["x"]).copy())        # in place: its own copy
             runs.append(lambda x=x: eng.rope(x, case.shape[-1], 0))
             outs.append({"x": (x.buffer(), "bshd")})
+    elif case.kind == "rope":                     # out of place, as ferrocupy.torch.rope runs
+        kw = dict(rotary_dim=case.rotary_dim, interleaved=case.rope == "interleaved",
+                  positions=None if positions is None else t(positions))
+        for st in sets:
+            x = t(to_cupy(st["x"]))
+            out = t(_empty_like(x.buffer()))
+            runs.append(lambda x=x, out=out: eng.rope(x, case.shape[-1], 0, out=out, **kw))
+            outs.append({"x": (out.buffer(), "bshd")})
     else:
         opts = AttentionOptions(causal=case.causal, causal_offset=case.causal_offset)
         for st in sets:
@@ -351,7 +383,7 @@ def prepare_ferrocupy(case, sets) -> Prepared:
 
     def check():
         for arr, _ in outs[0].values():
-            if case.kind != "rope":
+            if case.kind != "rope" or case.rope:  # an output, not the in-place input
                 _poison(arr)
         runs[0]()
         _cp().cuda.Device().synchronize()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 
-from harness import DTYPES, FLOOR_ATTN_RATIO, FLOOR_ROPE_PCT, Case
+from harness import DTYPES, FLOOR_ATTN_RATIO, FLOOR_ROPE_PCT, GATE_ROPE_PCT, Case
 
 COLUMNS = [  # header, row key, format
     ("case", "case", "{}"), ("ferro ms", "ferro_ms", "{:.3f}"), ("ferro", "ferro_thr", "{:.1f}"),
@@ -37,6 +37,7 @@ def summarize(case: Case, results: dict, ceilings: dict | None) -> dict:
     best = max(ok_peers, key=lambda n: ok_peers[n]["throughput"], default=None)
     row = {"case": case.id, "dtype": case.dtype, "kind": case.kind, "suite": case.suite,
            "direction": case.direction, "unit": case.unit, "floor": case.floor,
+           "gate": case.gate,
            "ferro_ms": None, "ferro_thr": None, "ferro_pct": None, "peer": best, "peer_ms": None,
            "peer_thr": None, "peer_pct": None, "ratio": None, "ratios": {}, "note": ""}
     if ferro.get("status") == "ok":
@@ -62,18 +63,22 @@ def summarize(case: Case, results: dict, ceilings: dict | None) -> dict:
 
 
 def floor_verdict(case: Case, results: dict, row: dict) -> str:
-    """Issue 3's floor for this case as 'floor PASS/FAIL (...)'; '' for other cases."""
-    if not case.floor:
+    """Issue 3's floor for this case as 'floor PASS/FAIL (...)', issue 27's RoPE gate as
+    'gate PASS/FAIL (...)'; '' for other cases."""
+    if not (case.floor or case.gate):
         return ""
+    what = "gate" if case.gate else "floor"
     ferro = results.get("ferrocupy", {})
     if ferro.get("status") != "ok":
-        return "floor: no ferrocupy number"
+        return f"{what}: no ferrocupy number"
     if case.kind == "rope":
         pct = row.get("ferro_pct")
         if pct is None:
-            return "floor: no copy ceiling"
-        verdict = "PASS" if pct >= FLOOR_ROPE_PCT else "FAIL"
-        return f"floor {verdict} ({pct:.0f}% of copy, need {FLOOR_ROPE_PCT:.0f}%)"
+            return f"{what}: no copy ceiling"
+        need = GATE_ROPE_PCT if case.gate else FLOOR_ROPE_PCT
+        verdict = "PASS" if pct >= need else "FAIL"
+        shown = f"{pct:.1f}" if case.gate else f"{pct:.0f}"  # the gate is judged near 85%
+        return f"{what} {verdict} ({shown}% of copy, need {need:.0f}%)"
     eff = results.get("torch-efficient", {})
     if eff.get("status") != "ok":
         return "floor: torch-efficient did not run"
@@ -178,8 +183,9 @@ def ratio_summary(rows: list[dict]) -> list[str]:
     return lines
 
 
-def floor_lines(rows: list[dict]) -> list[str]:
-    return [f"  {r['case']}: {r['note'].split(';')[0]}" for r in rows if r.get("floor")]
+def floor_lines(rows: list[dict], key: str = "floor") -> list[str]:
+    """The verdicts of the floor cases (key "floor") or of the gate cases (key "gate")."""
+    return [f"  {r['case']}: {r['note'].split(';')[0]}" for r in rows if r.get(key)]
 
 
 def write_json(payload: dict, path: str) -> None:

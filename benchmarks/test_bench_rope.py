@@ -1,5 +1,6 @@
-"""RoPE benchmarks (in place, rotate-half): ferrocupy against plain eager PyTorch, and issue 3's
-1 GiB float32 floor against copy bandwidth (see conftest.py)."""
+"""RoPE benchmarks: the seed's in-place rotate-half and issue 27's out-of-place forms (full,
+partial, interleaved, positions), ferrocupy against plain eager PyTorch; issue 3's 1 GiB float32
+floor and issue 27's gate against copy bandwidth are judged by compare.py (see conftest.py)."""
 
 KINDS = ("rope",)
 

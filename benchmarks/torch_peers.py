@@ -89,21 +89,34 @@ def _trial(fn, torch, what: str):
             raise Unsupported(f"{what} rejects this case: {msg[:300]}") from None
 
 
-def prepare_torch_rope(case, sets) -> Prepared:
-    """Plain eager rotate-half RoPE as Hugging Face writes it: cos/sin precomputed, halves `cat`."""
+def prepare_torch_rope(case, sets, positions=None) -> Prepared:
+    """Plain eager RoPE as model code writes it: cos/sin precomputed (per batch entry from
+    positions), Hugging Face's rotate_half (GPT-J's rotate_every_two when interleaved), the
+    features past rotary_dim concatenated back."""
     torch = _torch()
     bsz, seq, heads, d = case.shape
+    r = case.rotary_dim
     xs = [_bhsd(st["x"], torch) for st in sets]
     dev = xs[0].device
-    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.int64, device=dev).float() / d))
-    freqs = torch.outer(torch.arange(seq, dtype=torch.int64, device=dev).float(), inv)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, r, 2, dtype=torch.int64, device=dev).float() / r))
+    t = (torch.arange(seq, dtype=torch.int64, device=dev)[None] if positions is None
+         else to_torch(positions))
+    freqs = t.float()[..., None] * inv                     # [1 or B, S, r/2]
+    interleaved = case.rope == "interleaved"
+    emb = freqs.repeat_interleave(2, -1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     dtype = getattr(torch, case.dtype)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = (f(emb).to(dtype)[:, None] for f in (torch.cos, torch.sin))  # [., 1, S, r]
+
+    def turn(x):
+        if interleaved:
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return torch.cat((-x[..., r // 2:], x[..., : r // 2]), dim=-1)
 
     def rope(x):
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        if r == d:
+            return x * cos + turn(x) * sin
+        x_rot = x[..., :r]
+        return torch.cat((x_rot * cos + turn(x_rot) * sin, x[..., r:]), dim=-1)
 
     runs = [lambda x=x: rope(x) for x in xs]
 

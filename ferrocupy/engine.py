@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .params import rope_params
+from . import rope_args
 from .plan import (ARGS, BACKWARD, FORWARD, AttentionPlan, TensorSpec, check_device,
                    check_dtypes)
 from .tensor import UnifiedTensor, cuda_available
@@ -127,37 +127,43 @@ class ComputeEngine:
         return f"ComputeEngine(backend={self.backend.name!r}, device={self.backend.device!r})"
 
     # --- RoPE -----------------------------------------------------------------------------------
-    def rope(self, tensor, head_dim: int, pos: int) -> None:
-        """Rotate-half RoPE (theta 10000) in place; token `s` gets position `pos + s`."""
-        self.rope_theta(tensor, head_dim, pos, 10000.0)
+    def rope(self, tensor, head_dim: int, pos: int, *, positions=None, rotary_dim=None,
+             interleaved: bool = False, inverse: bool = False, out=None) -> None:
+        """Rotate-half RoPE (theta 10000) in place; token `s` gets position `pos + s`. The
+        keywords are `rope_theta`'s."""
+        self.rope_theta(tensor, head_dim, pos, 10000.0, positions=positions,
+                        rotary_dim=rotary_dim, interleaved=interleaved, inverse=inverse, out=out)
 
-    def rope_theta(self, tensor, head_dim: int, pos: int, theta: float) -> None:
-        """`rope` with base frequency `theta` (a Hugging Face config's `rope_theta`)."""
-        t = self._tensor("tensor", tensor)
-        self._check_dtype(("tensor", t))
-        if isinstance(t.buffer(), np.ndarray) and not t.buffer().flags.writeable:
-            raise ValueError(f"tensor (shape {t.shape}) is read-only; rope writes it in place")
-        for name, value in (("head_dim", head_dim), ("pos", pos)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if head_dim == 0 or head_dim % 2:
-            raise ValueError(f"rope needs an even head_dim > 0, got {head_dim} "
-                             f"(tensor shape {t.shape})")
-        with np.errstate(over="ignore"):
-            theta32 = np.float32(theta) if isinstance(theta, (int, float, np.number)) else None
-        if theta32 is None or not np.isfinite(theta32) or not theta32 > 0:
-            raise ValueError(f"theta must be a positive finite number, got {theta} (the kernel "
-                             f"takes it as float32: {theta32})")
-        params = rope_params(t.shape, head_dim, pos, theta)
-        tokens = max(1, t.shape[0] * t.shape[1] if len(t.shape) >= 3 else
-                     (t.shape[0] if len(t.shape) == 2 else 1))
-        if t.numel % (tokens * head_dim):
-            raise ValueError(f"tensor of shape {t.shape} ({t.numel} elements) is not a whole "
-                             f"number of {tokens} tokens x head_dim {head_dim}")
-        if pos + int(params["seq_len"]) > 2**32:
-            raise ValueError(f"pos {pos} + seq_len {int(params['seq_len'])} overflows 32 bits")
+    def rope_theta(self, tensor, head_dim: int, pos: int, theta: float, *, positions=None,
+                   rotary_dim=None, interleaved: bool = False, inverse: bool = False,
+                   out=None) -> None:
+        """`rope` with base frequency `theta` (a Hugging Face config's `rope_theta`).
+
+        `tensor` is read as `[batch, seq_len, heads, head_dim]`: `[batch, seq_len, ...]` from
+        rank 3 on, `[seq_len, ...]` at rank 2, one token at rank 1. Any view whose head_dim
+        elements are contiguous and whose heads are evenly spaced is read (and written) where it
+        lies, through its strides. Keywords, each off by default:
+
+        - `positions`: int32 or int64 `[seq_len]` or `[batch, seq_len]` on this engine's device,
+          its last dimension contiguous (any batch stride: an expanded row too); token (b, s)
+          sits at `positions[s]` or `positions[b, s]` instead of `pos + s` (pos must then be 0).
+          Its values are not checked: every integer is a position.
+        - `rotary_dim`: an even width in [2, head_dim]; only the first `rotary_dim` features of
+          each head rotate (frequencies over `rotary_dim`), the rest pass through.
+        - `interleaved`: rotate the pairs (x[2i], x[2i+1]) (GPT-J) instead of (x[i], x[i + r/2]).
+        - `inverse`: rotate by the negative angle (RoPE's gradient).
+        - `out`: write the result here (same shape and dtype, any such view) and leave `tensor`
+          as it is; `out` may be `tensor` itself, but must not otherwise share its memory."""
+        t = self._tensor("tensor", tensor, contiguous=False)
+        o = None if out is None else self._tensor("out", out, contiguous=False)
+        ps = None if positions is None else self._tensor("positions", positions, contiguous=False)
+        self._check_dtype(("tensor", t), *(() if o is None else (("out", o),)))
+        opts = rope_args.Options(head_dim, pos, theta, rotary_dim, interleaved, inverse)
+        call = rope_args.checked_call(self.backend, t, o, ps, opts)
+        in_place = rope_args.check_buffers(t, o, ps)
         if t.numel:
-            self.backend.rope(t.buffer(), params)
+            self.backend.rope(t.buffer(), call.params, out=None if in_place else o.buffer(),
+                              positions=None if ps is None else ps.buffer(), layout=call.layout)
 
     # --- forward --------------------------------------------------------------------------------
     def flash_attention(self, q, k, v, out, causal: bool = False) -> None:

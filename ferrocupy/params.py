@@ -21,8 +21,13 @@ def _struct(fields: list[tuple[str, str]]) -> np.dtype:
 
 ROPE_PARAMS = _struct([
     ("head_dim", "u4"), ("seq_len", "u4"), ("pos", "u4"), ("heads", "u4"),
-    ("theta", "f4"), ("_pad0", "u4"), ("_pad1", "u4"), ("_pad2", "u4"),
+    ("theta", "f4"), ("rotary_dim", "u4"), ("flags", "u4"), ("_pad0", "u4"),
 ])
+# RoPE's `flags` word (0 in a seed call, as is `rotary_dim`: 0 means the whole head_dim).
+ROPE_INTERLEAVED = 1  # pairs (x[2i], x[2i+1]) (GPT-J) instead of (x[i], x[i + rotary_dim/2])
+ROPE_INVERSE = 2  # rotate by the negative angle (the gradient of the rotation)
+ROPE_POSITIONS = 4  # token (b, s) sits at positions[b, s] (or positions[s]), not at pos + s
+ROPE_POSITIONS_INT64 = 8  # those positions are int64 (else int32)
 
 _MASK_FIELDS = [("has_mask", "u4"), ("causal_offset", "u4"), ("mask_stride_b", "u4"),
                 ("mask_stride_h", "u4"), ("mask_stride_q", "u4"), ("mask_stride_k", "u4"),
@@ -51,6 +56,16 @@ assert FLASH_BWD_PARAMS.itemsize == 80
 LAYOUT_TENSORS = ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v")
 ATTN_LAYOUT = _struct([(f"{t}_{c}", "u8") for t in LAYOUT_TENSORS for c in "bsh"])
 assert ATTN_LAYOUT.itemsize == 192
+
+
+# RoPE's second struct (ferro_params.cuh's RopeLayout): the element strides (batch, seq, head) of
+# the input and of the output, each viewed as [batch, seq_len, heads, head_dim] with a contiguous
+# last dimension, and the batch stride of a [batch, seq_len] positions tensor (0: one row of
+# positions shared by every batch entry, or none). The engine packs 0 for a dimension of size 1
+# (never stepped over).
+ROPE_LAYOUT = _struct([(f"{t}_{c}", "u8") for t in ("x", "out") for c in "bsh"]
+                      + [("positions_b", "u8"), ("_pad0", "u8")])
+assert ROPE_LAYOUT.itemsize == 64
 
 
 def layout_params(tensors: dict) -> np.void:
@@ -91,24 +106,59 @@ def _u32(value: int, name: str) -> int:
     return int(value)
 
 
-def rope_params(shape, head_dim: int, pos: int, theta: float) -> np.void:
-    """Seed `rope_theta`'s uniform: `head_dim, seq_len, pos, heads, theta, 0, 0, 0`."""
+def rope_dims(shape) -> tuple[int, int]:
+    """(batch, seq_len) of a RoPE tensor, the seed's rule: rank 0 or 1 is one token; rank 2 is
+    `[seq_len, ...]`; rank 3 or more is `[batch, seq_len, ...]`. Its tokens are batch * seq_len."""
     shape = tuple(int(s) for s in shape)
     if len(shape) <= 1:
-        seq_len, tokens = 1, 1
-    elif len(shape) == 2:
-        seq_len, tokens = shape[0], shape[0]
-    else:
-        seq_len, tokens = shape[1], shape[0] * shape[1]
+        return 1, 1
+    if len(shape) == 2:
+        return 1, shape[0]
+    return shape[0], shape[1]
+
+
+def rope_params(shape, head_dim: int, pos: int, theta: float, *, rotary_dim: int | None = None,
+                interleaved: bool = False, inverse: bool = False,
+                positions_dtype=None) -> np.void:
+    """RoPE's struct: the seed's `head_dim, seq_len, pos, heads, theta`, then `rotary_dim` (0:
+    all of head_dim, as in a seed call), `flags` (the ROPE_* bits), 0. `positions_dtype`: the
+    dtype of a positions tensor given instead of `pos` (None: none given)."""
+    shape = tuple(int(s) for s in shape)
+    batch, seq_len = rope_dims(shape)
+    tokens = batch * seq_len
     numel = math.prod(shape)
     heads = numel // max(tokens * head_dim, 1)
+    flags = (ROPE_INTERLEAVED if interleaved else 0) | (ROPE_INVERSE if inverse else 0)
+    if positions_dtype is not None:
+        flags |= ROPE_POSITIONS | (ROPE_POSITIONS_INT64 if np.dtype(positions_dtype).itemsize == 8
+                                   else 0)
     p = np.zeros((), ROPE_PARAMS)
     p["head_dim"] = _u32(head_dim, "head_dim")
     p["seq_len"] = _u32(seq_len, "seq_len")
     p["pos"] = _u32(pos, "pos")
     p["heads"] = _u32(heads, "heads")
     p["theta"] = np.float32(theta)
+    p["rotary_dim"] = 0 if rotary_dim is None or rotary_dim == head_dim else _u32(rotary_dim,
+                                                                                 "rotary_dim")
+    p["flags"] = flags
     return p[()]
+
+
+def rope_layout(x_strides, out_strides, positions_b: int = 0) -> np.void:
+    """`RopeLayout` from the (batch, seq, head) element strides of the input and the output."""
+    p = np.zeros((), ROPE_LAYOUT)
+    for name, strides in (("x", x_strides), ("out", out_strides)):
+        for c, st in zip("bsh", strides):
+            p[f"{name}_{c}"] = int(st)
+    p["positions_b"] = int(positions_b)
+    return p[()]
+
+
+def contiguous_rope_layout(params: np.void) -> np.void:
+    """`RopeLayout` of a C-contiguous tensor (input and output alike) of the call `params`."""
+    d, s, h = (int(params[n]) for n in ("head_dim", "seq_len", "heads"))
+    strides = (s * h * d, h * d, d)
+    return rope_layout(strides, strides)
 
 
 def mask_strides(mask) -> tuple[int, tuple[int, int, int, int]]:

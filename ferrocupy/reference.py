@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from .dtypes import ATTENTION_DTYPES
-from .params import contiguous_layout
+from .params import (ROPE_INTERLEAVED, ROPE_INVERSE, ROPE_POSITIONS, contiguous_layout,
+                     contiguous_rope_layout)
 
 _CHUNK_ELEMS = 1 << 21  # scores per temporary: 16 MB of float64
 _BLOCK_ROWS = 256  # query rows per block: small blocks let causal/window skip unseen keys
@@ -33,38 +34,68 @@ _U32 = np.uint64(0xFFFFFFFF)
 
 
 # --- RoPE -----------------------------------------------------------------------------------------
-def rope_angles(t, head_dim: int, theta) -> np.ndarray:
-    """float32 angles `[len(t), D/2]` for positions `t`, bit for bit as the kernel forms them.
-
-    `e = f32(2i)/f32(D)`, `pw = f32(pow(f64(theta), f64(e)))`, `inv = 1/pw`, `angle = f32(t)*inv`,
-    every step but the pow in float32 (Hugging Face's order), so angles near 1e5 rad agree."""
-    half = head_dim // 2
-    e = np.arange(0, head_dim, 2, dtype=np.float32)[:half] / np.float32(head_dim)
+def rope_inverse_frequencies(rotary_dim: int, theta) -> np.ndarray:
+    """float32 `inv_i` for `i < rotary_dim/2`, bit for bit as SPEC "RoPE" forms them:
+    `e = f32(2i)/f32(rotary_dim)`, `pw = f32(pow(f64(f32(theta)), f64(e)))`, `inv = 1/pw` (float32
+    division). The CUDA backend uploads exactly these values for its kernel."""
+    half = rotary_dim // 2
+    e = np.arange(0, rotary_dim, 2, dtype=np.float32)[:half] / np.float32(rotary_dim)
     pw = np.power(np.float64(np.float32(theta)), e.astype(np.float64)).astype(np.float32)
-    inv = np.float32(1.0) / pw
+    return np.float32(1.0) / pw
+
+
+def rope_angles(t, head_dim: int, theta) -> np.ndarray:
+    """float32 angles `[len(t), head_dim/2]` for positions `t` (any integers), bit for bit as the
+    kernel forms them: `angle = f32(t) * inv_i` in float32 (Hugging Face's order), so angles near
+    1e5 rad agree. `head_dim` is the rotated width (rotary_dim under partial rotary)."""
+    inv = rope_inverse_frequencies(head_dim, theta)
     t32 = np.asarray(t, dtype=np.int64).astype(np.float32)
     return t32[:, None] * inv[None, :]
 
 
-def rope(x, p) -> None:
-    """Rotate-half RoPE in place on `x` viewed as `[tokens, heads, D]` (SPEC "RoPE")."""
-    d, seq_len, pos, heads = (int(p[f]) for f in ("head_dim", "seq_len", "pos", "heads"))
-    if x.size == 0 or heads == 0 or d == 0:
+def rope(x, p, out=None, positions=None, layout=None) -> None:
+    """RoPE (SPEC "RoPE") of `x` viewed as `[batch, seq_len, heads, head_dim]` through `layout`'s
+    element strides (the packed RopeLayout; None: `x` C-contiguous), written into `out` viewed
+    the same way (None: `x`, in place). `positions`: the int32/int64 array the struct's flags
+    announce, `[seq_len]` or `[batch, seq_len]` (its batch stride is the layout's). Rotations in
+    float64 from the float32 angles; each output rounded once to its dtype."""
+    d, seq_len, heads = (int(p[f]) for f in ("head_dim", "seq_len", "heads"))
+    if x.size == 0 or heads == 0 or d == 0 or seq_len == 0:
         return
-    if not x.flags.c_contiguous:  # a reshape would copy and the rotation would be lost
-        raise ValueError(f"rope needs C-contiguous data, got strides {x.strides}")
-    half = d // 2
-    vecs = x.reshape(-1, heads, d)  # view: x is contiguous
+    if layout is None:
+        if not x.flags.c_contiguous:  # a reshape would copy and the rotation would be lost
+            raise ValueError(f"rope needs C-contiguous data, got strides {x.strides}")
+        layout = contiguous_rope_layout(p)
+    out = x if out is None else out
+    rd, flags = int(p["rotary_dim"]) or d, int(p["flags"])
+    shape = (x.size // (seq_len * heads * d), seq_len, heads, d)
+    xv, ov = (_strided(a, shape, [int(layout[f"{n}_{c}"]) for c in "bsh"] + [1])
+              for a, n in ((x, "x"), (out, "out")))
+    if flags & ROPE_POSITIONS:
+        t = _strided(positions, shape[:2], (int(layout["positions_b"]), 1))
+    else:
+        t = np.broadcast_to(int(p["pos"]) + np.arange(seq_len, dtype=np.int64), shape[:2])
+    # The pair (a, b) of frequency i: (x[2i], x[2i+1]) interleaved, else (x[i], x[i + rd/2]).
+    first, second = ((slice(0, rd, 2), slice(1, rd, 2)) if flags & ROPE_INTERLEAVED
+                     else (slice(0, rd // 2), slice(rd // 2, rd)))
+    sign = -1.0 if flags & ROPE_INVERSE else 1.0
     step = max(1, _CHUNK_ELEMS // (heads * d))
-    for t0 in range(0, vecs.shape[0], step):
-        tok = np.arange(t0, min(t0 + step, vecs.shape[0]), dtype=np.int64)
-        ang = rope_angles(pos + tok % max(seq_len, 1), d, p["theta"]).astype(np.float64)
-        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        blk = vecs[tok[0]:tok[-1] + 1]
-        x1 = blk[..., :half].astype(np.float64)
-        x2 = blk[..., half:].astype(np.float64)
-        blk[..., :half] = x1 * cos - x2 * sin
-        blk[..., half:] = x2 * cos + x1 * sin
+    for b in range(shape[0]):
+        for s0 in range(0, seq_len, step):
+            rows = slice(s0, s0 + step)
+            ang = rope_angles(t[b, rows], rd, p["theta"]).astype(np.float64)[:, None, :]
+            cos, sin = np.cos(ang), sign * np.sin(ang)
+            src, dst = xv[b, rows], ov[b, rows]
+            x1, x2 = src[..., first].astype(np.float64), src[..., second].astype(np.float64)
+            if out is not x:
+                dst[..., rd:] = src[..., rd:]
+            dst[..., first] = x1 * cos - x2 * sin
+            dst[..., second] = x2 * cos + x1 * sin
+
+
+def _strided(a, shape, strides):
+    """The view of `a` with this shape and element strides, from its first element."""
+    return np.lib.stride_tricks.as_strided(a, shape, tuple(s * a.itemsize for s in strides))
 
 
 # --- Philox dropout -------------------------------------------------------------------------------
@@ -359,8 +390,11 @@ class ReferenceBackend:
         array.fill(0)
 
     # Kernels are looked up in KERNELS at each call, so a test can stand a wrong one in.
-    def rope(self, x, params: np.void) -> None:
-        KERNELS["rope"](x, params)
+    def rope(self, x, params: np.void, *, out=None, positions=None,
+             layout: np.void | None = None) -> None:
+        """`x` rotated into `out` (None: in place); `layout`: both one's strides and positions'
+        batch stride (None: C-contiguous)."""
+        KERNELS["rope"](x, params, out=out, positions=positions, layout=layout)
 
     def forward(self, buffers: dict, params: np.void, layout: np.void | None = None) -> None:
         """buffers: q, k, v, out, mask (or None), lse (or None), kv_lens (or None); `layout`:

@@ -356,24 +356,116 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
 
 
 # --- RoPE -------------------------------------------------------------------------------------
-@torch.library.custom_op("ferrocupy::rope_", mutates_args=("x",))
-def _rope_(x: Tensor, head_dim: int, pos: int, theta: float) -> None:
-    target = x if x.is_contiguous() else x.contiguous()
+# `rope` is the op `ferrocupy::rope` (out of place, with autograd: the gradient of a rotation is
+# the rotation by the negative angle, the same op with `inverse` flipped); `rope_` is the op
+# `ferrocupy::rope_` (in place, no gradient). Both call the engine's `rope_theta`, which reads
+# any view whose head_dim elements are contiguous through its strides (a part of a fused QKV
+# projection, SDPA's layout transposed) and remembers what depends only on the call's shapes.
+__all__.append("rope")
+
+
+def _rope_rows(x: Tensor) -> Tensor:
+    """`x` itself when the engine can read it where it lies (head_dim contiguous), else a
+    contiguous copy (a gradient broadcast from a sum, say)."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _rope_into(x: Tensor, out: Optional[Tensor], head_dim: int, pos: int, theta: float,
+               positions: Optional[Tensor], rotary_dim: Optional[int], interleaved: bool,
+               inverse: bool) -> None:
+    """The engine's RoPE of `x` into `out` (None: in place), on torch's current stream."""
     engine = _engine(x.device)
     with _on_torch_stream(x.device):
-        engine.rope_theta(_wrap(target), head_dim, pos, theta)
+        engine.rope_theta(_wrap(x), head_dim, pos, theta, positions=_wrap(positions),
+                          rotary_dim=rotary_dim, interleaved=interleaved, inverse=inverse,
+                          out=_wrap(out))
+
+
+@torch.library.custom_op("ferrocupy::rope", mutates_args=())
+def _rope(x: Tensor, head_dim: int, pos: int, theta: float, positions: Optional[Tensor],
+          rotary_dim: Optional[int], interleaved: bool, inverse: bool) -> Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rope_into(_rope_rows(x), out, head_dim, pos, theta, positions, rotary_dim, interleaved,
+               inverse)
+    return out
+
+
+@_rope.register_fake
+def _(x, head_dim, pos, theta, positions, rotary_dim, interleaved, inverse):
+    return x.new_empty(x.shape)
+
+
+def _rope_setup_context(ctx, inputs, output):
+    x, head_dim, pos, theta, positions, rotary_dim, interleaved, inverse = inputs
+    ctx.save_for_backward(positions)
+    ctx.options = (head_dim, pos, theta, rotary_dim, interleaved, inverse)
+
+
+def _rope_backward(ctx, grad):
+    head_dim, pos, theta, rotary_dim, interleaved, inverse = ctx.options
+    (positions,) = ctx.saved_tensors
+    grad_x = _rope(grad, head_dim, pos, theta, positions, rotary_dim, interleaved, not inverse)
+    return grad_x, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("ferrocupy::rope", _rope_backward,
+                                setup_context=_rope_setup_context)
+
+
+def rope(x: Tensor, head_dim: int, pos: int = 0, theta: float = 10000.0, *,
+         positions: Optional[Tensor] = None, rotary_dim: Optional[int] = None,
+         interleaved: bool = False) -> Tensor:
+    """RoPE of `x` as a new tensor (contiguous, x's dtype), with autograd; `x` is left as it is.
+
+    - `x`: `[B, S, H, D]`, `[B, S, H*D]` or `[S, H*D]` (`D = head_dim`, even), float32, float16
+      or bfloat16, on CPU (the NumPy reference backend) or CUDA (the kernel, on torch's current
+      stream). Any view whose head_dim elements are contiguous and whose heads are evenly
+      spaced (q or k sliced from a fused QKV projection) is read where it lies.
+    - Token `s` of each sequence sits at `pos + s`, or at `positions[s]` / `positions[b, s]`:
+      int32 or int64 `[S]` or `[B, S]` (`[1, S]` too) on x's device, e.g. transformers'
+      `position_ids` (then `pos` is 0). Positions get no gradient.
+    - `theta`: the base frequency (a Hugging Face config's `rope_theta`).
+    - `rotary_dim`: rotate only the first `rotary_dim` features of each head (even, at most
+      `head_dim`; frequencies over `rotary_dim`, Hugging Face's `partial_rotary_factor`); the
+      rest pass through.
+    - `interleaved`: rotate the pairs `(x[2i], x[2i+1])` (GPT-J, GPT-NeoX's `rotary_interleaved`)
+      instead of `(x[i], x[i + rotary_dim/2])` (rotate-half, Llama's).
+    The gradient is the rotation by the negative angle (`torch.compile`-able, no graph break)."""
+    return _rope(x, head_dim, pos, float(theta), positions, rotary_dim, interleaved, False)
+
+
+@torch.library.custom_op("ferrocupy::rope_", mutates_args=("x",))
+def _rope_(x: Tensor, head_dim: int, pos: int, theta: float, positions: Optional[Tensor] = None,
+           rotary_dim: Optional[int] = None, interleaved: bool = False) -> None:
+    target = _rope_rows(x)
+    _rope_into(target, None, head_dim, pos, theta, positions, rotary_dim, interleaved, False)
     if target is not x:
         x.copy_(target)
 
 
 @_rope_.register_fake
-def _(x, head_dim, pos, theta):
+def _(x, head_dim, pos, theta, positions=None, rotary_dim=None, interleaved=False):
     return None
 
 
-def rope_(x: Tensor, head_dim: int, pos: int = 0, theta: float = 10000.0) -> Tensor:
-    """Rotate-half RoPE in place on `x` (`[B, S, H, D]` or `[S, ...]`; token `s` at position
-    `pos + s`, base `theta`); returns `x`. Not differentiable: apply it to tensors that do not
-    need a gradient (a non-contiguous `x` is rotated through a contiguous copy, written back)."""
-    _rope_(x, head_dim, pos, float(theta))
+def rope_(x: Tensor, head_dim: int, pos: int = 0, theta: float = 10000.0, *,
+          positions: Optional[Tensor] = None, rotary_dim: Optional[int] = None,
+          interleaved: bool = False) -> Tensor:
+    """`rope` in place: rotates `x` (`[B, S, H, D]`, `[B, S, H*D]` or `[S, H*D]`; token `s` at
+    `pos + s` or at `positions`) and returns it. It has no gradient, so a tensor autograd records
+    is refused with a RuntimeError, as PyTorch refuses in-place ops on a leaf that requires grad
+    (under `torch.no_grad()` it is rotated). A view whose head_dim elements are not contiguous is
+    rotated through a contiguous copy, written back."""
+    if x.requires_grad and torch.is_grad_enabled():
+        if x.is_leaf:
+            raise RuntimeError(
+                f"a leaf Variable that requires grad is being used in an in-place operation "
+                f"(ferrocupy.torch.rope_ on x of shape {tuple(x.shape)}); use "
+                f"ferrocupy.torch.rope(x, ...), which returns a new tensor and has a gradient")
+        raise RuntimeError(
+            f"ferrocupy.torch.rope_ has no gradient, and x (shape {tuple(x.shape)}) requires "
+            f"grad: rotating it in place would give a wrong gradient; use "
+            f"ferrocupy.torch.rope(x, ...), which returns a new tensor and has a gradient, or "
+            f"call rope_ under torch.no_grad()")
+    _rope_(x, head_dim, pos, float(theta), positions, rotary_dim, interleaved)
     return x

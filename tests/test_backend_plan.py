@@ -14,7 +14,7 @@ import pytest
 from ferrocupy import AttentionDims, AttentionOptions
 from ferrocupy.cuda import configs
 from ferrocupy.cuda.backend import CudaBackend
-from ferrocupy.cuda.launch import NULL, Slot, address
+from ferrocupy.cuda.launch import NULL, address
 from ferrocupy.dtypes import BFLOAT16, FLOAT32
 from ferrocupy.params import contiguous_layout
 

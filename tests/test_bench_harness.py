@@ -49,10 +49,11 @@ def test_case_counts_and_units():
 
 
 def test_case_list_sizes():
-    assert len(build_cases(["float32"])) == 48 + 2 + 4 + 2  # grid, GQA, decode (3 at one row a head, 1 at four), RoPE
-    assert len(build_cases(harness.DTYPES)) == 3 * (48 + 2 + 4 + 1) + 1
-    assert len(build_cases(["float32"], quick=True)) == 8 + 1 + 2
-    assert len(build_cases(harness.DTYPES, quick=True)) == 3 * (8 + 1 + 1) + 1
+    # grid, GQA, decode (3 at one row a head, 1 at four), RoPE (+ the floor) and its 4 forms
+    assert len(build_cases(["float32"])) == 48 + 2 + 4 + 2 + 4
+    assert len(build_cases(harness.DTYPES)) == 3 * (48 + 2 + 4 + 1 + 4) + 1
+    assert len(build_cases(["float32"], quick=True)) == 8 + 1 + 2 + 4
+    assert len(build_cases(harness.DTYPES, quick=True)) == 3 * (8 + 1 + 1 + 4) + 1
     assert not [c for c in build_cases(["bfloat16", "float16"]) if c.floor]
     full = build_cases(harness.DTYPES)
     assert len({c.id for c in full}) == len(full)
@@ -77,7 +78,7 @@ def test_floor_cases_are_issue_3s():
 def test_filters_and_dtype_names():
     cases = build_cases(["float32"])
     assert all("s4096" in c.id for c in harness.filter_cases(cases, "s4096"))
-    assert len(harness.filter_cases(cases, "decode,rope")) == 6  # 4 decode, 2 RoPE
+    assert len(harness.filter_cases(cases, "decode,rope")) == 10  # 4 decode, 6 RoPE
     assert harness.filter_cases(cases, "") == cases
     assert harness.parse_dtypes("fp32, bf16,float16,fp32") == ["float32", "bfloat16", "float16"]
     with pytest.raises(ValueError, match="float64"):
@@ -175,6 +176,29 @@ def test_summarize_picks_fastest_right_peer():
     assert "wrong answer: torch-cudnn" in row["note"]
     res["ferrocupy"] = _ok(17.0, case)
     assert "floor FAIL" in report.summarize(case, res, None)["note"]
+
+
+def test_rope_gate_cases_are_issue_27s():
+    """Every dtype: the four out-of-place forms at 1 GiB of float32 (16x4096x32x128), gated at
+    85% of copy bandwidth, in the quick set too."""
+    for quick in (False, True):
+        gates = [c for c in build_cases(harness.DTYPES, quick=quick) if c.gate]
+        assert {(c.dtype, c.rope) for c in gates} == {
+            (d, f) for d in harness.DTYPES for f in ("full", "partial", "interleaved",
+                                                     "positions")}
+        assert all(c.shape == harness.ROPE_SHAPE and not c.floor for c in gates)
+    case = harness.case_by_id("rope-bfloat16-16x4096x32x128-partial")
+    assert case.rotary_dim == 64 and case.bytes == 2 * 16 * 4096 * 32 * 128 * 2
+    assert harness.case_by_id("rope-float32-16x4096x32x128-interleaved").rotary_dim == 128
+    ceil = {"copy_gbps": case.throughput(1.0) / 0.851}
+    row = report.summarize(case, {"ferrocupy": _ok(1.0, case)}, ceil)
+    assert row["gate"] and row["note"].startswith("gate PASS (85.1% of copy, need 85%)")
+    ceil = {"copy_gbps": case.throughput(1.0) / 0.849}
+    row = report.summarize(case, {"ferrocupy": _ok(1.0, case)}, ceil)
+    assert row["note"].startswith("gate FAIL (84.9% of copy")
+    assert report.floor_lines([row], "gate") == [f"  {case.id}: gate FAIL (84.9% of copy, "
+                                                 f"need 85%)"]
+    assert report.floor_lines([row]) == []
 
 
 def test_summarize_without_ferrocupy_and_rope_floor():
@@ -287,14 +311,14 @@ def test_compare_exits_cleanly_without_gpu():
     assert out.returncode == 0 and "no GPU to benchmark on" in out.stdout
     listing = subprocess.run([sys.executable, str(BENCH / "compare.py"), "--list", "--quick"],
                              capture_output=True, text=True, timeout=120)
-    assert listing.returncode == 0 and "31 cases, dtypes float32, bfloat16, float16" in \
+    assert listing.returncode == 0 and "43 cases, dtypes float32, bfloat16, float16" in \
         listing.stdout
 
 
 def test_compare_list_dtypes(capsys):
     assert compare.main(["--list", "--quick", "--dtype", "bfloat16,float16"]) == 0
     out = capsys.readouterr().out
-    assert "20 cases, dtypes bfloat16, float16, quick set" in out
+    assert "28 cases, dtypes bfloat16, float16, quick set" in out
     assert "attn-bwd-bfloat16-d128-s4096-causal" in out and "float32" not in out
     assert compare.main(["--list", "--dtype", "bf16,fp16", "--cases", "s1024-,s4096-,s16384-"]) == 0
     ids = [line for line in capsys.readouterr().out.splitlines() if line.startswith("attn-")]
@@ -332,12 +356,14 @@ def cpu_pipeline(monkeypatch):
     Case("attn", "float32", 1, 33, 33, 2, 2, 32, False, direction="bwd"),
     Case("decode", "float32", 2, 1, 64, 4, 2, 16, True, 63, suite="decode"),
     Case("rope", "float32", shape=(2, 24, 3, 16), suite="rope"),
+    *(Case("rope", dt, shape=(2, 24, 3, 16), suite="rope", rope=form)
+      for dt in ("float32", "bfloat16") for form in harness.ROPE_FORMS),
 ], ids=lambda c: c.id)
 def test_pipeline_checks_then_times(cpu_pipeline, case):
     run = peers.CaseRun(case, l2_bytes=case.bytes)          # 3 rotating input sets
     assert run.n_sets == 3
     prep, err = peers.prepare_checked(run, "ferrocupy")
-    assert err < 1e-6, err
+    assert err < (1e-6 if case.dtype == "float32" else 4e-3), err
     t = harness.time_calls(prep.run_next, prep.stream, harness.Settings(1, 1, 3, 3), HostEvents())
     assert t.reps == 3 and t.median_ms > 0
     results = compare.run_case(case, harness.Settings(1, 1, 2, 2), 1 << 40, HostEvents())

@@ -154,11 +154,13 @@ def _table_jobs() -> tuple[list, list]:
             nvrtc.append(job)
             if first and v.head_dim == widest:
                 nvcc.append(job)
-    for dtype in configs.ROPE_DTYPE_DEFINE:
+    names = {code: str(dtype) for dtype, code in configs.ROPE_DTYPE_DEFINE.items()}
+    for defines in configs.rope_variants():
         for arch in ARCHS:
             job = (CUDA_DIR / configs.ROPE_SOURCE, arch,
-                   tuple(f"{k}={x}" for k, x in configs.rope_defines(dtype).items()),
-                   f"rope-{dtype}-sm_{arch}")
+                   tuple(f"{k}={x}" for k, x in sorted(defines.items())),
+                   f"rope-{names[defines['FERRO_ROPE_DTYPE']]}-vec{defines['FERRO_ROPE_VEC']}"
+                   f"-sm_{arch}")
             nvrtc.append(job)
             nvcc.append(job)
     return nvrtc, nvcc
@@ -196,21 +198,32 @@ def _workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _selected(request, jobs, test_name: str) -> list:
+    """The jobs whose test cases this session runs: all of them, unless `-k` or node ids chose
+    some (`-k rope` compiles the RoPE variants alone)."""
+    chosen = {tuple(item.callspec.params[n] for n in ("path", "arch", "defines"))
+              for item in request.session.items
+              if getattr(item, "originalname", None) == test_name and hasattr(item, "callspec")}
+    return [job for job in jobs if job in chosen]
+
+
 @pytest.fixture(scope="module")
-def nvcc_results(nvcc, tmp_path_factory):
-    """Every kernel case compiled by nvcc, one compile per core at a time; each test waits for
-    its own result, so a failure is reported against its (file, arch, variant)."""
+def nvcc_results(nvcc, tmp_path_factory, request):
+    """Every selected kernel case compiled by nvcc, one compile per core at a time; each test
+    waits for its own result, so a failure is reported against its (file, arch, variant)."""
     out_dir = tmp_path_factory.mktemp("nvcc")
     with ThreadPoolExecutor(_workers()) as pool:
-        yield {job: pool.submit(compile_nvcc, nvcc, *job, out_dir) for job in _NVCC_JOBS}
+        yield {job: pool.submit(compile_nvcc, nvcc, *job, out_dir)
+               for job in _selected(request, _NVCC_JOBS, "test_kernel_compiles_with_nvcc")}
 
 
 @pytest.fixture(scope="module")
-def nvrtc_results():
+def nvrtc_results(request):
     """As `nvcc_results`, through NVRTC (which releases the GIL while it compiles)."""
     nvrtc = load_nvrtc()
     with ThreadPoolExecutor(_workers()) as pool:
-        yield {job: pool.submit(compile_nvrtc, nvrtc, *job) for job in _NVRTC_JOBS}
+        yield {job: pool.submit(compile_nvrtc, nvrtc, *job)
+               for job in _selected(request, _NVRTC_JOBS, "test_kernel_compiles_with_nvrtc")}
 
 
 @pytest.mark.parametrize("path, arch, defines", NVCC_CASES)
@@ -332,6 +345,24 @@ def test_every_selectable_variant_is_compiled():
                                                copy_bytes=copy_bytes, rows=rows, plain=plain)
                             defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
                             assert (v.source, v.arch or "90", defines) in compiled, v.describe()
+
+
+def test_every_rope_variant_is_compiled():
+    """The compile cases cover every (dtype, elements per access) `configs.rope_vector` can
+    return, whatever the call's head_dim, rotary_dim, strides and addresses."""
+    from ferrocupy.cuda import configs
+
+    compiled = {(p.name, d) for p, a, d in _NVCC_JOBS if a == "90"} & \
+        {(p.name, d) for p, a, d in _NVRTC_JOBS if a == "90"}
+    for dtype in configs.ROPE_DTYPE_DEFINE:
+        for d, rd, stride, address in itertools.product((2, 6, 8, 16, 24, 128), (2, 4, 8, 16, 64),
+                                                        (1, 2, 4, 8, 96), (0, 2, 4, 8)):
+            if rd > d:
+                continue
+            vec = configs.rope_vector(dtype, d, rd, (stride, 0, d), (256 + address, 512))
+            defines = tuple(f"{k}={x}" for k, x in sorted(configs.rope_defines(dtype,
+                                                                               vec).items()))
+            assert (configs.ROPE_SOURCE, defines) in compiled, (dtype, d, rd, stride, address)
 
 
 def test_wgmma_header_is_the_generators_output():

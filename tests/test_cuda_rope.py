@@ -1,7 +1,9 @@
-"""RoPE (rotate-half, in place) on the GPU against the NumPy reference (issue 3).
+"""RoPE on the GPU against the NumPy reference (issue 3; issue 27's options: positions, partial
+rotary, interleaved pairs, the inverse rotation, the out-of-place form, strided views).
 
-Both sides form the angle `f32(pos + s) * f32(1 / theta^(2i/D))` in float32 (SPEC "RoPE"), so
-they agree to float32 rounding even at positions near 1e5. Skipped unless
+Both sides form the angle `f32(t) * inv_i` in float32 from the same float32 inverse frequencies
+(SPEC "RoPE"), so they agree to float32 rounding even at positions near 1e5; in half precision
+to one unit in the last place (each rounds once). Outputs start as NaN. Skipped unless
 `ferrocupy.cuda_available()`; `FERRO_GPU_TESTS_ON_REFERENCE=1` runs it reference-vs-reference.
 """
 
@@ -11,7 +13,10 @@ import numpy as np
 import pytest
 
 # gpu_helpers is in tests/, which conftest puts on sys.path.
+from ferrocupy import UnifiedTensor
+from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from gpu_helpers import ROPE_TOL, assert_close, dev, gpu_pytestmark, needs_real_gpu, ref
+from rope_formula import POSITION_KINDS, make_positions, option_params
 
 __all__ = ["dev", "ref"]  # fixtures, imported for pytest (`rng` comes from conftest)
 
@@ -158,9 +163,9 @@ def test_rope_wrong_dtype_and_layout_raise(dev, rng):
         dev.engine.rope(t64, 32, 0)
     np.testing.assert_array_equal(dev.get(t64), x.astype(np.float64))
     base = dev.put(x)
-    strided = base.buffer()[:, ::2]  # non-contiguous view of the same memory
-    with pytest.raises(ValueError, match="contiguous"):
-        dev.engine.rope(strided, 32, 0)
+    strided = base.buffer()[..., ::2]  # head_dim elements not contiguous
+    with pytest.raises(ValueError, match="without a copy"):
+        dev.engine.rope(strided, 16, 0)
     np.testing.assert_array_equal(dev.get(base), x)
 
 
@@ -173,3 +178,199 @@ def test_rope_bad_theta_and_pos_raise(dev, rng):
     with pytest.raises(ValueError):
         dev.engine.rope(t, 32, -1)
     np.testing.assert_array_equal(dev.get(t), x)
+
+
+# --- issue 27: positions, partial rotary, interleaved, inverse, out of place, layouts -------------
+DTYPES = [pytest.param(FLOAT32, id="f32"), pytest.param(FLOAT16, id="f16"),
+          pytest.param(BFLOAT16, id="bf16")]
+ULP = {FLOAT16: 2.0**-10, BFLOAT16: 2.0**-7}  # relative spacing of the mantissa
+OPTIONS = option_params(64)
+
+
+def assert_matches(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """float32 to ROPE_TOL; half precision within one ulp of the largest value."""
+    if got.dtype == FLOAT32:
+        assert_close("rope", got, want, ROPE_TOL, what)
+        return
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    assert not np.isnan(g).any(), f"NaN in the device output {what}"
+    err = np.abs(g - w).max()
+    assert err <= ULP[got.dtype] * np.abs(w).max(), f"{err:.3e}: more than 1 ulp away {what}"
+
+
+def run_call(d, base: np.ndarray, cut, head_dim: int, pos: int, positions, out_of_place: bool,
+             out_cut=None, theta: float = 10000.0, **kw):
+    """RoPE on `d` of `cut(base)` (a view of the device copy of host `base`): out of place into a
+    NaN-poisoned output (`out_cut` of a poisoned buffer, default a fresh contiguous one), or in
+    place. Returns (result, the whole base afterwards) on the host."""
+    b = d.put(base)
+    x = UnifiedTensor(cut(b.buffer()))
+    ps = d.put(positions)
+    if out_of_place:
+        if out_cut is None:
+            out_base = d.poisoned(x.shape, dtype=base.dtype)
+            out = out_base
+        else:
+            out_base = d.poisoned(out_cut[0], dtype=base.dtype)
+            out = UnifiedTensor(out_cut[1](out_base.buffer()))
+        d.engine.rope_theta(x, head_dim, pos, theta, positions=ps, out=out, **kw)
+        d.sync()
+        return out.to_numpy(), d.get(b)
+    d.engine.rope_theta(x, head_dim, pos, theta, positions=ps, **kw)
+    d.sync()
+    return x.to_numpy(), d.get(b)
+
+
+def check_call(dev, ref, base, cut, head_dim, pos, positions, out_of_place, what, **kw):
+    """The device's result equals the reference's; the input is left as it was out of place."""
+    got, got_base = run_call(dev, base, cut, head_dim, pos, positions, out_of_place, **kw)
+    want, _ = run_call(ref, base, cut, head_dim, pos, positions, out_of_place, **kw)
+    what = f"[{what} shape {list(base.shape)} head_dim {head_dim} pos {pos} {kw}]"
+    assert_matches(got, want, what)
+    def bits(a):
+        return a.view(f"u{a.dtype.itemsize}")
+
+    if out_of_place:
+        assert np.array_equal(bits(got_base), bits(base)), f"input written {what}"
+    else:  # in place: the view's elements rotated, every other element of the base as it was
+        outside = np.ones(base.shape, bool)
+        cut(outside)[...] = False
+        assert np.array_equal(bits(got_base)[outside], bits(base)[outside]), \
+            f"wrote past the view {what}"
+    return got
+
+
+def same(a):
+    return a
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kw", OPTIONS)
+@pytest.mark.parametrize("kind", POSITION_KINDS)
+@pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out"])
+def test_rope_options(dev, ref, rng, dtype, kw, kind, out_of_place):
+    x = (2 * rng.standard_normal((2, 37, 3, 64))).astype(dtype)
+    pos, positions = make_positions(rng, kind, 2, 37)
+    check_call(dev, ref, x, same, 64, pos, positions, out_of_place, kind, **kw)
+
+
+# (name, base shape, cut) for b, s, h, d = 2, 33, 4, 64: the layouts a model hands RoPE
+LAYOUTS = [
+    pytest.param((2, 33, 3, 4, 64), lambda a: a[:, :, 1], id="qkv-slice"),
+    pytest.param((2, 4, 33, 64), lambda a: a.transpose(0, 2, 1, 3), id="bhsd-transposed"),
+    pytest.param((2, 33, 4, 72), lambda a: a[..., 8:72], id="padded-rows"),
+    pytest.param((33, 2, 3 * 4 * 64), lambda a: a.transpose(1, 0, 2)[..., 256:512],
+                 id="seq-first-fused-3d"),
+    pytest.param((2, 33, 4, 65), lambda a: a[..., 1:], id="rows-one-element-off"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("base_shape,cut", LAYOUTS)
+@pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out"])
+def test_rope_strided_views(dev, ref, rng, dtype, base_shape, cut, out_of_place):
+    """Views read (and written) where they lie, every access width; in place, nothing past the
+    view changes (the whole base is compared)."""
+    base = rng.standard_normal(base_shape).astype(dtype)
+    _, positions = make_positions(rng, "BS-int64", 2, 33)
+    check_call(dev, ref, base, cut, 64, 0, positions, out_of_place, "strided", rotary_dim=32,
+               interleaved=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_strided_output(dev, ref, rng, dtype):
+    """A transposed output ([B, H, S, D] memory) is written where it lies, rows padded."""
+    x = rng.standard_normal((2, 33, 4, 64)).astype(dtype)
+    out_cut = ((2, 4, 33, 80), lambda a: a[..., 8:72].transpose(0, 2, 1, 3))
+    got, want = (run_call(d, x, same, 64, 5, None, True, out_cut=out_cut, rotary_dim=48)[0]
+                 for d in (dev, ref))
+    assert_matches(got, want, "strided output")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,head_dim,kw", [
+    pytest.param((2, 9, 3, 6), 6, {}, id="d6-half3-one-element"),
+    pytest.param((2, 9, 3, 12), 12, dict(interleaved=True), id="d12-interleaved"),
+    pytest.param((2, 9, 3, 20), 20, dict(rotary_dim=4), id="d20-rotary4"),
+    pytest.param((2, 9, 3, 16), 16, dict(rotary_dim=14), id="d16-rotary14-pass2"),
+    pytest.param((2, 9, 3, 256), 256, dict(rotary_dim=64, interleaved=True), id="gptj-d256"),
+    pytest.param((1, 3, 2, 512), 512, {}, id="d512"),
+])
+@pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out"])
+def test_rope_access_widths(dev, ref, rng, dtype, shape, head_dim, kw, out_of_place):
+    """Head dims and rotary widths whose halves are not whole 16-byte accesses run the
+    narrower variants (4 bytes, one element); any even head_dim."""
+    x = rng.standard_normal(shape).astype(dtype)
+    _, positions = make_positions(rng, "S-int32", shape[0], shape[1])
+    check_call(dev, ref, x, same, head_dim, 0, positions, out_of_place, "widths", **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 64, 128), (3, 2, 40, 64), (1, 5, 1, 64)],
+                         ids=["one-token-64-heads", "six-tokens-40-heads", "one-head"])
+def test_rope_few_tokens_many_heads(dev, ref, rng, dtype, shape):
+    """Few tokens: the heads are split into groups across threads (decode steps)."""
+    x = rng.standard_normal(shape).astype(dtype)
+    _, positions = make_positions(rng, "BS-int64", shape[0], shape[1])
+    check_call(dev, ref, x, same, shape[-1], 0, positions, True, "groups", rotary_dim=32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_large_positions(dev, ref, rng, dtype):
+    """int32 and int64 positions past 2^24 (f32(t) rounds, as Hugging Face's), and negative."""
+    x = rng.standard_normal((2, 16, 2, 64)).astype(dtype)
+    for positions in (np.array([-(2**31), 2**31 - 1, 2**24 + 1, -5] * 4, np.int32),
+                      np.array([[2**40 + 3, -(2**50)] * 8, [7, 2**33] * 8], np.int64)):
+        check_call(dev, ref, x, same, 64, 0, positions, True, "large")
+
+
+def test_rope_large_tensor_out_of_place(dev, ref, rng):
+    """[4, 1024, 8, 128]: many blocks, every option at once, positions per batch entry."""
+    x = randn(rng, (4, 1024, 8, 128))
+    _, positions = make_positions(rng, "BS-int64", 4, 1024)
+    check_call(dev, ref, x, same, 128, 0, positions, True, "large", rotary_dim=64,
+               interleaved=True, inverse=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kw", OPTIONS[:5])
+def test_rope_inverse_undoes_the_rotation(dev, rng, dtype, kw):
+    x = rng.standard_normal((2, 33, 4, 64)).astype(np.float32)
+    t = dev.put(x.astype(dtype))
+    y = dev.poisoned(x.shape, dtype=dtype)
+    dev.engine.rope(t, 64, 50_000, out=y, **kw)
+    dev.engine.rope(y, 64, 50_000, inverse=True, **kw)
+    back = dev.get(y).astype(np.float64)
+    tol = 1e-5 if dtype == FLOAT32 else 3 * ULP[dtype]
+    assert np.abs(back - x.astype(dtype).astype(np.float64)).max() <= tol * np.abs(x).max()
+
+
+def test_rope_positions_equal_to_pos_plus_s_give_the_same_bits(dev, rng):
+    x = randn(rng, (2, 40, 4, 64))
+    a, b = dev.put(x), dev.put(x)
+    dev.engine.rope(a, 64, 1000)
+    dev.engine.rope(b, 64, 0, positions=dev.put(np.arange(1000, 1040, dtype=np.int32)))
+    assert dev.array_equal(a, b)
+
+
+def test_rope_positions_on_the_host_are_refused(dev, rng):
+    needs_real_gpu()
+    x = randn(rng, (2, 8, 2, 32))
+    t = dev.put(x)
+    with pytest.raises(ValueError, match=r"positions \(shape \(8,\)\) is on cpu"):
+        dev.engine.rope(t, 32, 0, positions=np.arange(8, dtype=np.int32))
+    np.testing.assert_array_equal(dev.get(t), x)
+
+
+def test_rope_bad_options_raise_before_writing(dev, rng):
+    x = randn(rng, (2, 8, 2, 32))
+    t = dev.put(x)
+    out = dev.poisoned(x.shape)
+    for kw in (dict(rotary_dim=31), dict(rotary_dim=34), dict(interleaved=1),
+               dict(positions=dev.put(np.arange(9, dtype=np.int64))),
+               dict(positions=dev.put(np.arange(8.0, dtype=np.float32))),
+               dict(out=dev.poisoned((2, 8, 2, 16)))):
+        with pytest.raises((TypeError, ValueError)):
+            dev.engine.rope(t, 32, 0, **(dict(out=out) | kw))
+    np.testing.assert_array_equal(dev.get(t), x)
+    assert np.isnan(dev.get(out)).all()

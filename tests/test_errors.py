@@ -458,9 +458,13 @@ def test_lse_must_be_contiguous(eng, rng):
     assert untouched(out, wide)
 
 
-def test_rope_non_contiguous(eng):
+def test_rope_strided_head_dim(eng):
+    """A view whose head_dim elements are not contiguous is refused (any other stride is read
+    where it lies: tests/test_rope_layouts.py)."""
     x = sentinel((16, 6))
-    with pytest.raises(ValueError, match=r"tensor \(shape \(6, 16\)\) is not C-contiguous"):
+    with pytest.raises(ValueError, match=r"tensor \(shape \(6, 16\), element strides \(1, 6\)\) "
+                                         r"cannot be read as \[batch, seq_len, heads = 2, "
+                                         r"head_dim = 8\] without a copy"):
         eng.rope(x.T, 8, 0)
     assert untouched(x)
 

@@ -12,12 +12,14 @@ import threading
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
-from ..params import LAYOUT_TENSORS
+from ..params import LAYOUT_TENSORS, contiguous_rope_layout
+from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
 from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
+_PLANS_MAX = 256  # RoPE plans kept per backend (a long-running job sees few call shapes)
 _NOT_ROWS = ("mask", "lse", "kv_lens", "stats")  # buffers whose alignment picks no copy width
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
@@ -45,6 +47,8 @@ class CudaBackend:
         # its combine
         self._kernels: dict = {}
         self.generation = 0  # counts table swaps: a plan made before one is stale
+        self._rope_plans: dict = {}  # see rope
+        self._rope_tables: dict = {}  # (rotary_dim, theta) -> its inverse frequencies, uploaded
         # Read once: CuPy's `attributes` queries every device attribute on each access.
         attrs = cupy.cuda.Device(self._id).attributes
         self._smem_limit = attrs["MaxSharedMemoryPerBlockOptin"]
@@ -83,17 +87,61 @@ class CudaBackend:
             array.fill(0)
 
     # --- operations -----------------------------------------------------------------------------
-    def rope(self, x, params: np.void) -> None:
-        head_dim, heads = int(params["head_dim"]), int(params["heads"])
-        tokens = x.size // (head_dim * heads)
-        items = tokens * (head_dim // 2)
+    def rope(self, x, params: np.void, *, out=None, positions=None,
+             layout: np.void | None = None) -> None:
+        """RoPE of `x` into `out` (None: in place), on CuPy's current stream of this device;
+        `layout`: both one's strides and the positions' batch stride (None: C-contiguous)."""
+        if self.xp.cuda.runtime.getDevice() != self._id:
+            with self.xp.cuda.Device(self._id):
+                return self.rope(x, params, out=out, positions=positions, layout=layout)
+        out = x if out is None else out
+        ptrs = {"x": address(x), "out": address(out),
+                "positions": 0 if positions is None else address(positions)}
+        if layout is None:
+            layout = contiguous_rope_layout(params)
+        key = (params.tobytes(), layout.tobytes(), x.dtype, x.size, ptrs["x"] == ptrs["out"],
+               (ptrs["x"] | ptrs["out"]) & 15)
+        plan = self._rope_plans.get(key)
+        if plan is None:
+            plan = self._rope_plan(x, params, layout, ptrs, positions is not None)
+            if len(self._rope_plans) >= _PLANS_MAX:
+                self._rope_plans.clear()
+            self._rope_plans[key] = plan
+        plan.run(ptrs, self.xp.cuda.get_current_stream().ptr)
+
+    def _rope_plan(self, x, params: np.void, layout: np.void, ptrs: dict,
+                   has_positions: bool) -> Plan:
+        """RoPE's one launch: the widest access the addresses and strides allow, enough
+        (token, head group, lane) items to fill the GPU."""
+        d, heads = int(params["head_dim"]), int(params["heads"])
+        rd = int(params["rotary_dim"]) or d
+        in_place = ptrs["x"] == ptrs["out"]
+        strides = [layout[f"{n}_{c}"] for n in ("x", "out") for c in "bsh"]
+        vec = configs.rope_vector(x.dtype, d, rd, strides, (ptrs["x"], ptrs["out"]))
+        fn = self.loader.function(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
+                                  configs.rope_defines(x.dtype, vec))
+        tokens = x.size // (d * heads)
+        lanes = rd // 2 // vec + (0 if in_place else (d - rd) // vec)
+        groups = configs.rope_head_groups(tokens, lanes, heads, self.sm_count)
         threads = configs.ROPE_THREADS
-        # Enough blocks to fill every SM several times over; each thread loops past that.
-        blocks = max(1, min(-(-items // threads), self.sm_count * 16))
-        with self.xp.cuda.Device(self._id):
-            fn = self.loader.function(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
-                                      configs.rope_defines(x.dtype))
-            fn((blocks,), (threads,), (x, np.uint64(tokens), params))
+        blocks = max(1, min(-(-(tokens * groups * lanes) // threads), self.sm_count * 32))
+        args = (Slot("x"), Slot("out"), Slot("positions") if has_positions else NULL,
+                self._rope_frequencies(rd, params["theta"]), np.uint64(tokens),
+                np.uint32(groups), params, layout)
+        return Plan([PackedLaunch(fn, blocks, threads, 0, args)])
+
+    def _rope_frequencies(self, rotary_dim: int, theta) -> object:
+        """The float32 inverse frequencies of (rotary_dim, theta) on this device: the reference's
+        own values (reference.rope_inverse_frequencies), uploaded once."""
+        key = (rotary_dim, np.float32(theta).tobytes())
+        table = self._rope_tables.get(key)
+        if table is None:
+            host = rope_inverse_frequencies(rotary_dim, theta)
+            stream = self.xp.cuda.get_current_stream()
+            table = self.xp.asarray(host)
+            stream.synchronize()  # in place before any stream's kernel reads it
+            self._rope_tables[key] = table
+        return table
 
     # --- attention: plans made by ferrocupy.plan.AttentionPlan, one per alignment ------------
     def plan(self, op: str, buffers: dict, params: np.void, layout: np.void, ptrs: dict) -> Plan:

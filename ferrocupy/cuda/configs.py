@@ -430,10 +430,52 @@ def all_variants() -> list[Variant]:
     return [v for vs in TABLE.values() for v in vs]
 
 
-# RoPE: one thread per (token, pair), every head of the token in a loop.
+# RoPE: one thread per (token, group of heads, VEC frequencies or VEC passed-through features),
+# every head of its group in a loop; VEC elements per access, one variant per (dtype, VEC).
 ROPE_SOURCE, ROPE_KERNEL, ROPE_THREADS = "rope.cu", "rope", 256
 ROPE_DTYPE_DEFINE = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}
+ROPE_ACCESS_BYTES = (16, 4)  # then one element: the widths tried, widest first
+ROPE_RESIDENT_THREADS = 2048  # per SM (sm_80 and sm_90): enough work items to fill them
 
 
-def rope_defines(dtype) -> dict:
-    return {"FERRO_ROPE_DTYPE": ROPE_DTYPE_DEFINE[np.dtype(dtype)]}
+def rope_vectors(dtype) -> tuple:
+    """Every elements-per-access a RoPE variant of `dtype` is built for, widest first."""
+    size = np.dtype(dtype).itemsize
+    return tuple(dict.fromkeys([b // size for b in ROPE_ACCESS_BYTES if b >= size] + [1]))
+
+
+def rope_vector(dtype, head_dim: int, rotary_dim: int, strides, addresses) -> int:
+    """The widest elements-per-access every access of the call allows: rotary_dim/2 and the
+    passed-through width a multiple of it, every (batch, seq, head) element stride a multiple
+    of it, every address aligned to it."""
+    size = np.dtype(dtype).itemsize
+    for vec in rope_vectors(dtype):
+        if ((rotary_dim // 2) % vec == 0 and (head_dim - rotary_dim) % vec == 0
+                and all(int(st) % vec == 0 for st in strides)
+                and all(a % (vec * size) == 0 for a in addresses)):
+            return vec
+    return 1
+
+
+def rope_head_groups(tokens: int, lanes: int, heads: int, sm_count: int) -> int:
+    """Groups the heads of a token are split into, so that (token, group, lane) items fill every
+    SM's resident threads; one where the tokens alone do (each thread then reuses its angles
+    over all the heads)."""
+    want = sm_count * ROPE_RESIDENT_THREADS
+    rows = max(1, tokens * lanes)
+    if rows >= want or heads <= 1:
+        return 1
+    per = -(-heads // min(heads, -(-want // rows)))
+    return -(-heads // per)
+
+
+def rope_defines(dtype, vec: int | None = None) -> dict:
+    """The defines of the RoPE variant of `dtype` with `vec` elements per access (default the
+    widest, 16 bytes)."""
+    return {"FERRO_ROPE_DTYPE": ROPE_DTYPE_DEFINE[np.dtype(dtype)],
+            "FERRO_ROPE_VEC": rope_vectors(dtype)[0] if vec is None else int(vec)}
+
+
+def rope_variants() -> list[dict]:
+    """The defines of every RoPE variant the backend can launch (what the compile tests build)."""
+    return [rope_defines(d, v) for d in ROPE_DTYPE_DEFINE for v in rope_vectors(d)]

@@ -15,8 +15,21 @@ __device__ __forceinline__ Lane lane_ids() { int l = threadIdx.x & 31; return La
 struct RopeParams {
     u32 head_dim, seq_len, pos, heads;
     float theta;
-    u32 pad0, pad1, pad2;
+    u32 rotary_dim;  // 0: all of head_dim (a seed call)
+    u32 flags;       // the ROPE_* bits below (0 in a seed call)
+    u32 pad0;
 };
+enum RopeFlags : u32 {
+    ROPE_INTERLEAVED = 1,      // pairs (x[2i], x[2i+1]), not (x[i], x[i + rotary_dim/2])
+    ROPE_INVERSE = 2,          // the negative angle
+    ROPE_POSITIONS = 4,        // token (b, s) at positions[b * positions_b + s], not pos + s
+    ROPE_POSITIONS_INT64 = 8,  // those positions are int64 (else int32)
+};
+
+// RoPE's second struct (params.py's ROPE_LAYOUT): element strides (batch, seq, head) of the input
+// and the output viewed as [batch, seq_len, heads, head_dim], head_dim contiguous; the batch
+// stride of the positions (0: one row shared by every batch entry).
+struct RopeLayout { u64 x_b, x_s, x_h, out_b, out_s, out_h, positions_b, pad0; };
 
 struct FlashV2Params {
     u32 batch, heads, seq_q, seq_k, head_dim, causal;
@@ -49,6 +62,7 @@ __device__ __forceinline__ Rows rows_of(const Strides& t, u32 b, u32 h) {
 }
 
 static_assert(sizeof(RopeParams) == 32, "RopeParams is 8 words");
+static_assert(sizeof(RopeLayout) == 64, "RopeLayout is 8 u64 words");
 static_assert(sizeof(AttnLayout) == 192, "AttnLayout is 24 u64 strides");
 static_assert(sizeof(FlashV2Params) == 80, "FlashV2Params is 20 words");
 static_assert(sizeof(FlashBwdParams) == 80, "FlashBwdParams is 20 words");

@@ -32,8 +32,9 @@ def main(argv=None) -> int:
     attrs = cupy.cuda.Device().attributes
     limit = attrs["MaxSharedMemoryPerBlockOptin"]
     capability = int(cupy.cuda.Device().compute_capability)
-    jobs = {(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
-             tuple(sorted(configs.rope_defines(d).items())), ()) for d in wanted}
+    jobs = {(configs.ROPE_SOURCE, configs.ROPE_KERNEL, tuple(sorted(defines.items())), ())
+            for defines in configs.rope_variants()
+            if defines["FERRO_ROPE_DTYPE"] in {configs.ROPE_DTYPE_DEFINE[d] for d in wanted}}
     for (op, dtype, dp), candidates in configs.TABLE.items():
         if dtype in wanted:
             for copy_bytes in (16, 4):  # aligned rows, and the fallback for views that are not
