@@ -337,12 +337,12 @@ def _check_layout(specs: dict, written) -> None:
             raise ValueError(f"{name} (shape {shape}, element strides {st}) must have a "
                              f"contiguous last dimension (head_dim stride 1); its other "
                              f"dimensions may have any stride")
-        if name in written and _overlaps_itself(shape, st):
+        if name in written and overlaps_itself(shape, st):
             raise ValueError(f"{name} (shape {shape}, element strides {st}) has elements that "
                              f"share memory; an output needs one place per element")
 
 
-def _overlaps_itself(shape, strides) -> bool:
+def overlaps_itself(shape, strides) -> bool:
     """Whether two indices of a view can reach one element: sorted by stride, each dimension
     must step past everything the smaller ones reach (sufficient, and what dense layouts and
     their transposes and slices satisfy)."""
@@ -375,6 +375,15 @@ def _array(x):
     if _is_torch(x):
         x = x.detach()  # DLPack refuses a tensor that requires grad (no copy)
     return UnifiedTensor(x).buffer()
+
+
+def memory_range(a) -> tuple[int, int]:
+    """[first byte, last byte + 1) that NumPy or CuPy array `a` (non-negative strides) can
+    touch: its span, not its size."""
+    start = _address(a)
+    if a.size == 0:
+        return start, start
+    return start, start + sum((n - 1) * st for n, st in zip(a.shape, a.strides)) + a.itemsize
 
 
 def _address(a) -> int:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .params import rope_dims, rope_layout, rope_params
+from .plan import memory_range, overlaps_itself
 
 POSITION_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _CHECKED: dict = {}  # (backend, metadata, option values) -> RopeCall
@@ -61,7 +62,6 @@ def _key(backend, t, o, ps, opts: Options):
 
 
 def _check(t, o, ps, opts: Options) -> RopeCall:
-    from .engine import _overlaps_itself  # (engine imports this module)
 
     head_dim, pos, rotary_dim = _check_scalars(t, opts)
     batch, seq_len = rope_dims(t.shape)
@@ -77,7 +77,7 @@ def _check(t, o, ps, opts: Options) -> RopeCall:
     heads = t.numel // (tokens * head_dim)
     x_strides = _head_view("tensor", t, heads, head_dim)
     out_strides = x_strides if o is None else _head_view("out", o, heads, head_dim)
-    if t.numel and _overlaps_itself((batch, seq_len, heads, head_dim), out_strides + (1,)):
+    if t.numel and overlaps_itself((batch, seq_len, heads, head_dim), out_strides + (1,)):
         name, x = ("tensor", t) if o is None else ("out", o)
         raise ValueError(f"{name} (shape {x.shape}, element strides {x.strides}) has elements "
                          f"that share memory; rope writes one place per element")
@@ -195,7 +195,6 @@ def check_buffers(t, o, ps) -> bool:
     """The checks that can differ between calls of the same metadata: the written tensor is
     writable; `out`, when given, is either `tensor`'s very view (in place) or shares no memory
     with it, nor with positions. Returns whether the call is in place."""
-    from .engine import _memory_range  # (engine imports this module)
 
     written, name = (t, "tensor") if o is None else (o, "out")
     buf = written.buffer()
@@ -204,11 +203,11 @@ def check_buffers(t, o, ps) -> bool:
         raise ValueError(f"{name} (shape {written.shape}) is read-only; {what}")
     if written.numel == 0:
         return o is None
-    lo, hi = _memory_range(buf)
-    others = [] if ps is None or ps.numel == 0 else [("positions", ps, _memory_range(ps.buffer()))]
+    lo, hi = memory_range(buf)
+    others = [] if ps is None or ps.numel == 0 else [("positions", ps, memory_range(ps.buffer()))]
     same = o is None
     if not same:
-        span = _memory_range(t.buffer())
+        span = memory_range(t.buffer())
         same = span == (lo, hi) and t.strides == o.strides
         if not same and t.numel:
             others.append(("tensor", t, span))
