@@ -128,6 +128,7 @@ class AttentionPlan:
                        if s is not None and s.numel]
         self._outputs = [(n, span) for n, span in self._spans if n in self.written]
         self._kv_lens = self.specs.get("kv_lens")
+        self._rows = [n for n, s in self.specs.items() if s is not None and n in LAYOUT_TENSORS]
         self._launches: dict = {}  # the CUDA backend's plans, by (its table, rows' alignment)
 
     def __repr__(self) -> str:
@@ -188,12 +189,15 @@ class AttentionPlan:
         the call's own, made with `alloc`, not from the stream's. `fresh`: names of outputs
         the caller allocated for this call alone (they share memory with nothing), whose
         overlap checks are skipped."""
-        if self.backend.name != "cuda":
-            raise ValueError(f"run_pointers needs the CUDA backend; this plan runs on "
-                             f"{self.backend.name}: use run()")
-        self._check_memory(pointers, fresh)
         backend = self.backend
-        stream = _stream_handle(stream, backend)
+        if backend.name != "cuda":
+            raise ValueError(f"run_pointers needs the CUDA backend; this plan runs on "
+                             f"{backend.name}: use run()")
+        if self._outputs:
+            self._check_memory(pointers, fresh)
+        if type(stream) is not int:
+            stream = backend.current_stream() if stream is None else int(
+                getattr(stream, "ptr", stream))
         if self._kv_lens is not None:
             check_kv_lens_values(backend.read_int32(pointers["kv_lens"], self.dims.batch,
                                                     stream), self.dims.seq_k)
@@ -203,7 +207,10 @@ class AttentionPlan:
                     spec = self.specs[n]
                     backend.zero_view(pointers[n], spec.shape, spec.strides, spec.dtype, stream)
             return
-        low = (backend.generation, backend.alignment(pointers))
+        low = 0  # the data rows' addresses' low bits pick the copy width
+        for n in self._rows:
+            low |= pointers[n]
+        low = (backend.generation, low & 15)
         launch = self._launches.get(low)
         if launch is None:
             launch = self._launches[low] = backend.plan(self.op, self.specs, self.params,
@@ -393,7 +400,3 @@ def _address(a) -> int:
     return a.data.ptr
 
 
-def _stream_handle(stream, backend) -> int:
-    if stream is None:
-        return backend.current_stream()
-    return int(getattr(stream, "ptr", stream))

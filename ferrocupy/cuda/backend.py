@@ -154,10 +154,6 @@ class CudaBackend:
                 return self.plan(op, buffers, params, layout, ptrs)
         return self._make_plan(op, buffers, params, layout, ptrs)
 
-    @staticmethod
-    def alignment(ptrs: dict) -> int:
-        return alignment(ptrs)
-
     def current_stream(self) -> int:
         """CuPy's current stream on this backend's device, as a CUstream handle."""
         if self.xp.cuda.runtime.getDevice() != self._id:  # CuPy's current stream is per device

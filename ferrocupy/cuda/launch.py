@@ -14,6 +14,7 @@ import numpy as np
 from .configs import TILE_COUNTER
 
 NULL = np.uint64(0)  # a null pointer argument: no mask, lse or kv_lens
+driver = None  # cupy.cuda.driver, imported at the first launch (this module imports no CuPy)
 
 
 class PackedLaunch:
@@ -48,12 +49,12 @@ class PackedLaunch:
 
     def run(self, pointers: dict, stream: int) -> None:
         """Write this call's buffer addresses, then launch on `stream` (a CUstream handle)."""
-        from cupy.cuda import driver
-
         for name, cell in self._slots:
             cell[0] = pointers[name]
         if self._function is None:
             self._function = self.fn.kernel.ptr  # the cupy.RawKernel's CUfunction
+            global driver
+            from cupy.cuda import driver
         driver.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1, self.smem,
                             stream, self._addr, 0)
 
