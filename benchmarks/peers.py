@@ -275,10 +275,10 @@ def rope_positions(case):
     """The positions form's int64 [B, S] positions (None for the other forms)."""
     if case.rope != "positions":
         return None
-    cp = _cp()
     bsz, seq = case.shape[:2]
-    rng = cp.random.default_rng(1)
-    return cp.stack([rng.permutation(2 * seq)[:seq] for _ in range(bsz)]).astype(cp.int64)
+    rng = np.random.default_rng(1)
+    return _cp().asarray(np.stack([rng.permutation(2 * seq)[:seq] for _ in range(bsz)]),
+                         dtype=np.int64)
 
 
 def rope_reference(case, s, positions=None) -> dict:

@@ -2,7 +2,7 @@
 # Issue 27's device round: host cost per call against the tree before it (_old/, in one process),
 # the GPU tests of the front door and RoPE, the RoPE bandwidth gate, compute-sanitizer on RoPE.
 set -o pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 [ -d _old ] && timeout 240 python3 lab/call_cost_ab.py _old 2>&1 | tee "$OUT/cost_ab.txt"

@@ -62,7 +62,7 @@ def check(gen, x, head_dim, pos, positions, theta=10000.0, **kw):
                       theta, **kw).reshape(x.shape)
     what = f"[shape {tuple(x.shape)} pos {pos} {kw}]"
     assert_close(out, want, what)
-    g = randn(gen, *x.shape, dtype=x.dtype)
+    g = randn(gen, *x.shape, dtype=x.dtype).to(x.device)
     out.backward(g)
     want.backward(g.double())
     assert_close(xg.grad, x64.grad, "grad " + what)
