@@ -12,7 +12,8 @@ path is a source and the defines that choose code (dtype, mask and dropout compi
 rows, warps, m-tiles, decode rows), as against SIZE_DEFINES, which only size its tiles. Every
 other case carries the `compile` marker, which pyproject.toml's addopts deselects:
 `python -m pytest -m compile` compiles them (the narrower head_dims, sm_80, and everything nvcc
-builds), and .ci/run runs it after the default run, so CI compiles every variant.
+builds), and .ci/run runs it after the default run, so CI compiles every variant. (Naming one of
+them by node id needs `-m compile` too, or `-m ""`; addopts deselects it otherwise.)
 
 Neither needs a GPU: nvcc is a plain program, and NVRTC is a library that CuPy loads without
 touching the driver (`cupy_backends.cuda.libs.nvrtc`; CuPy's own `compile_using_nvrtc` asks the
