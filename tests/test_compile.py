@@ -6,10 +6,20 @@ of them for sm_90 and the widest and narrowest head_dim for sm_80; nvcc builds e
 every dtype at the widest head_dim (the most registers) for both. A source the table does not
 know compiles as it stands (with its `// ferro-variants:` line, if any).
 
+Two runs share that matrix. The default run (`python -m pytest`) compiles, with NVRTC for sm_90
+(sm_90a for the wgmma kernels), each code path at the widest head_dim it is built for: a code
+path is a source and the defines that choose code (dtype, mask and dropout compiled out, swizzled
+rows, warps, m-tiles, decode rows), as against SIZE_DEFINES, which only size its tiles. Every
+other case carries the `compile` marker, which pyproject.toml's addopts deselects:
+`python -m pytest -m compile` compiles them (the narrower head_dims, sm_80, and everything nvcc
+builds), and .ci/run runs it after the default run, so CI compiles every variant. (Naming one of
+them by node id needs `-m compile` too, or `-m ""`; addopts deselects it otherwise.)
+
 Neither needs a GPU: nvcc is a plain program, and NVRTC is a library that CuPy loads without
 touching the driver (`cupy_backends.cuda.libs.nvrtc`; CuPy's own `compile_using_nvrtc` asks the
 driver for the device's architecture and so fails on a machine with no GPU). Both compile to a
 cubin, so the assembler runs too: register or shared-memory overflows fail here, not at first use.
+Only the selected cases are compiled, one compile per core at a time (NVRTC releases the GIL).
 
 A `.cu` file may declare the compile-time variants it is built in, in a comment line such as
 `// ferro-variants: FERRO_HEAD_DIM=32,64,96,128`; each listed value is compiled separately (several
@@ -32,6 +42,10 @@ import pytest
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "ferrocupy" / "cuda"
 ARCHS = ("80", "90")
+DEFAULT_RUN_ARCH = "90"  # the GPUs the project is measured on (H100, H200); sm_90a rides along
+# Defines that size a variant's tiles (extents, buffers, shared memory) rather than choose its code.
+SIZE_DEFINES = frozenset({"FERRO_HEAD_DIM", "FERRO_SMEM_BYTES", "FERRO_BN", "FERRO_STAGES",
+                          "FERRO_KEY_LANES"})
 COMPILE_TIMEOUT_S = 900
 
 _VARIANTS_LINE = re.compile(r"^[ \t]*//[ \t]*ferro-variants:(.*)$", re.MULTILINE)
@@ -131,6 +145,16 @@ def nvcc():
 
 
 # --- the project's kernels ----------------------------------------------------------------------
+def _case_id(v, arch: str) -> str:
+    """The case's name: op, dtype, geometry, design (other than mma.sync), buffers, decode rows."""
+    from ferrocupy.cuda.configs import MMA
+
+    design = "" if v.isa == MMA else f"-{v.isa}"
+    return (f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}{design}"
+            f"{f'-s{v.stages}' if v.stages else ''}{f'-r{v.rows}' if v.rows else ''}"
+            f"{'-plain' if v.plain else ''}-sm_{arch}")
+
+
 def _table_jobs() -> tuple[list, list]:
     """(nvrtc jobs, nvcc jobs) of configs.py's variants: (path, arch, defines, id)."""
     from ferrocupy.cuda import configs
@@ -148,9 +172,7 @@ def _table_jobs() -> tuple[list, list]:
         else:
             archs = ARCHS if v.head_dim in (widest, narrowest) else ("90",)
         for arch in archs:
-            job = (CUDA_DIR / v.source, arch, defines,
-                   f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}"
-                   f"{'-plain' if v.plain else ''}-sm_{arch}")
+            job = (CUDA_DIR / v.source, arch, defines, _case_id(v, arch))
             nvrtc.append(job)
             if first and v.head_dim == widest:
                 nvcc.append(job)
@@ -166,8 +188,28 @@ def _table_jobs() -> tuple[list, list]:
     return nvrtc, nvcc
 
 
+def _head_dim(defines) -> int:
+    return next((int(d.partition("=")[2]) for d in defines if d.startswith("FERRO_HEAD_DIM=")), 0)
+
+
+def _code_path(job) -> tuple:
+    path, arch, defines = job[:3]
+    return path, arch, tuple(d for d in defines if d.partition("=")[0] not in SIZE_DEFINES)
+
+
+def default_run_jobs(jobs) -> set:
+    """The NVRTC jobs the default run compiles: for sm_90 and sm_90a, each code path (source,
+    architecture, and the defines outside SIZE_DEFINES) at the widest head_dim it is built for,
+    in every size built there. That head_dim takes the most registers and shared memory."""
+    ours = [job for job in jobs if job[1].startswith(DEFAULT_RUN_ARCH)]
+    widest: dict = {}
+    for job in ours:
+        widest[_code_path(job)] = max(widest.get(_code_path(job), 0), _head_dim(job[2]))
+    return {job[:3] for job in ours if _head_dim(job[2]) == widest[_code_path(job)]}
+
+
 def _kernel_cases():
-    """(nvrtc cases, nvcc cases)."""
+    """(nvrtc cases, nvcc cases); all but the default run's NVRTC cases marked `compile`."""
     nvrtc, nvcc = _table_jobs()
     known = {job[0] for job in nvrtc}
     for path in sorted(CUDA_DIR.glob("*.cu")):
@@ -178,7 +220,12 @@ def _kernel_cases():
                 job = (path, arch, defines, "-".join([path.name, f"sm_{arch}", *defines]))
                 nvrtc.append(job)
                 nvcc.append(job)
-    cases = tuple([pytest.param(*job[:3], id=job[3]) for job in jobs] for jobs in (nvrtc, nvcc))
+    in_default_run = default_run_jobs(nvrtc)
+    cases = (
+        [pytest.param(*job[:3], id=job[3],
+                      marks=() if job[:3] in in_default_run else pytest.mark.compile)
+         for job in nvrtc],
+        [pytest.param(*job[:3], id=job[3], marks=pytest.mark.compile) for job in nvcc])
     for c in cases:
         if not c:
             c.append(pytest.param(None, None, None, id="no-kernels", marks=pytest.mark.skip(
@@ -198,23 +245,26 @@ def _workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _selected(request, jobs, test_name: str) -> list:
-    """The jobs whose test cases this session runs: all of them, unless `-k` or node ids chose
-    some (`-k rope` compiles the RoPE variants alone)."""
-    chosen = {tuple(item.callspec.params[n] for n in ("path", "arch", "defines"))
-              for item in request.session.items
-              if getattr(item, "originalname", None) == test_name and hasattr(item, "callspec")}
-    return [job for job in jobs if job in chosen]
+def _selected_jobs(request, test_name: str) -> list:
+    """(path, arch, defines) of this session's selected cases of `test_name`: only those are
+    compiled (`-m`, `-k` and node ids all narrow it)."""
+    jobs = []
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == test_name:
+            job = tuple(item.callspec.params[n] for n in ("path", "arch", "defines"))
+            if job[0] is not None:
+                jobs.append(job)
+    return jobs
 
 
 @pytest.fixture(scope="module")
-def nvcc_results(nvcc, tmp_path_factory, request):
-    """Every selected kernel case compiled by nvcc, one compile per core at a time; each test
-    waits for its own result, so a failure is reported against its (file, arch, variant)."""
+def nvcc_results(request, nvcc, tmp_path_factory):
+    """The selected nvcc cases compiled, one compile per core at a time; each test waits for
+    its own result, so a failure is reported against its (file, arch, variant)."""
     out_dir = tmp_path_factory.mktemp("nvcc")
     with ThreadPoolExecutor(_workers()) as pool:
         yield {job: pool.submit(compile_nvcc, nvcc, *job, out_dir)
-               for job in _selected(request, _NVCC_JOBS, "test_kernel_compiles_with_nvcc")}
+               for job in _selected_jobs(request, "test_kernel_compiles_with_nvcc")}
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +273,7 @@ def nvrtc_results(request):
     nvrtc = load_nvrtc()
     with ThreadPoolExecutor(_workers()) as pool:
         yield {job: pool.submit(compile_nvrtc, nvrtc, *job)
-               for job in _selected(request, _NVRTC_JOBS, "test_kernel_compiles_with_nvrtc")}
+               for job in _selected_jobs(request, "test_kernel_compiles_with_nvrtc")}
 
 
 @pytest.mark.parametrize("path, arch, defines", NVCC_CASES)
@@ -297,6 +347,7 @@ def test_variants_parsing():
         variants("// ferro-variants: FERRO_HEAD_DIM\n")
 
 
+@pytest.mark.compile  # with the nvcc cases: the default run builds nothing with nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvcc_machinery(nvcc, tiny, arch):
     src = tiny / "tiny.cu"
@@ -325,6 +376,17 @@ def test_nvrtc_machinery(tiny, arch):
     assert not ok and "undeclared_name" in log
     ok, log = compile_nvrtc(nvrtc, tiny / "greedy.cu", arch, ())
     assert not ok and "shared" in log.lower(), log
+
+
+def test_default_run_builds_every_source_and_code_path():
+    """The default run's NVRTC cases take every `.cu` file and every code path the full matrix
+    builds for sm_90 and sm_90a, so a source broken in any of its code paths fails it."""
+    default = default_run_jobs(_NVRTC_JOBS)
+    assert {path for path, _, _ in default} == set(CUDA_DIR.glob("*.cu"))
+    assert {_code_path(job) for job in default} == {
+        _code_path(job) for job in _NVRTC_JOBS if job[1].startswith(DEFAULT_RUN_ARCH)}
+    for case in NVRTC_CASES:  # the rest is what `-m compile` builds
+        assert (tuple(case.values) in default) != any(m.name == "compile" for m in case.marks)
 
 
 def test_every_selectable_variant_is_compiled():

@@ -82,9 +82,30 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert venv.startswith("python3 -m venv") and activate.startswith(". ")
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert install in ci, f"{install!r} is not a line of .ci/run"
-    assert run in ci, f"{run!r} is not a line of .ci/run"
     assert any(line.startswith("python3 -m venv") for line in ci)
     assert "set -euo pipefail" in ci
+    # pytest runs: first the README's, then only passes the README names (the compile pass)
+    passes = [line for line in ci if line.startswith("python -m pytest")]
+    assert passes and passes[0] == run, f".ci/run's first pytest run is not {run!r}: {passes}"
+    for extra in passes[1:]:
+        assert f"`{extra}`" in README, f".ci/run runs {extra!r}, which README.md does not name"
+    assert not [line for line in ci if line.startswith("pip install") and line != install], (
+        "every package .ci/run installs comes from the README's install command")
+
+
+def test_cpu_torch_variant_keeps_the_test_extras_pin():
+    """The README's variant of the test command for machines without a GPU installs the CPU
+    build of exactly the torch the `test` extra pins (so the install keeps it), then runs the
+    test command's own steps."""
+    extra = re.search(r"^test = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(),
+                      re.MULTILINE | re.DOTALL)
+    pin = re.search(r'"(torch==[^"]+)"', extra.group(1)).group(1)
+    variant = next(block for block in re.findall(r"```bash\n(.+?)\n```", README, re.DOTALL)
+                   if "download.pytorch.org/whl/cpu" in block).strip()
+    steps = [s.strip() for s in _bash_command("**Install and run the tests**").split("&&")]
+    assert [s.strip() for s in variant.split("&&")] == [
+        *steps[:2], f"pip install {pin} --index-url https://download.pytorch.org/whl/cpu",
+        *steps[2:]]
 
 
 def _python_blocks() -> list[str]:
