@@ -33,13 +33,13 @@ class AttentionOptions:
     scale: float | None = None
     # The values with their types (True == 1 == 1.0, but not all are valid), hashable: what a
     # plan is kept by. None when a value is unhashable (validate() then says why).
-    key: tuple | None = field(init=False, repr=False, compare=False)
+    key: "_Key | None" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        key = tuple((type(x), x) for x in (self.causal, self.causal_offset, self.window,
-                                           self.dropout_prob, self.seed, self.scale))
+        values = tuple((type(x), x) for x in (self.causal, self.causal_offset, self.window,
+                                              self.dropout_prob, self.seed, self.scale))
         try:
-            hash(key)
+            key = _Key(values)
         except TypeError:
             key = None
         object.__setattr__(self, "key", key)
@@ -76,6 +76,21 @@ class AttentionOptions:
             if not (np.isfinite(sc64) and np.isfinite(sc32) and sc32 > 0):
                 raise ValueError(f"scale must be finite and > 0 (as float32, which the kernels "
                                  f"take: {sc32}), got {sc}")
+
+
+class _Key:
+    """Hashable values, hashed once (a plan lookup hashes its key on every call)."""
+
+    __slots__ = ("values", "_hash")
+
+    def __init__(self, values: tuple):
+        self.values, self._hash = values, hash(values)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is _Key and self.values == other.values)
 
 
 def _make_backend(backend: str):
@@ -203,7 +218,7 @@ class ComputeEngine:
         depends on them done. The engine keeps one plan per combination: the same arguments
         give the same plan object. `plan.run(q, k, v, out, ...)` runs it on each call's
         tensors (their memory checked every time)."""
-        return self._plan(FORWARD, (q, k, v, out, mask, lse, kv_lens), opts)[0]
+        return self._plan(FORWARD, (q, k, v, out, mask, lse, kv_lens), opts, False)[0]
 
     # --- backward -------------------------------------------------------------------------------
     def flash_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
@@ -241,7 +256,7 @@ class ComputeEngine:
         """The plan of `flash_attention_v2_backward_with` for tensors like these (see
         `plan_attention`)."""
         return self._plan(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse),
-                          opts)[0]
+                          opts, False)[0]
 
     # --- plans ----------------------------------------------------------------------------------
     def _call(self, op: str, args: tuple, opts) -> None:
@@ -251,15 +266,15 @@ class ComputeEngine:
         else:
             plan.run(*args)
 
-    def _plan(self, op: str, args: tuple, opts):
-        """(the plan for `args`, their device addresses by name or None). Plans are kept by
-        the arguments' metadata as read here (type-specific, cheap: no wrapping) and the
-        options' values; an argument whose metadata this cannot read makes a plan that is not
-        kept."""
+    def _plan(self, op: str, args: tuple, opts, addresses: bool = True):
+        """(the plan for `args`, their device addresses by name, or None where they were not
+        asked for or cannot be read). Plans are kept by the arguments' metadata as read here
+        (type-specific, cheap: no wrapping) and the options' values; an argument whose metadata
+        this cannot read makes a plan that is not kept."""
         if not isinstance(opts, AttentionOptions):
             raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
         names = ARGS[op]
-        metas, ptrs = _describe(names, args, self.backend.name == "cuda")
+        metas, ptrs = _describe(names, args, addresses and self.backend.name == "cuda")
         key = None if metas is None or opts.key is None else (op, opts.key, metas)
         plan = None if key is None else self._plans.get(key)
         if plan is None:
@@ -306,13 +321,37 @@ def _describe(names, args, cuda: bool):
     """(each argument's metadata, {name: device address} of the present ones or None) for
     the kinds of tensor read without wrapping (UnifiedTensor, NumPy, CuPy, PyTorch); (None,
     None) if any other kind is among them. Addresses only where `cuda` and every one is on a
-    GPU."""
-    metas, ptrs = [], {} if cuda else None
+    GPU. (The hot path of every call: PyTorch tensors are read inline.)"""
+    torch_tensor = _READERS.get("torch")
+    if not cuda:  # metadata alone
+        metas = []
+        for x in args:
+            if x is None:
+                metas.append(None)
+            elif type(x) is torch_tensor:
+                metas.append((x.shape, x.stride(), x.dtype, x.device))
+            else:
+                read = _READERS.get(type(x)) or _reader(type(x))
+                if read is None:
+                    return None, None
+                metas.append(read(x)[0])
+        return tuple(metas), None
+    metas, ptrs = [], {}
     for name, x in zip(names, args):
         if x is None:
             metas.append(None)
             continue
-        read = _READERS.get(type(x)) or _reader(type(x))
+        kind = type(x)
+        if kind is torch_tensor:
+            dev = x.device
+            metas.append((x.shape, x.stride(), x.dtype, dev))
+            if ptrs is not None:
+                if dev.type == "cuda":
+                    ptrs[name] = x.data_ptr()
+                else:
+                    ptrs = None
+            continue
+        read = _READERS.get(kind) or _reader(kind)
         if read is None:
             return None, None
         meta, ptr = read(x)
@@ -355,6 +394,7 @@ def _reader(kind):
         _READERS[kind] = _read_cupy
     elif torch is not None and kind is torch.Tensor:
         _READERS[kind] = _read_torch
+        _READERS["torch"] = kind  # _describe reads these inline
     return _READERS.get(kind)
 
 
