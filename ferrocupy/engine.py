@@ -322,7 +322,7 @@ def _describe(names, args, cuda: bool):
     the kinds of tensor read without wrapping (UnifiedTensor, NumPy, CuPy, PyTorch); (None,
     None) if any other kind is among them. Addresses only where `cuda` and every one is on a
     GPU. (The hot path of every call: PyTorch tensors are read inline.)"""
-    torch_tensor = _READERS.get("torch")
+    torch_tensor = _TORCH_TENSOR[0]
     if not cuda:  # metadata alone
         metas = []
         for x in args:
@@ -384,6 +384,7 @@ def _read_unified(t):
 
 
 _READERS = {np.ndarray: _read_numpy, UnifiedTensor: _read_unified}
+_TORCH_TENSOR = [None]  # torch.Tensor once a PyTorch tensor was seen: _describe reads it inline
 
 
 def _reader(kind):
@@ -394,7 +395,7 @@ def _reader(kind):
         _READERS[kind] = _read_cupy
     elif torch is not None and kind is torch.Tensor:
         _READERS[kind] = _read_torch
-        _READERS["torch"] = kind  # _describe reads these inline
+        _TORCH_TENSOR[0] = kind
     return _READERS.get(kind)
 
 
