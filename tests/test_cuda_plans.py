@@ -50,37 +50,34 @@ def _bits(x) -> np.ndarray:
     return (x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)).get()
 
 
+# (the issue's case, the argument the bad call replaces, the error)
+ISSUE_CASES = {
+    "lse-inside-q": (issue_case_lse_in_q, "lse", r"lse \(shape \(3, 4, 3\)\) shares memory with q"),
+    "decode-out-interleaved-with-q": (issue_case_decode_out_in_q, "out",
+                                      r"out \(shape \(1, 1, 8, 127\)\) shares memory with q"),
+}
+
+
+@pytest.mark.parametrize("case", ISSUE_CASES)
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
 @pytest.mark.parametrize("warm", [False, True])
-def test_issue_case_lse_inside_q_is_refused(cuda_engine, rng, warm, kind):
+def test_issue_case_is_refused(cuda_engine, rng, warm, kind, case):
+    """Issue 27's two fuzzed cases: refused warm (after a valid call of the same shapes) as
+    cold, and the memory the bad call names is left as it was."""
     if kind == "torch":
         pytest.importorskip("torch")
-    t, bad_lse, qbuf, opts = issue_case_lse_in_q(rng, put=_put if kind == "cupy" else _torch_put)
+    build, arg, error = ISSUE_CASES[case]
+    t, bad, buffer, opts = build(rng, put=_put if kind == "cupy" else _torch_put)
     if warm:
         _call(cuda_engine, t, opts)
-    before = _bits(qbuf)
-    with pytest.raises(ValueError, match=r"lse \(shape \(3, 4, 3\)\) shares memory with q"):
-        _call(cuda_engine, t, opts, lse=bad_lse)
-    np.testing.assert_array_equal(_bits(qbuf), before)
+    before = _bits(buffer)
+    with pytest.raises(ValueError, match=error):
+        _call(cuda_engine, t, opts, **{arg: bad})
+    np.testing.assert_array_equal(_bits(buffer), before)
 
 
-@pytest.mark.parametrize("kind", ["cupy", "torch"])
-@pytest.mark.parametrize("warm", [False, True])
-def test_issue_case_decode_out_interleaved_with_q_is_refused(cuda_engine, rng, warm, kind):
-    if kind == "torch":
-        pytest.importorskip("torch")
-    t, bad_out, both, opts = issue_case_decode_out_in_q(
-        rng, put=_put if kind == "cupy" else _torch_put)
-    if warm:
-        _call(cuda_engine, t, opts)
-    before = _bits(both)
-    with pytest.raises(ValueError, match=r"out \(shape \(1, 1, 8, 127\)\) shares memory with q"):
-        _call(cuda_engine, t, opts, out=bad_out)
-    np.testing.assert_array_equal(_bits(both), before)
-
-
-@settings(max_examples=int(os.environ.get("FERRO_ALIASING_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("FERRO_ALIASING_EXAMPLES", "40")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(call=aliasing.calls(), warm=st.booleans(), seed=st.integers(0, 2**32 - 1),
        kind=st.sampled_from(["cupy", "torch"]))
 def test_overlapping_outputs_are_refused_and_others_run(cuda_engine, call, warm, seed, kind):
