@@ -1,4 +1,4 @@
-"""PyTorch ops: `attention` (autograd, `torch.compile`-able) and in-place `rope_`.
+"""PyTorch ops: `attention` and `rope` (autograd, `torch.compile`-able) and in-place `rope_`.
 
 Importable as `ferrocupy.torch` when PyTorch is installed (`pip install 'ferrocupy[torch]'`);
 nothing else in ferrocupy needs torch.
@@ -9,6 +9,8 @@ Tensors use ferrocupy's layout: `q` is `[B, Sq, H, D]`, `k` and `v` are `[B, Sk,
 current stream. The forward and the backward are each a `torch.library.custom_op`
 (`ferrocupy::attention_fwd`, `ferrocupy::attention_bwd`, with fake kernels for `torch.compile`);
 the forward saves its log-sum-exp and the backward takes it, so the forward is never recomputed.
+Both run the engine's plans (`ComputeEngine.plan_attention`): its public front door, like every
+other caller's.
 
 Inputs need not be contiguous: any view whose last dimension is contiguous (`x.transpose(1, 2)` of
 SDPA's `[B, H, S, D]`, one part of a packed QKV tensor) is read where it lies, through its
@@ -23,18 +25,14 @@ import math
 import threading
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from .dtypes import BFLOAT16
 from .engine import AttentionOptions, ComputeEngine
 from .tensor import UnifiedTensor
 
-__all__ = ["attention", "rope_"]
+__all__ = ["attention", "rope", "rope_"]
 
-_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
-                 torch.bfloat16: BFLOAT16, torch.int32: np.dtype(np.int32)}
 
 _REFERENCE = ComputeEngine("reference", quiet=True)  # every CPU tensor
 _CUDA: dict[int, ComputeEngine] = {}  # one per GPU, created at first use
@@ -361,7 +359,6 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
 # `ferrocupy::rope_` (in place, no gradient). Both call the engine's `rope_theta`, which reads
 # any view whose head_dim elements are contiguous through its strides (a part of a fused QKV
 # projection, SDPA's layout transposed) and remembers what depends only on the call's shapes.
-__all__.append("rope")
 
 
 def _rope_rows(x: Tensor) -> Tensor:
