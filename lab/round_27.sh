@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Issue 27's device round: host cost per call against the tree before it (_old/, in one process),
 # the GPU tests of the front door and RoPE, the RoPE bandwidth gate, compute-sanitizer on RoPE.
+# Before the call, here: echo /_old/ >> .git/info/exclude; mkdir -p _old && git archive 40c43ca |
+# tar -x -C _old; then run it with carry=["_old"]. SUITE= picks other test files (the whole GPU
+# suite: tests/test_cuda_*.py tests/test_layouts.py, about 6 minutes on 15 workers).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
