@@ -17,12 +17,17 @@ from .tensor import UnifiedTensor, cuda_available
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    """Options of `flash_attention_v2_with` and its backward (the seed's five fields, and
-    `scale`).
+    """Options of `flash_attention_v2_with` and its backward (the seed's five fields, `scale`,
+    and SPEC part 2's `window_left`, `window_right`, `softcap`).
 
-    Query `i` sits at absolute position `i + causal_offset`; key `j` is visible when
-    `j <= i + causal_offset` (if `causal`) and `|i + causal_offset - j| < window` (if `window > 0`).
+    Query `i` sits at absolute position `a = i + causal_offset` (a signed 32-bit integer: a
+    negative offset leaves the first rows dead under `causal`); key `j` is visible when
+    `j <= a` (if `causal`) and `|a - j| < window` (if `window > 0`), or, with the asymmetric
+    form, `a - window_left <= j <= a + window_right` (each -1: unbounded; None, the default,
+    is -1 once the other is given; the symmetric `window = w` is `window_left = window_right =
+    w - 1`, and giving both forms is an error).
     `scale` multiplies `q . k` before the softmax; None is `1/sqrt(head_dim)` (the seed's).
+    `softcap > 0` turns each scaled score `x` into `softcap * tanh(x / softcap)`.
     """
 
     causal: bool = False
@@ -31,13 +36,17 @@ class AttentionOptions:
     dropout_prob: float = 0.0
     seed: int = 0
     scale: float | None = None
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float = 0.0
     # The values with their types (True == 1 == 1.0, but not all are valid), hashable: what a
     # plan is kept by. None when a value is unhashable (validate() then says why).
     key: "_Key | None" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         values = tuple((type(x), x) for x in (self.causal, self.causal_offset, self.window,
-                                              self.dropout_prob, self.seed, self.scale))
+                                              self.dropout_prob, self.seed, self.scale,
+                                              self.window_left, self.window_right, self.softcap))
         try:
             key = _Key(values)
         except TypeError:
@@ -47,12 +56,23 @@ class AttentionOptions:
     def validate(self) -> None:
         if not isinstance(self.causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
-        for name in ("causal_offset", "window"):
+        # causal_offset is a signed 32-bit word; window an unsigned one; window_left/right are
+        # int32 with -1 for unbounded.
+        for name, lo, hi, text in (("causal_offset", -2**31, 2**31, "[-2**31, 2**31)"),
+                                   ("window", 0, 2**32, "[0, 2**32)"),
+                                   ("window_left", -1, 2**31, "[-1, 2**31)"),
+                                   ("window_right", -1, 2**31, "[-1, 2**31)")):
             value = getattr(self, name)
+            if value is None and name in ("window_left", "window_right"):
+                continue
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if not 0 <= value < 2**32:
-                raise ValueError(f"{name} must be in [0, 2**32), got {value}")
+            if not lo <= value < hi:
+                raise ValueError(f"{name} must be in {text}, got {value}")
+        if self.window and (self.window_left is not None or self.window_right is not None):
+            raise ValueError(f"give either window ({self.window}) or window_left/window_right "
+                             f"({self.window_left}, {self.window_right}), not both")
+        _check_float("softcap", self.softcap, lambda c: c >= 0, "finite and >= 0")
         p = self.dropout_prob
         if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer,
                                                                  np.floating)):
@@ -62,20 +82,34 @@ class AttentionOptions:
         if (isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer))
                 or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
-        sc = self.scale
-        if sc is not None:
-            if isinstance(sc, (bool, np.bool_)) or not isinstance(sc, (int, float, np.integer,
-                                                                      np.floating)):
-                raise TypeError(f"scale must be a number or None, got {sc!r}")
-            try:
-                sc64 = float(sc)
-            except OverflowError:
-                sc64 = float("inf")
-            with np.errstate(over="ignore"):
-                sc32 = np.float32(sc64)
-            if not (np.isfinite(sc64) and np.isfinite(sc32) and sc32 > 0):
-                raise ValueError(f"scale must be finite and > 0 (as float32, which the kernels "
-                                 f"take: {sc32}), got {sc}")
+        if self.scale is not None:
+            _check_float("scale", self.scale, lambda c: c > 0, "finite and > 0", " or None")
+
+    def windows(self) -> tuple[int, int]:
+        """(window_left, window_right) of these options, -1 for unbounded, whichever form was
+        given (the symmetric `window = w > 0` is `w - 1` each side)."""
+        if self.window_left is not None or self.window_right is not None:
+            return (-1 if self.window_left is None else int(self.window_left),
+                    -1 if self.window_right is None else int(self.window_right))
+        w = int(self.window)
+        return (w - 1, w - 1) if w > 0 else (-1, -1)
+
+
+def _check_float(name: str, value, ok, rule: str, alternative: str = "") -> None:
+    """`value` is a number (not a bool) that, as the float32 the kernels take, is finite and
+    passes `ok`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                   np.floating)):
+        raise TypeError(f"{name} must be a number{alternative}, got {value!r}")
+    try:
+        v64 = float(value)
+    except OverflowError:
+        v64 = float("inf")
+    with np.errstate(over="ignore"):
+        v32 = np.float32(v64)
+    if not (np.isfinite(v64) and np.isfinite(v32) and ok(v32)):
+        raise ValueError(f"{name} must be {rule} (as float32, which the kernels take: {v32}), "
+                         f"got {value}")
 
 
 class _Key:
@@ -198,7 +232,8 @@ class ComputeEngine:
         self.flash_attention_v2_with(q, k, v, out, opts, mask)
 
     def flash_attention_v2_with(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
-                                mask=None, *, lse=None, kv_lens=None) -> None:
+                                mask=None, *, lse=None, kv_lens=None, alibi_slopes=None,
+                                sinks=None) -> None:
         """`flash_attention_v2` with every option (KV-cache offset, sliding window, scale).
 
         `lse` (optional output, float32 `[batch, heads, seq_q]`): each row's log-sum-exp of its
@@ -208,17 +243,25 @@ class ComputeEngine:
         `kv_lens` (optional input, int32 `[batch]`, on this engine's device): batch `b` has
         `kv_lens[b] <= seq_k` keys; the slots past them are never read (a preallocated KV
         cache may hold anything there), and its rows sit at `i + causal_offset + kv_lens[b] - seq_k`.
-        Its values are read (one small copy to the host) and checked before any launch."""
-        self._call(FORWARD, (q, k, v, out, mask, lse, kv_lens), opts)
+        Its values are read (one small copy to the host) and checked before any launch.
+
+        `alibi_slopes` (optional input, float32 `[heads]` or `[batch, heads]`): adds
+        `-slope * |a - j|` to each visible score (after softcap, before the mask).
+        `sinks` (optional input, float32 `[heads]`): head h's logit joins each row's softmax
+        denominator without a value (`lse` includes it; a dead row has `lse = sinks[h]`).
+        Both run on the reference backend (the CUDA kernels refuse them for now)."""
+        self._call(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks), opts)
 
     def plan_attention(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
-                       mask=None, *, lse=None, kv_lens=None) -> AttentionPlan:
+                       mask=None, *, lse=None, kv_lens=None, alibi_slopes=None,
+                       sinks=None) -> AttentionPlan:
         """The plan of `flash_attention_v2_with` for tensors like these (tensors, or
         `TensorSpec`s: only their shapes, strides, dtypes and devices count), every check that
         depends on them done. The engine keeps one plan per combination: the same arguments
         give the same plan object. `plan.run(q, k, v, out, ...)` runs it on each call's
         tensors (their memory checked every time)."""
-        return self._plan(FORWARD, (q, k, v, out, mask, lse, kv_lens), opts, False)[0]
+        return self._plan(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks),
+                          opts, False)[0]
 
     # --- backward -------------------------------------------------------------------------------
     def flash_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
@@ -237,7 +280,9 @@ class ComputeEngine:
 
     def flash_attention_v2_backward_with(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
                                          opts: AttentionOptions = AttentionOptions(),
-                                         mask=None, *, lse=None, kv_lens=None) -> None:
+                                         mask=None, *, lse=None, kv_lens=None,
+                                         alibi_slopes=None, sinks=None,
+                                         grad_sinks=None) -> None:
         """Backward of `flash_attention_v2_with`: `out` is the forward's output for the same
         inputs, `opts` and `mask` (dropout is regenerated from `opts.seed`). Writes, never
         accumulates into, `grad_q`, `grad_k`, `grad_v`; no gradient for the mask.
@@ -245,18 +290,24 @@ class ComputeEngine:
         `lse` (optional input, float32 `[batch, heads, seq_q]`): the forward's, taken as it is;
         the backward then skips recomputing it (same results to float32 rounding).
 
+        `alibi_slopes`, `sinks`: the forward's (no gradient for the slopes). `grad_sinks`
+        (optional output, float32 `[heads]`, with `sinks`): written with
+        `-sum_{b,i} exp(sinks[h] - lse_bhi) * Delta_bhi`.
+
         `kv_lens` is not taken: a cache with per-sequence lengths is an inference-time thing."""
         if kv_lens is not None:
             raise ValueError(_NO_BACKWARD_KV_LENS)
-        self._call(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse), opts)
+        self._call(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse,
+                              alibi_slopes, sinks, grad_sinks), opts)
 
     def plan_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
                                 opts: AttentionOptions = AttentionOptions(), mask=None, *,
-                                lse=None) -> AttentionPlan:
+                                lse=None, alibi_slopes=None, sinks=None,
+                                grad_sinks=None) -> AttentionPlan:
         """The plan of `flash_attention_v2_backward_with` for tensors like these (see
         `plan_attention`)."""
-        return self._plan(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse),
-                          opts, False)[0]
+        return self._plan(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse,
+                                     alibi_slopes, sinks, grad_sinks), opts, False)[0]
 
     # --- plans ----------------------------------------------------------------------------------
     def _call(self, op: str, args: tuple, opts) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256  # SPEC's limit for attention; a backend may take less (its max_head_dim)
 
 
 def _struct(fields: list[tuple[str, str]]) -> np.dtype:
@@ -29,7 +29,8 @@ ROPE_INVERSE = 2  # rotate by the negative angle (the gradient of the rotation)
 ROPE_POSITIONS = 4  # token (b, s) sits at positions[b, s] (or positions[s]), not at pos + s
 ROPE_POSITIONS_INT64 = 8  # those positions are int64 (else int32)
 
-_MASK_FIELDS = [("has_mask", "u4"), ("causal_offset", "u4"), ("mask_stride_b", "u4"),
+# causal_offset is a signed word (int32, two's complement): the seed's values keep their bytes.
+_MASK_FIELDS = [("has_mask", "u4"), ("causal_offset", "i4"), ("mask_stride_b", "u4"),
                 ("mask_stride_h", "u4"), ("mask_stride_q", "u4"), ("mask_stride_k", "u4"),
                 ("window", "u4"), ("_pad0", "u4"), ("_pad1", "u4"), ("_pad2", "u4")]
 
@@ -56,6 +57,42 @@ assert FLASH_BWD_PARAMS.itemsize == 80
 LAYOUT_TENSORS = ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v")
 ATTN_LAYOUT = _struct([(f"{t}_{c}", "u8") for t in LAYOUT_TENSORS for c in "bsh"])
 assert ATTN_LAYOUT.itemsize == 192
+
+
+# The third struct beside the seed's (SPEC "Beyond the seed, part 2"): the options the seed's
+# words have no room for. window_left/right: key j is visible to position a iff
+# a - window_left <= j <= a + window_right (-1: unbounded on that side), whichever form of
+# window the call gave; softcap (0: none); flags say which optional tensors the call has.
+# A seed call packs (-1, -1, 0, 0) unless it has a seed window, which this restates.
+ATTN_EXTRAS = _struct([("window_left", "i4"), ("window_right", "i4"), ("softcap", "f4"),
+                       ("flags", "u4")])
+assert ATTN_EXTRAS.itemsize == 16
+EXTRAS_ALIBI = 1  # alibi_slopes given: score - slope[b, h] * |a - j|
+EXTRAS_ALIBI_PER_BATCH = 2  # alibi_slopes is [batch, heads] (else [heads])
+EXTRAS_SINKS = 4  # sinks given: sinks[h] joins each row's softmax denominator
+
+
+def extras_params(opts, alibi_slopes=None, sinks=None) -> np.void:
+    """`AttnExtras` of options `opts` (validated) and the shapes of the optional tensors."""
+    p = np.zeros((), ATTN_EXTRAS)
+    p["window_left"], p["window_right"] = opts.windows()
+    p["softcap"] = np.float32(opts.softcap)
+    flags = 0
+    if alibi_slopes is not None:
+        flags |= EXTRAS_ALIBI | (EXTRAS_ALIBI_PER_BATCH if len(alibi_slopes.shape) == 2 else 0)
+    if sinks is not None:
+        flags |= EXTRAS_SINKS
+    p["flags"] = flags
+    return p[()]
+
+
+def seed_extras(params: np.void) -> np.void:
+    """`AttnExtras` of a call with the seed's options alone, read from its FlashV2Params or
+    FlashBwdParams (its window word)."""
+    w = int(params["window"])
+    p = np.zeros((), ATTN_EXTRAS)
+    p["window_left"] = p["window_right"] = w - 1 if w else -1
+    return p[()]
 
 
 # RoPE's second struct (ferro_params.cuh's RopeLayout): the element strides (batch, seq, head) of
@@ -103,6 +140,12 @@ def words(params: np.void) -> np.ndarray:
 def _u32(value: int, name: str) -> int:
     if not 0 <= int(value) < 2**32:
         raise ValueError(f"{name} = {value} does not fit in 32 bits")
+    return int(value)
+
+
+def _i32(value: int, name: str) -> int:
+    if not -2**31 <= int(value) < 2**31:
+        raise ValueError(f"{name} = {value} does not fit in a signed 32-bit word")
     return int(value)
 
 
@@ -189,7 +232,7 @@ class AttentionDims:
     head_dim: int
 
     @classmethod
-    def new(cls, q, k) -> "AttentionDims":
+    def new(cls, q, k, max_head_dim: int = MAX_HEAD_DIM) -> "AttentionDims":
         if len(q.shape) != 4:
             raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
         if len(k.shape) != 4:
@@ -207,8 +250,8 @@ class AttentionDims:
                                  f"k shape {tuple(k.shape)})")
         if dims.head_dim == 0:
             raise ValueError(f"head_dim must be at least 1, got q shape {tuple(q.shape)}")
-        if dims.head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"flash attention supports head_dim <= {MAX_HEAD_DIM}, "
+        if dims.head_dim > max_head_dim:
+            raise ValueError(f"flash attention supports head_dim <= {max_head_dim}, "
                              f"got {dims.head_dim} (q shape {tuple(q.shape)})")
         if dims.kv_heads == 0 or dims.heads % dims.kv_heads:
             raise ValueError(f"num_heads ({dims.heads}, q shape {tuple(q.shape)}) must be a "
@@ -236,10 +279,11 @@ class AttentionDims:
                             ("seq_q", self.seq_q), ("seq_k", self.seq_k),
                             ("head_dim", self.head_dim), ("kv_heads", self.kv_heads),
                             ("causal", int(bool(opts.causal))), ("has_mask", has_mask),
-                            ("causal_offset", opts.causal_offset), ("window", opts.window),
+                            ("window", opts.window),
                             ("mask_stride_b", sb), ("mask_stride_h", sh),
                             ("mask_stride_q", sq), ("mask_stride_k", sk)]:
             p[name] = _u32(value, name)
+        p["causal_offset"] = _i32(opts.causal_offset, "causal_offset")
         scale = getattr(opts, "scale", None)
         p["scale"] = self.scale() if scale is None else np.float32(scale)
         p["dropout_prob"] = np.float32(opts.dropout_prob)

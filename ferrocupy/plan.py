@@ -24,19 +24,23 @@ from typing import NamedTuple
 import numpy as np
 
 from . import dtypes as _dt
-from .params import LAYOUT_TENSORS, AttentionDims, layout_params
+from .params import (LAYOUT_TENSORS, MAX_HEAD_DIM, AttentionDims, extras_params,
+                     layout_params)
 
 FORWARD, BACKWARD = "forward", "backward"
 # Argument names in call order; which are optional (None allowed), which are written.
 ARGS = {
-    FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens"),
-    BACKWARD: ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v", "mask", "lse"),
+    FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens", "alibi_slopes", "sinks"),
+    BACKWARD: ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v", "mask", "lse",
+               "alibi_slopes", "sinks", "grad_sinks"),
 }
-OPTIONAL = ("mask", "lse", "kv_lens")
-WRITTEN = {FORWARD: ("out", "lse"), BACKWARD: ("grad_q", "grad_k", "grad_v")}
+OPTIONAL = ("mask", "lse", "kv_lens", "alibi_slopes", "sinks", "grad_sinks")
+WRITTEN = {FORWARD: ("out", "lse"), BACKWARD: ("grad_q", "grad_k", "grad_v", "grad_sinks")}
 _Q_SHAPED = {FORWARD: ("out",), BACKWARD: ("out", "grad_out", "grad_q")}
 _K_SHAPED = {FORWARD: (), BACKWARD: ("grad_k", "grad_v")}
-_CONTIGUOUS = ("lse", "kv_lens")  # C-contiguous; the rank-4 tensors need a contiguous last dim
+# C-contiguous; the rank-4 tensors need a contiguous last dim
+_CONTIGUOUS = ("lse", "kv_lens", "alibi_slopes", "sinks", "grad_sinks")
+_PER_HEAD = ("alibi_slopes", "sinks", "grad_sinks")  # float32 per-head values, checked together
 
 _TORCH_DTYPES = {"torch.float32": _dt.FLOAT32, "torch.float16": _dt.FLOAT16,
                  "torch.bfloat16": _dt.BFLOAT16, "torch.int32": np.dtype(np.int32),
@@ -113,14 +117,15 @@ def _is_torch(x) -> bool:
 class AttentionPlan:
     """One checked attention operation for one set of specs and options (see the module
     docstring). Read-only attributes: `op` ("forward" / "backward"), `options`, `dims`
-    (`AttentionDims`), `specs` (name -> `TensorSpec` or None), `params` and `layout` (the packed
-    structs the kernels receive), `names` (the arguments in call order), `written`."""
+    (`AttentionDims`), `specs` (name -> `TensorSpec` or None), `params`, `layout` and `extras`
+    (the packed structs the kernels receive), `names` (the arguments in call order),
+    `written`."""
 
     def __init__(self, backend, op: str, specs: dict, opts):
         self.backend, self.op, self.options = backend, op, opts
         self.names = ARGS[op]
         self.specs = {n: specs.get(n) for n in self.names}
-        self.dims, self.params, self.layout = _check(backend, op, self.specs, opts)
+        self.dims, self.params, self.layout, self.extras = _check(backend, op, self.specs, opts)
         self.written = tuple(n for n in WRITTEN[op] if self.specs[n] is not None)
         self.empty = self.dims.batch * self.dims.heads * self.dims.seq_q == 0
         # (name, span) of the arguments that occupy memory, and of the outputs among them
@@ -173,11 +178,13 @@ class AttentionPlan:
             check_kv_lens_values(np.asarray(arrays["kv_lens"]), self.dims.seq_k)
         if self.empty:
             if self.op == BACKWARD:
-                # No query row: every key gets zero gradient, written, not left as it was.
-                for n in ("grad_k", "grad_v"):
-                    self.backend.zero(arrays[n])
+                # No query row: every key (and sink) gets zero gradient, written, not left as
+                # it was.
+                for n in ("grad_k", "grad_v", "grad_sinks"):
+                    if arrays[n] is not None:
+                        self.backend.zero(arrays[n])
             return
-        getattr(self.backend, self.op)(arrays, self.params, self.layout)
+        getattr(self.backend, self.op)(arrays, self.params, self.layout, self.extras)
 
     def run_pointers(self, pointers: dict, *, stream=None, alloc=None, capturing=False,
                      fresh=()) -> None:
@@ -273,6 +280,7 @@ def _check(backend, op: str, specs: dict, opts):
     check_dtypes(backend, specs)
     q, k, v = specs["q"], specs["k"], specs["v"]
     dims = AttentionDims.new(q, k)
+    check_backend_reach(backend, specs, opts, dims)
     if v.shape != k.shape:
         raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
     for n in _Q_SHAPED[op]:
@@ -292,9 +300,60 @@ def _check(backend, op: str, specs: dict, opts):
     if lse is not None and lse.shape != (dims.batch, dims.heads, dims.seq_q):
         raise ValueError(f"lse shape {lse.shape} must be [batch, heads, seq_q] = "
                          f"{[dims.batch, dims.heads, dims.seq_q]} (q shape {q.shape})")
+    _check_per_head(specs, dims)
     _check_layout(specs, WRITTEN[op])
     pack = dims.params if op == FORWARD else dims.params_bwd
-    return dims, pack(opts, specs["mask"]), layout_params(specs)
+    return (dims, pack(opts, specs["mask"]), layout_params(specs),
+            extras_params(opts, specs["alibi_slopes"], specs["sinks"]))
+
+
+def _check_per_head(specs: dict, dims) -> None:
+    """alibi_slopes float32 [heads] or [batch, heads]; sinks and grad_sinks float32 [heads];
+    grad_sinks only with sinks."""
+    for n in _PER_HEAD:
+        s = specs.get(n)
+        if s is None:
+            continue
+        if s.dtype != _dt.FLOAT32:
+            raise TypeError(f"{n} has dtype {s.dtype} (shape {s.shape}); it must be float32")
+        shapes = {(dims.heads,): "[heads]"}
+        if n == "alibi_slopes":
+            shapes[(dims.batch, dims.heads)] = "[batch, heads]"
+        if s.shape not in shapes:
+            want = " or ".join(f"{name} = {list(w)}" for w, name in shapes.items())
+            raise ValueError(f"{n} shape {s.shape} must be {want} (q shape {specs['q'].shape})")
+    if specs.get("grad_sinks") is not None and specs.get("sinks") is None:
+        raise ValueError(f"grad_sinks (shape {specs['grad_sinks'].shape}) is the gradient of "
+                         f"sinks, which this call does not have")
+
+
+# What the CUDA kernels do not take yet (SPEC part 2 runs on the reference backend first): each
+# is refused when a plan is made, never run to a wrong answer.
+CUDA_MAX_HEAD_DIM = 128
+_NOT_ON_GPU = "not on the GPU kernels yet; use ComputeEngine('reference')"
+
+
+def check_backend_reach(backend, specs: dict, opts, dims) -> None:
+    """The backend takes every option and tensor of the call (the one place that says what the
+    CUDA backend refuses)."""
+    if backend.name != "cuda":
+        return
+    if dims.head_dim > CUDA_MAX_HEAD_DIM:
+        raise ValueError(f"head_dim = {dims.head_dim} (q shape {specs['q'].shape}): the CUDA "
+                         f"kernels take head_dim <= {CUDA_MAX_HEAD_DIM} (the reference backend "
+                         f"up to {MAX_HEAD_DIM})")
+    if opts.causal_offset < 0:
+        raise ValueError(f"causal_offset = {opts.causal_offset}: the GPU kernels don't take "
+                         f"negative offsets yet; use ComputeEngine('reference')")
+    for name in ("window_left", "window_right"):
+        if getattr(opts, name) is not None:
+            raise ValueError(f"{name} = {getattr(opts, name)}: {_NOT_ON_GPU} (the symmetric "
+                             f"window is)")
+    if opts.softcap:
+        raise ValueError(f"softcap = {opts.softcap}: {_NOT_ON_GPU}")
+    for name in _PER_HEAD:
+        if specs.get(name) is not None:
+            raise ValueError(f"{name} (shape {specs[name].shape}): {_NOT_ON_GPU}")
 
 
 def check_device(backend, name: str, t) -> None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from .dtypes import ATTENTION_DTYPES
-from .params import (ROPE_INTERLEAVED, ROPE_INVERSE, ROPE_POSITIONS, contiguous_layout,
-                     contiguous_rope_layout)
+from .params import (EXTRAS_ALIBI, EXTRAS_ALIBI_PER_BATCH, EXTRAS_SINKS, ROPE_INTERLEAVED,
+                     ROPE_INVERSE, ROPE_POSITIONS, contiguous_layout, contiguous_rope_layout,
+                     seed_extras)
 
 _CHUNK_ELEMS = 1 << 21  # scores per temporary: 16 MB of float64
 _BLOCK_ROWS = 256  # query rows per block: small blocks let causal/window skip unseen keys
@@ -149,18 +150,73 @@ def dropout_keep(p, b: int, h: int, rows, cols) -> np.ndarray:
 
 
 # --- the three shared attention pieces ------------------------------------------------------------
-def visible(p, rows, cols) -> np.ndarray:
+class _Fields:
+    """One call's packed structs read as one: the seed's struct `p`, its `AttnExtras` (window
+    sides, softcap, flags) and values that override both (a batch entry's under `kv_lens`:
+    `kv_lens[b]` keys, rows `kv_lens[b] - seq_k` positions earlier)."""
+
+    def __init__(self, p, extras, **over):
+        self._p, self._extras, self._over = p, extras, over
+
+    def __getitem__(self, name):
+        if name in self._over:
+            return self._over[name]
+        if name in ATTN_EXTRAS_FIELDS:
+            return self._extras[name]
+        return self._p[name]
+
+    def batch(self, kv_len: int) -> "_Fields":
+        return _Fields(self._p, self._extras, seq_k=kv_len, causal_offset=int(
+            self["causal_offset"]) + kv_len - int(self._p["seq_k"]))
+
+
+ATTN_EXTRAS_FIELDS = ("window_left", "window_right", "softcap", "flags")
+
+
+def _fields(p, extras=None) -> _Fields:
+    """`p` with its extras (None: a seed call's, from `p`'s window word)."""
+    if isinstance(p, _Fields):
+        return p
+    return _Fields(p, seed_extras(p) if extras is None else extras)
+
+
+def visible(p, rows, cols, extras=None) -> np.ndarray:
     """Key `j` visible to row `i` (absolute position `a = i + causal_offset`) iff
-    (not causal or j <= a) and (window == 0 or |a - j| < window)."""
+    (not causal or j <= a) and a - window_left <= j <= a + window_right (a side of -1 is
+    unbounded; a seed window w is w - 1 each side)."""
+    p = _fields(p, extras)
     a = np.asarray(rows, dtype=np.int64)[:, None] + int(p["causal_offset"])
     j = np.asarray(cols, dtype=np.int64)[None, :]
     vis = np.ones((a.shape[0], j.shape[1]), dtype=bool)
     if int(p["causal"]):
         vis &= j <= a
-    window = int(p["window"])
-    if window:
-        vis &= np.abs(a - j) < window
+    left, right = int(p["window_left"]), int(p["window_right"])
+    if left >= 0:
+        vis &= j >= a - left
+    if right >= 0:
+        vis &= j <= a + right
     return vis
+
+
+def _limited(p) -> bool:
+    """Whether some key can be invisible to some row by position (causal or a window)."""
+    return bool(int(p["causal"])) or int(p["window_left"]) >= 0 or int(p["window_right"]) >= 0
+
+
+def alibi_slope(p, alibi_slopes, b: int, h: int):
+    """Head h's ALiBi slope in batch b as float64, or None when the call has none."""
+    if alibi_slopes is None or not int(p["flags"]) & EXTRAS_ALIBI:
+        return None
+    flat = np.asarray(alibi_slopes).reshape(-1)
+    return np.float64(flat[b * int(p["heads"]) + h if int(p["flags"]) & EXTRAS_ALIBI_PER_BATCH
+                           else h])
+
+
+def sink_logit(p, sinks, h: int):
+    """Head h's sink logit as float64, or None when the call has none."""
+    if sinks is None or not int(p["flags"]) & EXTRAS_SINKS:
+        return None
+    return np.float64(np.asarray(sinks)[h])
 
 
 def mask_block(mask, p, b: int, h: int, rows, cols):
@@ -180,17 +236,25 @@ def mask_block(mask, p, b: int, h: int, rows, cols):
     return m[b, h][rows[:, None], cols[None, :]].astype(np.float64)
 
 
-def _scores(qh, kh, p, mask, b, h, rows, cols):
-    """Scores `scale*q.k + mask` where visible, −inf elsewhere, and `live = s != −inf`: the
-    elements that take part (a −inf mask entry hides a key like the visibility rule; NaN is live
-    so it propagates)."""
+def _scores(qh, kh, p, mask, b, h, rows, cols, slope=None):
+    """Scores `softcap(scale*q.k) - slope*|a - j| + mask` where visible, −inf elsewhere,
+    `live = s != −inf`: the elements that take part (a −inf mask entry hides a key like the
+    visibility rule; NaN is live so it propagates), and the softcap's derivative `1 − tanh²`
+    (None without softcap), which the backward multiplies dS by."""
     s = (qh @ kh.T) * np.float64(np.float32(p["scale"]))
+    cap, dcap = np.float64(np.float32(p["softcap"])), None
+    if cap:
+        t = np.tanh(s / cap)
+        s, dcap = cap * t, 1.0 - t * t
+    if slope is not None:
+        a = np.asarray(rows, dtype=np.int64)[:, None] + int(p["causal_offset"])
+        s -= slope * np.abs(a - np.asarray(cols, dtype=np.int64)[None, :])
     m = mask_block(mask, p, b, h, rows, cols)
     if m is not None:
         s += m
-    if int(p["causal"]) or int(p["window"]):
+    if _limited(p):
         s[~visible(p, rows, cols)] = -np.inf
-    return s, s != -np.inf
+    return s, s != -np.inf, dcap
 
 
 def _masked_matmul(a, b, live):
@@ -208,12 +272,19 @@ def _masked_matmul(a, b, live):
     return out
 
 
-def _softmax(s):
-    """Row softmax and LSE: a row whose max is −inf gets P = 0, LSE = −inf; NaN stays NaN."""
+def _softmax(s, sink=None):
+    """Row softmax and LSE, with the sink logit (None: none) in each denominator: a row whose
+    max (sink included) is −inf gets P = 0, LSE = −inf; a row that sees no key but has a sink
+    gets P = 0, LSE = sink; NaN stays NaN."""
     mx = s.max(axis=1, initial=-np.inf)
+    if sink is not None:
+        mx = np.maximum(mx, sink)
     dead = mx == -np.inf
-    e = np.exp(s - np.where(dead, 0.0, mx)[:, None])
+    shift = np.where(dead, 0.0, mx)
+    e = np.exp(s - shift[:, None])
     total = e.sum(axis=1)
+    if sink is not None:
+        total = total + np.exp(sink - shift)
     prob = e / np.where(dead, 1.0, total)[:, None]
     lse = np.where(dead, -np.inf, mx + np.log(np.where(dead, 1.0, total)))
     return prob, lse
@@ -239,14 +310,16 @@ def _blocks(p, seq_q: int, seq_k: int):
     the range of keys some row of the block can see. Keys outside it are invisible to every row
     of the block, so leaving them out changes nothing (they never reach a row they do not see)."""
     step = max(1, min(_BLOCK_ROWS, _CHUNK_ELEMS // max(seq_k, 1)))
-    off, window = int(p["causal_offset"]), int(p["window"])
+    off, left, right = (int(p[n]) for n in ("causal_offset", "window_left", "window_right"))
     for r0 in range(0, seq_q, step):
         r1 = min(r0 + step, seq_q)
         lo, hi = 0, seq_k
         if int(p["causal"]):
             hi = min(hi, r1 - 1 + off + 1)
-        if window:
-            lo, hi = max(lo, r0 + off - window + 1), min(hi, r1 - 1 + off + window)
+        if left >= 0:
+            lo = max(lo, r0 + off - left)
+        if right >= 0:
+            hi = min(hi, r1 - 1 + off + right + 1)
         hi = max(lo, hi)
         yield np.arange(r0, r1, dtype=np.int64), np.arange(lo, hi, dtype=np.int64), slice(lo, hi)
 
@@ -256,20 +329,6 @@ def _f64(a):
 
 
 # --- the three attention kernels ------------------------------------------------------------------
-class _Batch:
-    """The struct as batch `b` of a call with `kv_lens` sees it: `kv_lens[b]` keys, rows
-    `kv_lens[b] - seq_k` positions earlier (the offset may go negative, which the struct's
-    unsigned word cannot hold)."""
-
-    def __init__(self, p, kv_len: int):
-        self._p = p
-        self._over = {"seq_k": kv_len,
-                      "causal_offset": int(p["causal_offset"]) + kv_len - int(p["seq_k"])}
-
-    def __getitem__(self, name):
-        return self._over[name] if name in self._over else self._p[name]
-
-
 def _views(p, lay, **named):
     """The named buffers as rank-4 views through `lay` (None: C-contiguous)."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
@@ -284,24 +343,29 @@ def _views(p, lay, **named):
     return out
 
 
-def flash_attn_v2(q, k, v, out, mask, p, lse=None, kv_lens=None, layout=None) -> None:
+def flash_attn_v2(q, k, v, out, mask, p, lse=None, kv_lens=None, layout=None,
+                  alibi_slopes=None, sinks=None, extras=None) -> None:
     """Forward (SPEC "Attention forward"): writes `out` [B, Sq, H, D] and, when given, `lse`
     [B, H, Sq] (float32: each row's log-sum-exp, -inf for a row that sees no key). With
     `kv_lens` [B], batch b has kv_lens[b] keys (the rest are never read) and its rows sit
-    kv_lens[b] - Sk positions earlier."""
+    kv_lens[b] - Sk positions earlier. `extras`: the AttnExtras struct (None: a seed call's),
+    whose flags say whether `alibi_slopes` and `sinks` are read."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
+    p = _fields(p, extras)
     q4, o4, k4, v4 = _views(p, layout, q=q, out=out, k=k, v=v)
     group = H // Hkv
     with np.errstate(all="ignore"):  # inf/NaN are meant to flow through
         for b in range(B):
-            pb = p if kv_lens is None else _Batch(p, int(kv_lens[b]))
+            pb = p if kv_lens is None else p.batch(int(kv_lens[b]))
             n_keys = Sk if kv_lens is None else int(kv_lens[b])
             for h in range(H):
                 kh = _f64(k4[b, :n_keys, h // group])
                 vh = _f64(v4[b, :n_keys, h // group])
+                slope, sink = alibi_slope(p, alibi_slopes, b, h), sink_logit(p, sinks, h)
                 for rows, cols, keys in _blocks(pb, Sq, n_keys):
-                    s, live = _scores(_f64(q4[b, rows, h]), kh[keys], pb, mask, b, h, rows, cols)
-                    prob, row_lse = _softmax(s)
+                    s, live, _ = _scores(_f64(q4[b, rows, h]), kh[keys], pb, mask, b, h, rows,
+                                         cols, slope)
+                    prob, row_lse = _softmax(s, sink)
                     prob = _apply(prob, _dropout_factor(pb, b, h, rows, cols))
                     o4[b, rows, h] = _masked_matmul(prob, vh[keys], live)
                     if lse is not None:
@@ -309,41 +373,53 @@ def flash_attn_v2(q, k, v, out, mask, p, lse=None, kv_lens=None, layout=None) ->
 
 
 def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p, lse=None,
-                        layout=None) -> None:
+                        layout=None, alibi_slopes=None, sinks=None, grad_sinks=None,
+                        extras=None) -> None:
     """Backward, first kernel: writes `stats` [B*H*Sq, 2] = [Delta, LSE] per row
-    (row `(b*H + h)*Sq + i`) and `grad_q`. With `lse` [B, H, Sq] given (the forward's), P is
+    (row `(b*H + h)*Sq + i`), `grad_q` and, when given (with sinks), `grad_sinks` [H] =
+    `-sum_{b,i} exp(sink_h - LSE) * Delta`. With `lse` [B, H, Sq] given (the forward's), P is
     `exp(s - lse)` and that LSE is what `stats` passes on, as the CUDA kernel does."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
+    p = _fields(p, extras)
     q4, o4, do4, dq4, k4, v4 = _views(p, layout, q=q, out=out, grad_out=grad_out,
                                       grad_q=grad_q, k=k, v=v)
     st = stats.reshape(B, H, Sq, 2)
     group, scale = H // Hkv, np.float64(np.float32(p["scale"]))
+    d_sinks = np.zeros(H)
     with np.errstate(all="ignore"):
         for b in range(B):
             for h in range(H):
                 kh, vh = _f64(k4[b, :, h // group]), _f64(v4[b, :, h // group])
+                slope, sink = alibi_slope(p, alibi_slopes, b, h), sink_logit(p, sinks, h)
                 for rows, cols, keys in _blocks(p, Sq, Sk):
                     do = _f64(do4[b, rows, h])
                     delta = np.einsum("rd,rd->r", do, _f64(o4[b, rows, h]))
-                    s, live = _scores(_f64(q4[b, rows, h]), kh[keys], p, mask, b, h, rows, cols)
+                    s, live, dcap = _scores(_f64(q4[b, rows, h]), kh[keys], p, mask, b, h, rows,
+                                            cols, slope)
                     if lse is None:
-                        prob, row_lse = _softmax(s)
+                        prob, row_lse = _softmax(s, sink)
                     else:
                         row_lse = _f64(lse.reshape(B, H, Sq)[b, h, rows])
                         live &= (row_lse != -np.inf)[:, None]
                         prob = np.where(live, np.exp(s - row_lse[:, None]), 0.0)
                     dprob = _apply(do @ vh[keys].T, _dropout_factor(p, b, h, rows, cols))
-                    ds = prob * (dprob - delta[:, None])
+                    ds = _apply(prob * (dprob - delta[:, None]), dcap)
+                    if sink is not None:
+                        d_sinks[h] -= np.sum(np.exp(sink - row_lse) * delta)
                     st[b, h, rows, 0] = delta
                     st[b, h, rows, 1] = row_lse
                     dq4[b, rows, h] = scale * _masked_matmul(ds, kh[keys], live)
+    if grad_sinks is not None:
+        grad_sinks[...] = d_sinks
 
 
 def flash_attn_v2_bw_dkdv(q, k, v, grad_out, grad_k, grad_v, mask, stats, p,
-                          layout=None) -> None:
+                          layout=None, alibi_slopes=None, extras=None) -> None:
     """Backward, second kernel: reads `stats`, recomputes `P = exp(s - LSE)` (0 where not
-    visible or LSE = −inf) and writes `grad_k`, `grad_v` summed over each KV head's group."""
+    visible or LSE = −inf; the LSE holds any sink) and writes `grad_k`, `grad_v` summed over
+    each KV head's group."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
+    p = _fields(p, extras)
     q4, do4, k4, v4, dk4, dv4 = _views(p, layout, q=q, grad_out=grad_out, k=k, v=v,
                                        grad_k=grad_k, grad_v=grad_v)
     st = stats.reshape(B, H, Sq, 2)
@@ -354,14 +430,16 @@ def flash_attn_v2_bw_dkdv(q, k, v, grad_out, grad_k, grad_v, mask, stats, p,
                 kh, vh = _f64(k4[b, :, hk]), _f64(v4[b, :, hk])
                 dk, dv = np.zeros((Sk, D)), np.zeros((Sk, D))
                 for h in range(hk * group, (hk + 1) * group):
+                    slope = alibi_slope(p, alibi_slopes, b, h)
                     for rows, cols, keys in _blocks(p, Sq, Sk):
                         qh, do = _f64(q4[b, rows, h]), _f64(do4[b, rows, h])
                         delta, lse = _f64(st[b, h, rows, 0]), _f64(st[b, h, rows, 1])
-                        s, live = _scores(qh, kh[keys], p, mask, b, h, rows, cols)
+                        s, live, dcap = _scores(qh, kh[keys], p, mask, b, h, rows, cols, slope)
                         live &= (lse != -np.inf)[:, None]  # a dead row has P = 0
                         prob = np.where(live, np.exp(s - lse[:, None]), 0.0)
                         factor = _dropout_factor(p, b, h, rows, cols)
-                        ds = prob * (_apply(do @ vh[keys].T, factor) - delta[:, None])
+                        ds = _apply(prob * (_apply(do @ vh[keys].T, factor) - delta[:, None]),
+                                    dcap)
                         dk[keys] += _masked_matmul(ds.T, qh, live.T)
                         dv[keys] += _masked_matmul(_apply(prob, factor).T, do, live.T)
                 dk4[b, :, hk] = scale * dk
@@ -396,20 +474,27 @@ class ReferenceBackend:
         batch stride (None: C-contiguous)."""
         KERNELS["rope"](x, params, out=out, positions=positions, layout=layout)
 
-    def forward(self, buffers: dict, params: np.void, layout: np.void | None = None) -> None:
-        """buffers: q, k, v, out, mask (or None), lse (or None), kv_lens (or None); `layout`:
-        their strides (None: C-contiguous)."""
-        KERNELS["flash_attn_v2"](**buffers, p=params, layout=layout)
+    def forward(self, buffers: dict, params: np.void, layout: np.void | None = None,
+                extras: np.void | None = None) -> None:
+        """buffers: q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks (each optional one
+        may be None or absent); `layout`: their strides (None: C-contiguous); `extras`: the
+        AttnExtras struct (None: a seed call's)."""
+        KERNELS["flash_attn_v2"](**buffers, p=params, layout=layout, extras=extras)
 
-    def backward(self, buffers: dict, params: np.void, layout: np.void | None = None) -> None:
+    def backward(self, buffers: dict, params: np.void, layout: np.void | None = None,
+                 extras: np.void | None = None) -> None:
         """buffers: q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse (None: computed
-        again). The dQ kernel writes each row's [Delta, LSE] for the dK/dV kernel."""
+        again), alibi_slopes, sinks, grad_sinks (each optional one may be None or absent). The
+        dQ kernel writes each row's [Delta, LSE] for the dK/dV kernel."""
         b = buffers
         stats = np.empty((int(params["batch"]) * int(params["heads"]) * int(params["seq_q"]), 2),
                          np.float32)
+        alibi = b.get("alibi_slopes")
         KERNELS["flash_attn_v2_bw_dq"](b["q"], b["k"], b["v"], b["out"], b["grad_out"],
                                        b["grad_q"], b["mask"], stats, params, lse=b["lse"],
-                                       layout=layout)
+                                       layout=layout, alibi_slopes=alibi, sinks=b.get("sinks"),
+                                       grad_sinks=b.get("grad_sinks"), extras=extras)
         if int(params["seq_k"]):
             KERNELS["flash_attn_v2_bw_dkdv"](b["q"], b["k"], b["v"], b["grad_out"], b["grad_k"],
-                                             b["grad_v"], b["mask"], stats, params, layout=layout)
+                                             b["grad_v"], b["mask"], stats, params, layout=layout,
+                                             alibi_slopes=alibi, extras=extras)

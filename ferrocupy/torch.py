@@ -125,30 +125,40 @@ def _seed_int(seed: Tensor) -> int:
     return int(seed) % 2**64
 
 
-def _options(causal, causal_offset, window, dropout_p, seed: Tensor, scale) -> AttentionOptions:
-    return _options_of(causal, causal_offset, window, dropout_p, _seed_int(seed), scale)
+def _options(causal, causal_offset, window, dropout_p, seed: Tensor, scale, window_left=None,
+             window_right=None, softcap=0.0) -> AttentionOptions:
+    return _options_of(causal, causal_offset, window, dropout_p, _seed_int(seed), scale,
+                       window_left, window_right, softcap)
 
 
 @functools.lru_cache(maxsize=256)  # a frozen dataclass: one object per set of values, reused
-def _options_of(causal, causal_offset, window, dropout_p, seed: int, scale) -> AttentionOptions:
+def _options_of(causal, causal_offset, window, dropout_p, seed: int, scale, window_left=None,
+                window_right=None, softcap=0.0) -> AttentionOptions:
     return AttentionOptions(causal=causal, causal_offset=causal_offset, window=window,
-                            dropout_prob=dropout_p, seed=seed, scale=scale)
+                            dropout_prob=dropout_p, seed=seed, scale=scale,
+                            window_left=window_left, window_right=window_right, softcap=softcap)
 
 
 # --- attention: forward -----------------------------------------------------------------------
 def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
               causal_offset: int, window: int, dropout_p: float, seed: Tensor,
-              scale: Optional[float], kv_lens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+              scale: Optional[float], kv_lens: Optional[Tensor], window_left: Optional[int] = None,
+              window_right: Optional[int] = None, softcap: float = 0.0,
+              alibi_slopes: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]): the forward op's body."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     mask = _mask(attn_mask)
     lens = None if kv_lens is None else kv_lens.contiguous()
-    opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
+    opts = _options(causal, causal_offset, window, dropout_p, seed, scale, window_left,
+                    window_right, softcap)
     B, Sq, H, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens}
-    _run(_engine(q.device).plan_attention(q, k, v, out, opts, mask, lse=lse, kv_lens=lens), named,
+    named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens,
+             "alibi_slopes": alibi_slopes, "sinks": sinks}
+    _run(_engine(q.device).plan_attention(q, k, v, out, opts, mask, lse=lse, kv_lens=lens,
+                                          alibi_slopes=alibi_slopes, sinks=sinks), named,
          fresh=("out", "lse"))
     return out, lse
 
@@ -157,7 +167,8 @@ _attention_fwd = torch.library.custom_op("ferrocupy::attention_fwd", _fwd_body, 
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens):
+def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens,
+      window_left=None, window_right=None, softcap=0.0, alibi_slopes=None, sinks=None):
     B, Sq, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, H, Sq), dtype=torch.float32)
 
@@ -165,22 +176,37 @@ def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale,
 # --- attention: backward ----------------------------------------------------------------------
 def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               attn_mask: Optional[Tensor], causal: bool, causal_offset: int, window: int,
-              dropout_p: float, seed: Tensor,
-              scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_q, grad_k, grad_v), given the forward's `out` and `lse` (never recomputed): the
-    backward op's body."""
+              dropout_p: float, seed: Tensor, scale: Optional[float],
+              window_left: Optional[int] = None, window_right: Optional[int] = None,
+              softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v, grad_sinks), given the forward's `out` and `lse` (never
+    recomputed): the backward op's body. grad_sinks is float32 `[H]` with sinks, else empty."""
     q, k, v, out = _rows(q), _rows(k), _rows(v), _rows(out)
     lse = lse.contiguous()
     grad_out = _rows(grad_out.to(q.dtype))
     mask = _mask(attn_mask)
-    opts = _options(causal, causal_offset, window, dropout_p, seed, scale)
+    opts = _options(causal, causal_offset, window, dropout_p, seed, scale, window_left,
+                    window_right, softcap)
     gq, gk, gv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    plan = _engine(q.device).plan_attention_backward(q, k, v, out, grad_out, gq, gk, gv, opts,
-                                                     mask, lse=lse)
+    gs = _grad_sinks_like(q, sinks)
+    has_gs = sinks is not None
+    plan = _engine(q.device).plan_attention_backward(
+        q, k, v, out, grad_out, gq, gk, gv, opts, mask, lse=lse, alibi_slopes=alibi_slopes,
+        sinks=sinks, grad_sinks=gs if has_gs else None)
     _run(plan, {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": gq,
-                "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse},
-         fresh=("grad_q", "grad_k", "grad_v"))
-    return gq, gk, gv
+                "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse,
+                "alibi_slopes": alibi_slopes, "sinks": sinks,
+                "grad_sinks": gs if has_gs else None},
+         fresh=("grad_q", "grad_k", "grad_v", "grad_sinks"))
+    return gq, gk, gv, gs
+
+
+def _grad_sinks_like(q: Tensor, sinks: Optional[Tensor]) -> Tensor:
+    """The backward's grad_sinks output: float32 like `sinks`, or empty `[0]` without sinks (an
+    op returns a tensor either way)."""
+    shape = (0,) if sinks is None else tuple(sinks.shape)
+    return q.new_empty(shape, dtype=torch.float32)
 
 
 _attention_bwd = torch.library.custom_op("ferrocupy::attention_bwd", _bwd_body, mutates_args=())
@@ -188,16 +214,28 @@ _attention_bwd = torch.library.custom_op("ferrocupy::attention_bwd", _bwd_body, 
 
 @_attention_bwd.register_fake
 def _(grad_out, q, k, v, out, lse, attn_mask, causal, causal_offset, window, dropout_p, seed,
-      scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      scale, window_left=None, window_right=None, softcap=0.0, alibi_slopes=None, sinks=None):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            _grad_sinks_like(q, sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens = inputs
+    (q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens,
+     window_left, window_right, softcap, alibi_slopes, sinks) = _full_inputs(inputs)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed)
-    ctx.options = (causal, causal_offset, window, dropout_p, scale)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed, alibi_slopes, sinks)
+    ctx.options = (causal, causal_offset, window, dropout_p, scale, window_left, window_right,
+                   softcap)
     ctx.has_kv_lens = kv_lens is not None
+    ctx.n_inputs = len(inputs)
+
+
+_OP_DEFAULTS = (None, None, 0.0, None, None)  # the forward op's trailing optional arguments
+
+
+def _full_inputs(inputs: tuple) -> tuple:
+    """The forward op's 16 inputs, the trailing defaults filled in where a call left them out."""
+    return tuple(inputs) + _OP_DEFAULTS[len(inputs) - 11:]
 
 
 def _backward(ctx, grad_out, grad_lse, bwd=None):
@@ -207,11 +245,16 @@ def _backward(ctx, grad_out, grad_lse, bwd=None):
         raise ValueError("ferrocupy.torch.attention has no backward with kv_lens (per-sequence "
                          "cache lengths are for inference); train on unpadded keys or pass an "
                          "additive attn_mask")
-    q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
-    causal, causal_offset, window, dropout_p, scale = ctx.options
-    gq, gk, gv = (bwd or _attention_bwd)(grad_out, q, k, v, out, lse, attn_mask, causal,
-                                         causal_offset, window, dropout_p, seed, scale)
-    return gq, gk, gv, None, None, None, None, None, None, None, None  # none for mask, kv_lens
+    q, k, v, out, lse, attn_mask, seed, alibi_slopes, sinks = ctx.saved_tensors
+    causal, causal_offset, window, dropout_p, scale, window_left, window_right, softcap = \
+        ctx.options
+    gq, gk, gv, gs = (bwd or _attention_bwd)(grad_out, q, k, v, out, lse, attn_mask, causal,
+                                             causal_offset, window, dropout_p, seed, scale,
+                                             window_left, window_right, softcap, alibi_slopes,
+                                             sinks)
+    # None for every input but q, k, v and sinks (no gradient for the mask or the slopes)
+    grads = (gq, gk, gv) + (None,) * 12 + (None if sinks is None else gs,)
+    return grads[:ctx.n_inputs]
 
 
 torch.library.register_autograd("ferrocupy::attention_fwd", _backward,
@@ -225,10 +268,10 @@ class _EagerAttention(torch.autograd.Function):
     torch.compile and tensor subclasses take the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rest):
-        # `rest`: the op's other arguments, in its order, as one argument (apply's per-argument
-        # bookkeeping is a good part of its cost); none of them takes a gradient.
-        inputs = (q, k, v, *rest)
+    def forward(ctx, q, k, v, sinks, rest):
+        # `rest`: the op's other arguments but sinks, in its order, as one argument (apply's
+        # per-argument bookkeeping is a good part of its cost); none of them takes a gradient.
+        inputs = (q, k, v, *rest, sinks)
         out, lse = _fwd_body(*inputs)
         _setup_context(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
@@ -237,7 +280,8 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the op: no double backward, an error
     def backward(ctx, grad_out, grad_lse):
-        return _backward(ctx, grad_out, grad_lse, bwd=_bwd_body)[:3] + (None,)
+        grads = _backward(ctx, grad_out, grad_lse, bwd=_bwd_body)
+        return grads[:3] + (grads[-1], None)
 
 
 _ZERO_SEED = torch.zeros((), dtype=torch.int64)
@@ -260,7 +304,9 @@ def _seed_tensor(seed: Optional[int], dropout_p: float) -> Tensor:
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_offset: int = 0,
               window: int = 0, dropout_p: float = 0.0, seed: Optional[int] = None,
               attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
-              kv_lens: Optional[Tensor] = None) -> Tensor:
+              kv_lens: Optional[Tensor] = None, softcap: float = 0.0,
+              window_left: Optional[int] = None, window_right: Optional[int] = None,
+              alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tensor:
     """Fused attention with autograd; returns `out`, `[B, Sq, H, D]` in q's dtype.
 
     - `q`: `[B, Sq, H, D]`; `k`, `v`: `[B, Sk, Hkv, D]` (ferrocupy's layout, not SDPA's
@@ -282,6 +328,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
     - `kv_lens`: int32 `[B]` on q's device, per-sequence lengths of a preallocated KV cache:
       sequence `b` has `kv_lens[b]` keys (the slots past them are never read) and its queries
       sit `kv_lens[b] - Sk` positions earlier. Inference only: the backward refuses it.
+    - `causal_offset` may be negative (rows below position 0 see no key under causal: out 0);
+      `window_left`, `window_right` (each -1: unbounded; None: -1 once the other is given): key
+      `j` is visible iff `a - window_left <= j <= a + window_right` (give them or `window`).
+    - `softcap` (> 0): each scaled score `x` becomes `softcap * tanh(x / softcap)`.
+    - `alibi_slopes`: float32 `[H]` or `[B, H]`, adds `-slope * |a - j|` to each score (no
+      gradient). `sinks`: float32 `[H]`, a per-head logit in each row's softmax denominator;
+      it gets a gradient.
+    These five run on CPU tensors (the reference backend); the CUDA kernels refuse them for now,
+    as they refuse a negative `causal_offset`.
     """
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=torch.float32,
@@ -292,18 +347,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
         raise ValueError("ferrocupy.torch.attention has no backward with kv_lens (per-sequence "
                          "cache lengths are for inference): call it under torch.no_grad() or "
                          "with inputs that do not require grad")
-    if _eager_inference(q, k, v, attn_mask, kv_lens):
+    windows = (window_left, window_right, float(softcap))
+    if alibi_slopes is None and sinks is None and _eager_inference(q, k, v, attn_mask, kv_lens):
         return _forward_now(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
-                            seed, None if scale is None else float(scale), kv_lens)
-    eager = _plain_eager(q, k, v, attn_mask, kv_lens)
+                            seed, None if scale is None else float(scale), kv_lens, *windows)
+    eager = _plain_eager(q, k, v, attn_mask, kv_lens) and all(
+        x is None or type(x) is Tensor for x in (alibi_slopes, sinks))
     # (Eager, no dropout and no seed: one shared zero seed, never written, spares a tensor a call.)
     seed_t = _ZERO_SEED if eager and seed is None and not dropout_p else _seed_tensor(seed,
                                                                                       dropout_p)
     rest = (attn_mask, causal, causal_offset, window, float(dropout_p), seed_t,
-            None if scale is None else float(scale), kv_lens)
+            None if scale is None else float(scale), kv_lens, *windows, alibi_slopes)
     if eager:
-        return _EagerAttention.apply(q, k, v, rest)[0]
-    return _attention_fwd(q, k, v, *rest)[0]
+        return _EagerAttention.apply(q, k, v, sinks, rest)[0]
+    return _attention_fwd(q, k, v, *rest, sinks)[0]
 
 
 # --- eager calls without the ops ----------------------------------------------------------------
@@ -339,9 +396,10 @@ def _eager_inference(q, k, v, attn_mask, kv_lens) -> bool:
 
 
 def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale,
-                 kv_lens) -> Tensor:
+                 kv_lens, window_left=None, window_right=None, softcap=0.0) -> Tensor:
     seed_int = _seed_int(_seed_tensor(seed, dropout_p)) if (dropout_p or seed is not None) else 0
-    opts = _options_of(causal, causal_offset, window, dropout_p, seed_int, scale)
+    opts = _options_of(causal, causal_offset, window, dropout_p, seed_int, scale, window_left,
+                       window_right, softcap)
     # (A tensor on another device than q's fails the engine's checks, which name it: the first
     # call of a combination, devices included, goes through them.)
     q, k, v, attn_mask = _rows(q), _rows(k), _rows(v), _mask(attn_mask)

@@ -20,9 +20,11 @@ from hypothesis import strategies as st
 from ferrocupy import AttentionOptions, ComputeEngine
 from ferrocupy.dtypes import BFLOAT16
 
-FWD_NAMES = ("q", "k", "v", "out", "mask", "lse")
-BWD_NAMES = ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v", "mask", "lse")
-WRITTEN = {"forward": ("out", "lse"), "backward": ("grad_q", "grad_k", "grad_v")}
+FWD_NAMES = ("q", "k", "v", "out", "mask", "lse", "alibi_slopes", "sinks")
+BWD_NAMES = ("q", "k", "v", "out", "grad_out", "grad_q", "grad_k", "grad_v", "mask", "lse",
+             "alibi_slopes", "sinks", "grad_sinks")
+WRITTEN = {"forward": ("out", "lse"), "backward": ("grad_q", "grad_k", "grad_v", "grad_sinks")}
+_KEYWORDS = ("lse", "alibi_slopes", "sinks", "grad_sinks")
 
 
 @dataclass
@@ -55,7 +57,9 @@ def _padded_strides(shape, pads):
 
 
 @st.composite
-def calls(draw, op: str | None = None):
+def calls(draw, op: str | None = None, extras: bool = False):
+    """`extras`: also draw `alibi_slopes`, `sinks` and `grad_sinks` (the reference backend's
+    tensors for now)."""
     op = op or draw(st.sampled_from(["forward", "backward"]))
     b = draw(st.integers(1, 2))
     sq, sk = draw(st.integers(1, 4)), draw(st.integers(1, 6))
@@ -70,6 +74,12 @@ def calls(draw, op: str | None = None):
         shapes["mask"] = (1, 1, sq, sk)
     if draw(st.booleans()):
         shapes["lse"] = (b, h, sq)
+    if extras and draw(st.booleans()):
+        shapes["alibi_slopes"] = draw(st.sampled_from([(h,), (b, h)]))
+    if extras and draw(st.booleans()):
+        shapes["sinks"] = (h,)
+        if op == "backward" and draw(st.booleans()):
+            shapes["grad_sinks"] = (h,)
     names = [n for n in (FWD_NAMES if op == "forward" else BWD_NAMES) if n in shapes]
     places, end = {}, 0
     for n in names:
@@ -78,7 +88,7 @@ def calls(draw, op: str | None = None):
             pads = (draw(st.sampled_from([0, 1, 3])), draw(st.sampled_from([0, 5])),
                     draw(st.sampled_from([0, d])))  # batch, row, head padding
         else:
-            pads = (0, 0, 0)  # mask, lse: C-contiguous
+            pads = (0, 0, 0)  # mask, lse and the per-head tensors: C-contiguous
         strides = _padded_strides(shape, pads)
         how = draw(st.sampled_from(["apart", "near", "interleave"]))
         partners = [m for m in places if len(shapes[m]) == 4 and m != "mask"
@@ -87,8 +97,9 @@ def calls(draw, op: str | None = None):
             partner = draw(st.sampled_from(partners))
             off = places[partner][0] + d  # the other half of each padded head
             strides = places[partner][1]
-        elif how == "near" and places:
-            off = draw(st.integers(0, end))
+        elif how == "near" and places:  # anywhere before the end, or onto another's start
+            off = draw(st.one_of(st.integers(0, end),
+                                 st.sampled_from(sorted(o for o, _ in places.values()))))
         else:
             off = end + draw(st.integers(0, 3))
         places[n] = (off, strides)
@@ -142,13 +153,14 @@ def carve(mem: Memory, base, call: Call) -> dict:
 
 
 def _invoke(engine: ComputeEngine, call: Call, t: dict) -> None:
+    named = {n: t[n] for n in _KEYWORDS if n in t}
     if call.op == "forward":
         engine.flash_attention_v2_with(t["q"], t["k"], t["v"], t["out"], call.opts, t.get("mask"),
-                                       lse=t.get("lse"))
+                                       **named)
     else:
         engine.flash_attention_v2_backward_with(
             t["q"], t["k"], t["v"], t["out"], t["grad_out"], t["grad_q"], t["grad_k"],
-            t["grad_v"], call.opts, t.get("mask"), lse=t.get("lse"))
+            t["grad_v"], call.opts, t.get("mask"), **named)
 
 
 def _reference(call: Call, host: dict) -> dict:

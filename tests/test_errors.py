@@ -129,9 +129,9 @@ def test_heads_not_multiple_of_kv_heads(eng, rng, h, hkv):
 
 
 # --- head_dim -------------------------------------------------------------------------------------
-def test_head_dim_over_128(eng, rng):
-    q, k, v, out = fwd_args(rng, q_shape=(1, 2, 1, 136), k_shape=(1, 2, 1, 136))
-    with pytest.raises(ValueError, match=r"head_dim <= 128, got 136 \(q shape \(1, 2, 1, 136\)\)"):
+def test_head_dim_over_256(eng, rng):
+    q, k, v, out = fwd_args(rng, q_shape=(1, 2, 1, 264), k_shape=(1, 2, 1, 264))
+    with pytest.raises(ValueError, match=r"head_dim <= 256, got 264 \(q shape \(1, 2, 1, 264\)\)"):
         eng.flash_attention_v2(q, k, v, out)
     assert untouched(out)
 
@@ -179,11 +179,16 @@ def test_dropout_prob_outside_unit_interval(eng, rng, prob):
     assert untouched(*args[5:])
 
 
-@pytest.mark.parametrize("field", ["causal_offset", "window"])
-@pytest.mark.parametrize("value", [-1, -(2**31)])
-def test_negative_offset_or_window(eng, rng, field, value):
+@pytest.mark.parametrize("field, value, rule", [
+    ("window", -1, r"\[0, 2\*\*32\)"), ("window", -(2**31), r"\[0, 2\*\*32\)"),
+    ("causal_offset", 2**31, r"\[-2\*\*31, 2\*\*31\)"),
+    ("causal_offset", -(2**31) - 1, r"\[-2\*\*31, 2\*\*31\)"),
+    ("window_left", -2, r"\[-1, 2\*\*31\)"), ("window_right", 2**31, r"\[-1, 2\*\*31\)")])
+def test_offset_or_window_out_of_range(eng, rng, field, value, rule):
+    """causal_offset is a signed 32-bit word, window an unsigned one, window_left/right int32
+    with -1 for unbounded."""
     q, k, v, out = fwd_args(rng)
-    with pytest.raises(ValueError, match=rf"{field} must be in \[0, 2\*\*32\), got {value}"):
+    with pytest.raises(ValueError, match=rf"{field} must be in {rule}, got {value}"):
         eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(**{field: value}))
     assert untouched(out)
 

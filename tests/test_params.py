@@ -140,11 +140,24 @@ def test_bad_mask_rejected_naming_shapes(mask):
             pack(AttentionOptions(), Shape(*mask))
 
 
-@pytest.mark.parametrize("field", ["causal_offset", "window"])
-def test_values_over_32_bits_rejected(field):
+@pytest.mark.parametrize("field, value, match", [
+    ("window", 2**32, "does not fit in 32 bits"),
+    ("causal_offset", 2**31, "does not fit in a signed 32-bit word"),
+    ("causal_offset", -(2**31) - 1, "does not fit in a signed 32-bit word")])
+def test_values_over_32_bits_rejected(field, value, match):
     dims = AttentionDims.new(Shape(1, 1, 1, 4), Shape(1, 1, 1, 4))
-    with pytest.raises(ValueError, match=rf"{field} = {2**32} does not fit in 32 bits"):
-        dims.params(AttentionOptions(**{field: 2**32}))
+    with pytest.raises(ValueError, match=rf"{field} = {value} {match}"):
+        dims.params(AttentionOptions(**{field: value}))
+
+
+@pytest.mark.parametrize("offset", [-1, -7, -(2**31), 2**31 - 1, 5])
+def test_causal_offset_packs_as_int32_twos_complement(offset):
+    """A signed offset packs in the seed's word as two's complement; a seed (non-negative)
+    value keeps its bytes."""
+    dims = AttentionDims.new(Shape(1, 1, 1, 4), Shape(1, 1, 1, 4))
+    for pack in (dims.params, dims.params_bwd):  # word 11 in both structs
+        assert int(words(pack(AttentionOptions(causal_offset=offset)))[11]) == offset % 2**32
+        assert int(pack(AttentionOptions(causal_offset=offset))["causal_offset"]) == offset
 
 
 @pytest.mark.parametrize("q,k,match", [
@@ -152,7 +165,7 @@ def test_values_over_32_bits_rejected(field):
     ((1, 2, 1, 4), (2, 4), r"k must be .*got shape \(2, 4\)"),
     ((2, 2, 1, 4), (1, 2, 1, 4), r"batch of q \(2, 2, 1, 4\) and k \(1, 2, 1, 4\) differ"),
     ((1, 2, 1, 4), (1, 2, 1, 8), r"head_dim of q \(1, 2, 1, 4\) and k \(1, 2, 1, 8\) differ"),
-    ((1, 2, 1, 256), (1, 2, 1, 256), r"head_dim <= 128, got 256"),
+    ((1, 2, 1, 264), (1, 2, 1, 264), r"head_dim <= 256, got 264"),
     ((1, 2, 6, 4), (1, 2, 4, 4), r"num_heads \(6.*multiple of num_kv_heads \(4"),
     ((1, 2, 6, 4), (1, 2, 0, 4), r"num_heads \(6.*multiple of num_kv_heads \(0")])
 def test_dims_validation(q, k, match):

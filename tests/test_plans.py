@@ -110,7 +110,7 @@ def test_issue_case_decode_out_interleaved_with_q_is_refused(eng, rng, warm):
 
 # --- every way views can overlap ------------------------------------------------------------------
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(call=aliasing.calls(), warm=st.booleans(), seed=st.integers(0, 2**32 - 1))
+@given(call=aliasing.calls(extras=True), warm=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_overlapping_outputs_are_refused_and_others_run(call, warm, seed):
     aliasing.run(ComputeEngine("reference", quiet=True), aliasing.Memory(), call,
                  np.random.default_rng(seed), warm, tol=1e-12)
@@ -125,6 +125,12 @@ def test_the_strategy_draws_both_outcomes():
     find(aliasing.calls(), lambda c: c.expect_error() and any(
         c.places[n][0] - c.places["q"][0] == c.shapes["q"][3] for n in ("out", "grad_q")
         if n in c.places))
+    def grad_sinks_meets_sinks(c):
+        (lo, hi), (lo2, hi2) = (c.spans().get(n, (0, 0)) for n in ("grad_sinks", "sinks"))
+        return lo < hi2 and lo2 < hi
+
+    find(aliasing.calls(extras=True), grad_sinks_meets_sinks,
+         settings=settings(max_examples=5000, database=None))
 
 
 def test_unified_tensors_and_arrays_share_plans(eng, rng):

@@ -488,7 +488,8 @@ def test_cuda_tensors_run_a_kept_plan_from_their_addresses(gen, monkeypatch):
     assert plans[0] is plans[1]  # one plan for the call shape, kept by the engine
     assert rec.plans == [("forward", {"q": np.float32, "k": np.float32, "v": np.float32,
                                       "out": np.float32, "mask": None, "lse": np.float32,
-                                      "kv_lens": np.int32})]
+                                      "kv_lens": np.int32, "alibi_slopes": None,
+                                      "sinks": None})]
     # Captured in a CUDA graph, the launch gets a zeroed counter of its own (made in the graph).
     run(named, capturing=True)
     counter = rec.launches.pop()[-1]

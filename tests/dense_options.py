@@ -1,0 +1,85 @@
+"""A dense float64 oracle with every option of SPEC "Beyond the seed, part 2", written
+independently of `ferrocupy.reference` in PyTorch (whole score tensors, no blocking), so its
+gradients (sinks' included) come from autograd rather than from a hand-written backward.
+
+`dense(q, k, v, **options)` returns `(out [B,Sq,H,D], lse [B,H,Sq])` as float64 torch tensors;
+`dense_grads(...)` returns the gradients of `sum(out * grad_out)` by autograd. Small sizes only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+def visible(sq, sk, offsets, *, causal, window_left, window_right):
+    """`[B, 1, Sq, Sk]` bool: key j is visible to row i of batch b (position a = i + offsets[b])
+    iff (not causal or j <= a) and a - window_left <= j <= a + window_right (-1: unbounded)."""
+    a = torch.arange(sq)[None, :, None] + torch.as_tensor(offsets)[:, None, None]
+    j = torch.arange(sk)[None, None, :]
+    vis = torch.ones(a.shape[0], sq, sk, dtype=torch.bool)
+    if causal:
+        vis &= j <= a
+    if window_left >= 0:
+        vis &= j >= a - window_left
+    if window_right >= 0:
+        vis &= j <= a + window_right
+    return vis[:, None], (a - j).abs()[:, None].double()
+
+
+def dense(q, k, v, *, causal=False, causal_offset=0, window_left=-1, window_right=-1,
+          softcap=0.0, alibi_slopes=None, sinks=None, mask=None, scale=None, kv_lens=None,
+          keep=None, dropout_prob=0.0):
+    """SPEC's formula, float64. Inputs are torch tensors (or arrays) of any float dtype;
+    `alibi_slopes` [H] or [B, H]; `sinks` [H]; `mask` broadcastable to [B, H, Sq, Sk];
+    `kv_lens` [B]: keys past kv_lens[b] do not exist and rows sit kv_lens[b] - Sk earlier;
+    `keep` a bool [B, H, Sq, Sk] dropout keep-mask."""
+    q, k, v = (torch.as_tensor(x).double() for x in (q, k, v))
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = float(np.float32(1.0) / np.sqrt(np.float32(D))) if scale is None else scale
+    kk = k.repeat_interleave(H // Hkv, dim=2)
+    vv = v.repeat_interleave(H // Hkv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    lens = [Sk] * B if kv_lens is None else [int(n) for n in kv_lens]
+    offsets = [causal_offset + n - Sk for n in lens]
+    vis, dist = visible(Sq, Sk, offsets, causal=causal, window_left=window_left,
+                        window_right=window_right)
+    vis = vis & (torch.arange(Sk) < torch.tensor(lens)[:, None])[:, None, None, :]
+    if alibi_slopes is not None:
+        slopes = torch.as_tensor(alibi_slopes).double()
+        slopes = slopes.expand(B, H) if slopes.ndim == 1 else slopes
+        s = s - slopes[:, :, None, None] * dist
+    if mask is not None:
+        s = s + torch.as_tensor(mask).double()
+    s = torch.where(vis, s, -math.inf)
+    dead = (s == -math.inf).all(dim=-1, keepdim=True).detach()  # no key takes part
+    s_live = torch.where(dead, 0.0, s)  # finite rows keep autograd away from -inf - -inf
+    lse = torch.where(dead[..., 0], -math.inf, torch.logsumexp(s_live, dim=-1))
+    if sinks is not None:
+        sink = torch.as_tensor(sinks).double()[None, :, None].expand_as(lse)
+        lse = torch.logaddexp(lse, sink)
+    safe = torch.where(torch.isinf(lse), 0.0, lse)  # a dead row without a sink: P = 0
+    prob = torch.exp(s_live - safe[..., None]) * (~dead)
+    if keep is not None:
+        f32 = np.float32(dropout_prob)
+        prob = prob * torch.as_tensor(keep) * float(np.float32(1.0) / (np.float32(1.0) - f32))
+    out = torch.einsum("bhij,bjhd->bihd", prob, vv)
+    return out, lse
+
+
+def dense_grads(q, k, v, grad_out, **options):
+    """(grad_q, grad_k, grad_v, grad_sinks or None) of `sum(out * grad_out)`, by autograd
+    through `dense` in float64."""
+    leaves = [torch.as_tensor(np.asarray(x, np.float64)).requires_grad_(True) for x in (q, k, v)]
+    sinks = options.pop("sinks", None)
+    if sinks is not None:
+        sinks = torch.as_tensor(np.asarray(sinks, np.float64)).requires_grad_(True)
+    out, _ = dense(*leaves, sinks=sinks, **options)
+    (out * torch.as_tensor(np.asarray(grad_out, np.float64))).sum().backward()
+    grads = [x.grad.numpy() for x in leaves]
+    return (*grads, None if sinks is None else sinks.grad.numpy())
