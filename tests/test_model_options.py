@@ -388,3 +388,14 @@ def test_cuda_backend_refuses_at_plan_time(rng, change, match, op):
     # the seed's options still plan on it
     eng.plan_attention(q[..., :8], k[..., :8], v[..., :8], out[..., :8],
                        AttentionOptions(causal=True, causal_offset=2, window=3))
+
+
+@pytest.mark.parametrize("name", ["negative-offset", "window-right-only", "asymmetric-causal",
+                                  "everything"])
+def test_small_blocks_see_their_keys(rng, monkeypatch, name):
+    """Blocks of 2 rows read only the keys some row of theirs can see (windows on either side,
+    negative offsets): every block boundary must still add up."""
+    monkeypatch.setattr(ref, "_BLOCK_ROWS", 2)
+    o, tensors = CASES[name]
+    t = _case(rng, 2, 9, 11, 4, 2, 8, **tensors)
+    check_call(t, _opts_of(o), rng=rng)
