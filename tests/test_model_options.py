@@ -399,3 +399,24 @@ def test_small_blocks_see_their_keys(rng, monkeypatch, name):
     o, tensors = CASES[name]
     t = _case(rng, 2, 9, 11, 4, 2, 8, **tensors)
     check_call(t, _opts_of(o), rng=rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change, match", CUDA_REFUSALS)
+def test_the_cuda_backend_refuses_on_the_gpu(rng, change, match):
+    """The same refusals from the real CUDA backend, on CuPy arrays, nothing written."""
+    import cupy
+
+    eng = ComputeEngine("cuda", quiet=True)
+    t = {n: cupy.asarray(a) for n, a in
+         _case(rng, 2, 3, 4, 4, 2, change.get("d", 8), alibi="h", sinks=True).items()}
+    named = {n: t[n] for n in ("alibi_slopes", "sinks") if change.get(n)}
+    opts = change.get("opts", AttentionOptions())
+    out = cupy.zeros_like(t["q"])
+    with pytest.raises(ValueError, match=match):
+        eng.flash_attention_v2_with(t["q"], t["k"], t["v"], out, opts, **named)
+    grads = [cupy.zeros_like(t[n]) for n in ("q", "k", "v")]
+    with pytest.raises(ValueError, match=match):
+        eng.flash_attention_v2_backward_with(t["q"], t["k"], t["v"], out, out, *grads, opts,
+                                             **named)
+    assert not out.any() and not any(g.any() for g in grads)
