@@ -181,15 +181,20 @@ def option_calls(draw):
         o.update(dropout_prob=0.3, seed=draw(st.integers(0, 2**40)))
     tensors = dict(alibi=draw(st.sampled_from([None, "h", "bh"])), sinks=draw(st.booleans()),
                    mask=draw(st.booleans()))
-    return dims, o, tensors, draw(st.booleans()), draw(st.integers(0, 2**32 - 1))
+    kv_lens = draw(st.none() | st.lists(st.integers(0, sk), min_size=dims[0], max_size=dims[0]))
+    return dims, o, tensors, kv_lens, draw(st.booleans()), draw(st.integers(0, 2**32 - 1))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(option_calls())
 def test_option_combinations(call):
-    dims, o, tensors, lse_given, seed = call
+    """Forward and backward (the forward alone with kv_lens, which the backward refuses)."""
+    dims, o, tensors, kv_lens, lse_given, seed = call
     t = _case(np.random.default_rng(seed), *dims, **tensors)
-    check_call(t, _opts_of(o), lse_given=lse_given, rng=np.random.default_rng(seed + 1))
+    if kv_lens is not None:
+        t["kv_lens"] = np.array(kv_lens, np.int32)
+    check_call(t, _opts_of(o), lse_given=lse_given, rng=np.random.default_rng(seed + 1),
+               backward=kv_lens is None)
 
 
 # --- dead rows ----------------------------------------------------------------------------------
