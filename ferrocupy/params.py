@@ -232,7 +232,7 @@ class AttentionDims:
     head_dim: int
 
     @classmethod
-    def new(cls, q, k, max_head_dim: int = MAX_HEAD_DIM) -> "AttentionDims":
+    def new(cls, q, k) -> "AttentionDims":
         if len(q.shape) != 4:
             raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
         if len(k.shape) != 4:
@@ -250,8 +250,8 @@ class AttentionDims:
                                  f"k shape {tuple(k.shape)})")
         if dims.head_dim == 0:
             raise ValueError(f"head_dim must be at least 1, got q shape {tuple(q.shape)}")
-        if dims.head_dim > max_head_dim:
-            raise ValueError(f"flash attention supports head_dim <= {max_head_dim}, "
+        if dims.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"flash attention supports head_dim <= {MAX_HEAD_DIM}, "
                              f"got {dims.head_dim} (q shape {tuple(q.shape)})")
         if dims.kv_heads == 0 or dims.heads % dims.kv_heads:
             raise ValueError(f"num_heads ({dims.heads}, q shape {tuple(q.shape)}) must be a "

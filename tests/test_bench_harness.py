@@ -405,8 +405,8 @@ def test_pipeline_half_precision(cpu_pipeline, monkeypatch, case):
     backend = peers._ENGINE["engine"].backend
     seen = {"fwd": [], "bwd": []}
     fwd, bwd = backend.forward, backend.backward
-    monkeypatch.setattr(backend, "forward", lambda b, p, lay=None: (seen["fwd"].append(b), fwd(b, p, lay)))
-    monkeypatch.setattr(backend, "backward", lambda b, p, lay=None: (seen["bwd"].append(b), bwd(b, p, lay)))
+    monkeypatch.setattr(backend, "forward", lambda b, p, *rest: (seen["fwd"].append(b), fwd(b, p, *rest)))
+    monkeypatch.setattr(backend, "backward", lambda b, p, *rest: (seen["bwd"].append(b), bwd(b, p, *rest)))
     run = peers.CaseRun(case, l2_bytes=case.bytes)
     assert run.n_sets == 3
     assert all(str(x.dtype) == case.dtype for st in run.sets for x in st.values())

@@ -181,15 +181,20 @@ def option_calls(draw):
         o.update(dropout_prob=0.3, seed=draw(st.integers(0, 2**40)))
     tensors = dict(alibi=draw(st.sampled_from([None, "h", "bh"])), sinks=draw(st.booleans()),
                    mask=draw(st.booleans()))
-    return dims, o, tensors, draw(st.booleans()), draw(st.integers(0, 2**32 - 1))
+    kv_lens = draw(st.none() | st.lists(st.integers(0, sk), min_size=dims[0], max_size=dims[0]))
+    return dims, o, tensors, kv_lens, draw(st.booleans()), draw(st.integers(0, 2**32 - 1))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(option_calls())
 def test_option_combinations(call):
-    dims, o, tensors, lse_given, seed = call
+    """Forward and backward (the forward alone with kv_lens, which the backward refuses)."""
+    dims, o, tensors, kv_lens, lse_given, seed = call
     t = _case(np.random.default_rng(seed), *dims, **tensors)
-    check_call(t, _opts_of(o), lse_given=lse_given, rng=np.random.default_rng(seed + 1))
+    if kv_lens is not None:
+        t["kv_lens"] = np.array(kv_lens, np.int32)
+    check_call(t, _opts_of(o), lse_given=lse_given, rng=np.random.default_rng(seed + 1),
+               backward=kv_lens is None)
 
 
 # --- dead rows ----------------------------------------------------------------------------------
@@ -388,3 +393,35 @@ def test_cuda_backend_refuses_at_plan_time(rng, change, match, op):
     # the seed's options still plan on it
     eng.plan_attention(q[..., :8], k[..., :8], v[..., :8], out[..., :8],
                        AttentionOptions(causal=True, causal_offset=2, window=3))
+
+
+@pytest.mark.parametrize("name", ["negative-offset", "window-right-only", "asymmetric-causal",
+                                  "everything"])
+def test_small_blocks_see_their_keys(rng, monkeypatch, name):
+    """Blocks of 2 rows read only the keys some row of theirs can see (windows on either side,
+    negative offsets): every block boundary must still add up."""
+    monkeypatch.setattr(ref, "_BLOCK_ROWS", 2)
+    o, tensors = CASES[name]
+    t = _case(rng, 2, 9, 11, 4, 2, 8, **tensors)
+    check_call(t, _opts_of(o), rng=rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change, match", CUDA_REFUSALS)
+def test_the_cuda_backend_refuses_on_the_gpu(rng, change, match):
+    """The same refusals from the real CUDA backend, on CuPy arrays, nothing written."""
+    import cupy
+
+    eng = ComputeEngine("cuda", quiet=True)
+    t = {n: cupy.asarray(a) for n, a in
+         _case(rng, 2, 3, 4, 4, 2, change.get("d", 8), alibi="h", sinks=True).items()}
+    named = {n: t[n] for n in ("alibi_slopes", "sinks") if change.get(n)}
+    opts = change.get("opts", AttentionOptions())
+    out = cupy.zeros_like(t["q"])
+    with pytest.raises(ValueError, match=match):
+        eng.flash_attention_v2_with(t["q"], t["k"], t["v"], out, opts, **named)
+    grads = [cupy.zeros_like(t[n]) for n in ("q", "k", "v")]
+    with pytest.raises(ValueError, match=match):
+        eng.flash_attention_v2_backward_with(t["q"], t["k"], t["v"], out, out, *grads, opts,
+                                             **named)
+    assert not out.any() and not any(g.any() for g in grads)
