@@ -207,10 +207,10 @@ def _vs_default(r: dict, need: float, what: str = "") -> str:
 
 
 def gate25_lines(rows: list[dict]) -> list[str]:
-    """Issue 25's gate on the rows present, one PASS/FAIL line each (harness.GATE25_*): the grid
-    per case and as a geometric mean per dtype and direction (INCOMPLETE where a case of the
-    gate's set has no ratio), the training steps, the bias, the window against its plain call.
-    Empty when no row is one of the gate's."""
+    """Issue 25's gate on the rows present (harness.GATE25_*): a heading, one PASS/FAIL line
+    each, then how many passed. The grid per case and as a geometric mean per dtype and
+    direction (INCOMPLETE where a case of the gate's set has no ratio), the training steps, the
+    bias, the window against its plain call. Empty when no row is one of the gate's."""
     h = harness
     n_grid = len(h.GATE25_DIMS) * len(h.GATE25_SEQS) * 2
     lines = []
@@ -247,10 +247,14 @@ def gate25_lines(rows: list[dict]) -> list[str]:
         x = r["ferro_thr"] / plain["ferro_thr"]
         lines.append(f"  {r['case']}: {x:.2f}x the plain call's TFLOP/s ({plain['case']}; "
                      f"visible keys), need >= {need:.2f}: {_verdict(x >= need)}")
-    if lines:
-        passed = sum(line.endswith(": PASS") for line in lines)
-        lines.append(f"  {passed} of {len(lines)} lines PASS")
-    return lines
+    if not lines:
+        return []
+    passed = sum(line.endswith(": PASS") for line in lines)
+    head = (f"issue-25 gate (ferrocupy / torch's default SDPA, same run; forward >= "
+            f"{h.GATE25_FWD[0]}x each and >= {h.GATE25_FWD[1]}x geometric mean, backward >= "
+            f"{h.GATE25_BWD[0]}x and >= {h.GATE25_BWD[1]}x, training step >= {h.GATE25_TRAIN}x, "
+            f"bias >= {h.GATE25_BIAS}x, window >= {h.GATE25_WINDOW}x its plain call):")
+    return [head] + lines + [f"  {passed} of {len(lines)} lines PASS"]
 
 
 def write_json(payload: dict, path: str) -> None:

@@ -151,3 +151,99 @@ def test_a_wrong_training_step_is_refused(cpu_torch, monkeypatch):
     res = _run(TRAIN)
     assert res["ferrocupy"]["status"] == "wrong", res["ferrocupy"]
     assert res["torch-sdpa-default"]["status"] == "ok"
+
+
+# --- the gate block -------------------------------------------------------------------------------
+def _row(case, ferro_ms, default_ms):
+    res = {"ferrocupy": _ok(ferro_ms, case) if ferro_ms else {"status": "wrong", "reason": "x"},
+           "torch-sdpa-default": _ok(default_ms, case), "torch-flash": _ok(0.5, case)}
+    return report.summarize(case, res, None)
+
+
+def _grid(dtype, direction, ratio, skip=()):
+    rows = []
+    for d in harness.GATE25_DIMS:
+        for s in harness.GATE25_SEQS:
+            for causal in (False, True):
+                case = Case("attn", dtype, 16384 // s, s, s, 2048 // d, 2048 // d, d, causal,
+                            direction=direction)
+                if case.id not in skip:
+                    rows.append(_row(case, 1.0, ratio))
+    return rows
+
+
+def test_gate_block_passes_and_fails_per_line():
+    fwd = _grid("bfloat16", "fwd", 1.2)                            # every case and mean pass
+    bwd = _grid("bfloat16", "bwd", 1.05)
+    bwd[0] = _row(harness.case_by_id(bwd[0]["case"]), 1.0, 0.85)   # one case under 0.9
+    fp16 = _grid("float16", "fwd", 1.05, skip={"attn-fwd-float16-d64-s1024-causal"})
+    fp16[0] = _row(harness.case_by_id(fp16[0]["case"]), None, 1.0)  # ferrocupy wrong: no ratio
+    other = [harness.case_by_id(f"attn-fwd-bfloat16-d128-s{s}-causal") for s in (512, 2048)]
+    cases = {c.id: c for c in harness.issue25_cases("bfloat16")}
+    ids = list(cases)
+    special = [_row(cases[ids[0]], 1.0, 1.1), _row(cases[ids[1]], 1.0, 0.9),
+               _row(cases[ids[3]], 1.0, 1.3)]
+    window, plain = cases[ids[4]], cases[ids[5]]
+    # the window at 0.95x and the plain call's TFLOP/s, each over its own visible keys
+    ms_window = window.flops / (0.95 * plain.flops / 2.0)
+    rows = (fwd + bwd + fp16 + [_row(c, 1.0, 2.0) for c in other] + special
+            + [_row(window, ms_window, 1.0), _row(plain, 2.0, 1.0)])
+    lines = report.gate25_lines(rows)
+    assert lines[0].startswith("issue-25 gate (ferrocupy / torch's default SDPA, same run; "
+                               "forward >= 1.0x each and >= 1.1x geometric mean")
+    body = lines[1:-1]
+    # the grid (12 + 12 + 11 lines and a mean each), 3 special cases (2 train, bias), window
+    assert len(body) == 12 + 1 + 12 + 1 + 11 + 1 + 3 + 1
+    by_case = {line.split(":")[0].strip(): line for line in body}
+    assert by_case["attn-fwd-bfloat16-d64-s1024-noncausal"] == (
+        "  attn-fwd-bfloat16-d64-s1024-noncausal: 1.20x sdpa-default, need >= 1.00: PASS")
+    assert by_case[bwd[0]["case"]].endswith("0.85x sdpa-default, need >= 0.90: FAIL")
+    assert by_case[fp16[0]["case"]].endswith("no ratio (ferrocupy or sdpa-default has no "
+                                             "number), need >= 1.00: FAIL")
+    assert by_case["bfloat16 forward geometric mean"].endswith("1.20x sdpa-default, "
+                                                               "need >= 1.10: PASS")
+    geo = math.exp((11 * math.log(1.05) + math.log(0.85)) / 12)
+    assert by_case["bfloat16 backward (given lse) geometric mean"].endswith(
+        f"{geo:.2f}x sdpa-default, need >= 1.00: {'PASS' if geo >= 1 else 'FAIL'}")
+    assert by_case["float16 forward geometric mean"].endswith(
+        "need >= 1.10: INCOMPLETE (10 of the 12 cases have a ratio)")
+    assert by_case[ids[0]].endswith("1.10x sdpa-default (forward + backward), need >= 1.00: PASS")
+    assert by_case[ids[1]].endswith("0.90x sdpa-default (forward + backward), need >= 1.00: FAIL")
+    assert by_case[ids[3]].endswith("1.30x sdpa-default with the same bias, need >= 1.25: PASS")
+    assert by_case[window.id].endswith(f"0.95x the plain call's TFLOP/s ({plain.id}; visible "
+                                       f"keys), need >= 0.90: PASS")
+    assert not any(c.id in by_case for c in other)            # S512, S2048: not the gate's
+    assert ids[5] not in by_case                              # the plain call: no line of its own
+    passed = sum(line.endswith(": PASS") for line in body)
+    assert lines[-1] == f"  {passed} of {len(body)} lines PASS"
+    assert passed == len(body) - 1 - 1 - 1 - 1 - (geo < 1)    # bwd case, fp16 x2, train
+    slow = report.gate25_lines([_row(window, ms_window * 1.1, 1.0), _row(plain, 2.0, 1.0)])
+    assert slow[1].endswith("0.86x the plain call's TFLOP/s "
+                            f"({plain.id}; visible keys), need >= 0.90: FAIL")
+    alone = report.gate25_lines([_row(window, ms_window, 1.0)])
+    assert alone[1].endswith("no ratio (ferrocupy has no number here or on the plain call), "
+                             "need >= 0.90: FAIL")
+    assert report.gate25_lines(other and [_row(c, 1.0, 2.0) for c in other]) == []
+
+
+def test_compare_prints_the_gate_last(cpu_torch, monkeypatch, capsys):
+    """compare.py's whole run on the CPU (device, ceilings and case list faked): the new cases
+    measured and the issue-25 block printed after the tables."""
+    info = {"date": "2026-01-01 00:00 UTC", "gpu": "CPU stand-in", "compute_capability": "9.0",
+            "sms": 1, "memory_gib": 1.0, "l2_mb": 0.0, "l2_bytes": 0, "driver": "-",
+            "cuda_runtime": "-", "cupy": "-", "cupy_tf32": "0", "python": "3", "torch": None}
+    monkeypatch.setattr(harness, "gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(harness, "device_info", lambda: info)
+    monkeypatch.setattr(harness, "measure_ceilings", lambda d, s: {
+        "copy_gbps": 1.0, "copy": {"x": 1.0}, "matmul_tflops": {"float32": 1.0},
+        "matmul": {"float32": "x"}})
+    monkeypatch.setattr(harness, "build_cases", lambda dtypes, quick: [TRAIN, BIAS, WINDOW, PLAIN])
+    monkeypatch.setattr(harness, "QUICK", SETTINGS)
+    monkeypatch.setattr(harness, "CupyEvents", HostEvents)
+    assert compare.main(["--quick", "--dtype", "float32", "--cases", "train-,bias-,window-"]) == 0
+    out = capsys.readouterr().out
+    gate = out[out.index("issue-25 gate"):].splitlines()
+    assert out.index("vs sdpa-default") < out.index("issue-25 gate")
+    assert [line.split(":")[0].strip() for line in gate[1:-1]] == [TRAIN.id, BIAS.id, WINDOW.id]
+    assert gate[3].startswith(f"  {WINDOW.id}: ") and f"({PLAIN.id}; visible keys)" in gate[3]
+    assert gate[-1].endswith("lines PASS") and "vs flex" in out
