@@ -107,14 +107,12 @@ def prepare_torch_flex(case, sets) -> Prepared:
 
         block_mask = create_block_mask(mask_mod, None, None, case.seq_q, case.seq_k, device=dev)
     kw = {"block_mask": block_mask, "enable_gqa": case.kv_heads != case.heads}
+    if "bias" in sets[0]:      # one score_mod for every set (they share the bias): one compile
+        kw["score_mod"] = _bias_mod(to_torch(sets[0]["bias"]))
     runs, outs = [], []
     for st in sets:
         q, k, v = (_bhsd(st[n], torch) for n in ("q", "k", "v"))
-        if "bias" in st:
-            sm = _bias_mod(to_torch(st["bias"]))
-            call = lambda q=q, k=k, v=v, sm=sm: flex(q, k, v, score_mod=sm, **kw)  # noqa: E731
-        else:
-            call = lambda q=q, k=k, v=v: flex(q, k, v, **kw)  # noqa: E731
+        call = lambda q=q, k=k, v=v: flex(q, k, v, **kw)  # noqa: E731
         _trial(call, torch, "flex")
         runs.append(call)
         outs.append(lambda call=call: {"out": (call(), "bhsd")})
