@@ -70,10 +70,11 @@ class Case:
     head_dim: int = 0
     causal: bool = False
     causal_offset: int = 0
-    direction: str = "fwd"     # "fwd" or "bwd"
+    direction: str = "fwd"     # "fwd", "bwd" or "step" (a training step: forward + backward)
     shape: tuple = ()          # RoPE: the tensor's [B, S, H, D]
     rope: str = ""             # RoPE: "" the seed's call (in place), else a ROPE_FORMS entry
-    suite: str = "grid"        # "grid", "gqa", "decode", "rope"
+    suite: str = "grid"        # "grid", "gqa", "decode", "rope"; issue 25's "train", "bias",
+    #                            "window" (the bias case: an additive [1, H, Sq, Sk] mask)
     floor: bool = False        # one of issue 3's performance-floor cases
     window: int = 0            # attention: key j visible iff |i + causal_offset - j| < window
 
