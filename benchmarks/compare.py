@@ -13,8 +13,18 @@ attention sweep is the same for every dtype: D64 and D128, S from 512 to 16384 a
 batch (batch = 16384 / S) and hidden 2048 (heads = 2048 / D), causal and not, forward and
 backward (the backward given the forward's out and float32 log-sum-exp, as a training step runs
 it); plus GQA, decode and RoPE; and the host cost of one call (call_cost.py, id "call-cost-...").
-The peers are torch SDPA's flash, cudnn, efficient and math
-backends (flash and cudnn take only float16/bfloat16) and eager RoPE.
+The peers are torch SDPA as torch picks its backend ("sdpa-default": no sdpa_kernel context;
+cuDNN on Hopper with torch 2.11) and its flash, cudnn, efficient and math backends forced (flash
+and cudnn take only float16/bfloat16), FlexAttention (compiled) on the bias and window cases, and
+eager RoPE. The full set adds issue 25's bfloat16 cases: training steps ("train-step-...":
+forward + backward through ferrocupy.torch.attention against SDPA through autograd), an additive
+bias [1, H, S, S] ("bias-...": the same tensor as ferrocupy's mask, SDPA's attn_mask and
+FlexAttention's score_mod) and a sliding window beside the same call without it ("window-...":
+ferrocupy's rule |i - j| < window as SDPA's boolean mask and FlexAttention's mask_mod; TFLOP/s
+over visible keys). After the tables come issue 27's RoPE gate and issue 25's gate (against
+sdpa-default), PASS/FAIL per line, for the cases that ran:
+
+    python benchmarks/compare.py --dtype bf16,fp16 --cases s1024-,s4096-,s16384-,train-,bias-,window-
 
 Prints a header (date, GPU, driver, CUDA, CuPy, torch, cuDNN), measures the ceilings (device copy
 bandwidth, a large matmul per dtype), then every case: each implementation's first output is
@@ -44,10 +54,13 @@ import harness  # noqa: E402
 import report  # noqa: E402
 
 # Assumed rates for --list's rough runtime estimate (TFLOP/s fwd, bwd; GB/s), not measurements.
-_RATES = {"float32": {"ferrocupy": (40, 24), "torch-efficient": (45, 35), "torch-math": (15, 10)},
+_RATES = {"float32": {"ferrocupy": (40, 24), "torch-efficient": (45, 35), "torch-math": (15, 10),
+                      "torch-sdpa-default": (45, 35)},
           "half": {"ferrocupy": (200, 120), "torch-flash": (300, 250),
                    "torch-efficient": (200, 150), "torch-cudnn": (450, 400),
+                   "torch-sdpa-default": (450, 400), "torch-flex": (300, 200),
                    "torch-math": (60, 40)}}
+_COMPILE_S = 30           # assumed: FlexAttention's first compile of a case (mask, score_mod)
 _GBPS = {"ferrocupy": 3000, "torch-eager": 700}
 
 
@@ -84,7 +97,8 @@ def estimate_seconds(cases, settings: harness.Settings) -> float:
                 if impl == "torch-math" and c.batch * c.heads * c.seq_q * c.seq_k * 4 > \
                         torch_peers.MATH_SCORE_LIMIT:
                     continue
-                t = c.flops / 1e12 / rates[c.direction == "bwd"] * 1e3
+                t = c.flops / 1e12 / rates[c.direction != "fwd"] * 1e3
+                total += _COMPILE_S if impl == "torch-flex" else 0
             else:
                 t = c.bytes / 1e9 / _GBPS.get(impl, 2000) * 1e3
             reps = harness.plan_reps(t, settings)
@@ -264,6 +278,9 @@ def main(argv=None) -> int:
         print("\n" + "\n".join(summary))
     if call_rows:
         print("\n" + call_cost.format_table(call_rows))
+    gate25 = report.gate25_lines(rows)     # last: what issue 25's "Done when" reads
+    if gate25:
+        print("\n" + "\n".join(gate25))
     return 1 if wrong else 0
 
 

@@ -31,6 +31,20 @@ FLOOR_ROPE_PCT = 60.0        # RoPE >= 60% of device-to-device copy bandwidth
 # write out once) at >= 85% of the device-to-device copy bandwidth measured in the same run.
 GATE_ROPE_PCT = 85.0
 ROPE_FORMS = ("full", "partial", "interleaved", "positions")  # partial: rotary_dim = D/2
+# Issue 25's gate, ferrocupy against torch's default SDPA (no sdpa_kernel context) in one run:
+# the half-precision grid at these head dims and lengths (causal and not), forward each case >=
+# 1.0x and geometric mean >= 1.1x, backward (given lse) >= 0.9x and >= 1.0x; the training step
+# >= 1.0x; the additive bias >= 1.25x SDPA with the same bias; the sliding window >= 0.9x the
+# plain causal call's TFLOP/s, both counted over visible keys.
+GATE25_DTYPES, GATE25_DIMS, GATE25_SEQS = ("bfloat16", "float16"), (64, 128), (1024, 4096, 16384)
+GATE25_FWD, GATE25_BWD = (1.0, 1.1), (0.9, 1.0)            # (each case, geometric mean)
+GATE25_TRAIN, GATE25_BIAS, GATE25_WINDOW = 1.0, 1.25, 0.9
+# Issue 25's cases (bfloat16): training steps (B, S, H, Hkv, D), all causal; the additive bias
+# [1, H, S, S] (B, S, H, D), not causal; the sliding window (B, S, H, Hkv, D, window), causal,
+# beside the same call without the window.
+TRAIN_SHAPES = ((4, 4096, 16, 16, 128), (2, 8192, 32, 8, 128), (8, 2048, 16, 4, 64))
+BIAS_SHAPE = (4, 4096, 16, 128)
+WINDOW_SHAPE = (1, 16384, 32, 8, 128, 4096)
 
 # Relative error ||impl - ref|| / ||ref|| against a float64 reference, per dtype: (forward,
 # backward). These guard against timing a wrong answer; precision itself is the tests' business.
@@ -56,11 +70,13 @@ class Case:
     head_dim: int = 0
     causal: bool = False
     causal_offset: int = 0
-    direction: str = "fwd"     # "fwd" or "bwd"
+    direction: str = "fwd"     # "fwd", "bwd" or "step" (a training step: forward + backward)
     shape: tuple = ()          # RoPE: the tensor's [B, S, H, D]
     rope: str = ""             # RoPE: "" the seed's call (in place), else a ROPE_FORMS entry
-    suite: str = "grid"        # "grid", "gqa", "decode", "rope"
+    suite: str = "grid"        # "grid", "gqa", "decode", "rope"; issue 25's "train", "bias",
+    #                            "window" (the bias case: an additive [1, H, Sq, Sk] mask)
     floor: bool = False        # one of issue 3's performance-floor cases
+    window: int = 0            # attention: key j visible iff |i + causal_offset - j| < window
 
     @property
     def id(self) -> str:
@@ -71,6 +87,11 @@ class Case:
             return (f"decode-{self.dtype}-b{self.batch}-h{self.heads}kv{self.kv_heads}"
                     f"-d{self.head_dim}-sk{self.seq_k}" + (f"-q{self.seq_q}" if self.seq_q > 1 else ""))
         mask = "causal" if self.causal else "noncausal"
+        if self.suite in ("train", "bias", "window"):  # "step": forward + backward, timed as one
+            heads = f"h{self.heads}" + (f"kv{self.kv_heads}" if self.suite != "bias" else "")
+            last = f"-w{self.window}" if self.suite == "window" else ""
+            return (f"{self.suite}-{self.direction}-{self.dtype}-b{self.batch}-{heads}"
+                    f"-d{self.head_dim}-s{self.seq_q}-{mask}{last}")
         heads = f"-h{self.heads}kv{self.kv_heads}" if self.suite == "gqa" else ""
         return (f"{'gqa' if self.suite == 'gqa' else 'attn'}-{self.direction}-{self.dtype}"
                 f"{heads}-d{self.head_dim}-s{self.seq_q}-{mask}")
@@ -97,20 +118,26 @@ class Case:
     def flops(self) -> int:
         if self.kind == "rope":
             return 0
+        if self.suite == "window":  # the window and its plain call alike: visible pairs
+            pairs = visible_pairs(self.seq_q, self.seq_k, self.causal, self.window,
+                                  self.causal_offset)
+            return attention_flops(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim,
+                                   self.causal, self.direction, pairs)
         return attention_flops(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim,
                                self.causal and self.causal_offset == 0, self.direction)
 
     @property
     def bytes(self) -> int:
         """Decode: bytes of K and V; RoPE: bytes read + written (every element read once and
-        written once, in place or out of place); attention: its inputs + outputs."""
+        written once, in place or out of place); attention: its inputs + outputs (+ the bias)."""
         if self.kind == "rope":
             return 2 * math.prod(self.shape) * self.itemsize
         kv = 2 * self.batch * self.seq_k * self.kv_heads * self.head_dim * self.itemsize
         if self.kind == "decode":
             return kv
         qo = 2 * self.batch * self.seq_q * self.heads * self.head_dim * self.itemsize
-        return (qo + kv) * (2 if self.direction == "bwd" else 1)
+        bias = self.heads * self.seq_q * self.seq_k * self.itemsize if self.suite == "bias" else 0
+        return (qo + kv) * (1 if self.direction == "fwd" else 2) + bias
 
     def throughput(self, ms: float) -> float:
         """TFLOP/s for attention, GB/s for decode and RoPE, at `ms` per call."""
@@ -123,14 +150,35 @@ class Case:
     def tolerance(self) -> float:
         if self.kind == "rope":
             return ROPE_TOL[self.dtype]
-        return ATTN_TOL[self.dtype][self.direction == "bwd"]
+        return ATTN_TOL[self.dtype][self.direction != "fwd"]
 
 
-def attention_flops(batch, heads, seq_q, seq_k, head_dim, causal, direction="fwd") -> int:
-    """FlashAttention's convention: 4*B*H*Sq*Sk*D forward, half for causal, 2.5x for backward."""
-    f = 4 * batch * heads * seq_q * seq_k * head_dim
-    f = f // 2 if causal else f
-    return f * 5 // 2 if direction == "bwd" else f
+def attention_flops(batch, heads, seq_q, seq_k, head_dim, causal, direction="fwd",
+                    pairs=None) -> int:
+    """FlashAttention's convention: 4*B*H*Sq*Sk*D forward, half for causal, 2.5x for backward,
+    3.5x for a training step (forward + backward). Given `pairs` (the visible (query, key)
+    pairs of a head, `visible_pairs`), 4*B*H*D per pair instead."""
+    if pairs is not None:
+        f = 4 * batch * heads * head_dim * pairs
+    else:
+        f = 4 * batch * heads * seq_q * seq_k * head_dim
+        f = f // 2 if causal else f
+    return {"fwd": f, "bwd": f * 5 // 2, "step": f * 7 // 2}[direction]
+
+
+def visible_pairs(seq_q, seq_k, causal, window=0, causal_offset=0) -> int:
+    """(query, key) pairs visible under ferrocupy's rule: query i at position p = i + offset sees
+    key j iff (not causal or j <= p) and (window == 0 or |p - j| < window), 0 <= j < seq_k."""
+    total = 0
+    for i in range(seq_q):
+        p = i + causal_offset
+        lo, hi = 0, seq_k - 1
+        if causal:
+            hi = min(hi, p)
+        if window:
+            lo, hi = max(lo, p - window + 1), min(hi, p + window - 1)
+        total += max(0, hi - lo + 1)
+    return total
 
 
 DECODE_SHAPES = ((16, 32768), (1, 131072), (64, 2048))  # (batch, keys); H32 Hkv8 D128, Sq 1
@@ -163,11 +211,25 @@ def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
         if not quick:  # 4 query rows a head (16 a KV group), every key visible to each
             cases.append(Case("decode", dt, 16, 4, 32768, 32, 8, 128, True, 32767,
                               suite="decode"))
+        if not quick and dt == "bfloat16":
+            cases.extend(issue25_cases(dt))
         cases.append(Case("rope", dt, shape=ROPE_SHAPE, suite="rope"))
         cases.extend(Case("rope", dt, shape=ROPE_SHAPE, suite="rope", rope=form)
                      for form in ROPE_FORMS)
         if dt == "float32":
             cases.append(Case("rope", dt, shape=FLOOR_ROPE_SHAPE, suite="rope", floor=True))
+    return cases
+
+
+def issue25_cases(dt: str) -> list[Case]:
+    """The training steps, the additive bias, and the sliding window beside its plain call."""
+    cases = [Case("attn", dt, b, s, s, h, kv, d, True, direction="step", suite="train")
+             for b, s, h, kv, d in TRAIN_SHAPES]
+    b, s, h, d = BIAS_SHAPE
+    cases.append(Case("attn", dt, b, s, s, h, h, d, False, suite="bias"))
+    b, s, h, kv, d, w = WINDOW_SHAPE
+    cases.extend(Case("attn", dt, b, s, s, h, kv, d, True, suite="window", window=win)
+                 for win in (w, 0))
     return cases
 
 

@@ -17,7 +17,9 @@ import numpy as np
 
 import harness
 
-TORCH_BACKENDS = ("flash", "efficient", "cudnn", "math")
+# "sdpa-default": scaled_dot_product_attention with no sdpa_kernel context, the backend torch
+# picks itself (cuDNN on Hopper with torch 2.11); the others forced through sdpa_kernel.
+TORCH_BACKENDS = ("sdpa-default", "flash", "efficient", "cudnn", "math")
 ROPE_THETA = 10000.0
 
 
@@ -32,7 +34,12 @@ class WrongAnswer(Exception):
 def implementations(case) -> list[str]:
     if case.kind == "rope":
         return ["ferrocupy", "torch-eager"]
-    return ["ferrocupy"] + [f"torch-{b}" for b in TORCH_BACKENDS]
+    torch = [f"torch-{b}" for b in TORCH_BACKENDS]
+    if case.suite in ("train", "bias", "window"):   # no math: it would time a score matrix
+        torch = [n for n in torch if n != "torch-math"]
+    if case.suite in ("bias", "window"):
+        torch.append("torch-flex")
+    return ["ferrocupy"] + torch
 
 
 @dataclass
@@ -165,10 +172,15 @@ class CaseRun:
             q = (case.batch, case.seq_q, case.heads, case.head_dim)
             kv = (case.batch, case.seq_k, case.kv_heads, case.head_dim)
             shapes = {"q": q, "k": kv, "v": kv}
-            if case.direction == "bwd":
+            if case.direction != "fwd":
                 shapes["do"] = q
         self.sets = [{n: cast(rng.standard_normal(s, dtype=cp.float32), case.dtype)
                       for n, s in shapes.items()} for _ in range(self.n_sets)]
+        if case.suite == "bias":   # one additive bias [1, H, Sq, Sk], shared by the input sets
+            bias = cast(rng.standard_normal((1, case.heads, case.seq_q, case.seq_k),
+                                            dtype=cp.float32), case.dtype)
+            for st in self.sets:
+                st["bias"] = bias
         # RoPE's positions form: int64 [B, S] positions (transformers' position_ids), a shuffle
         # of 0 .. 2S per batch entry, shared by the input sets.
         self.positions = rope_positions(case) if case.kind == "rope" else None
@@ -178,12 +190,17 @@ class CaseRun:
             self.reference = attention_reference(case, self.sets[0])
 
     def prepare(self, impl: str) -> Prepared:
-        from torch_peers import prepare_torch_rope, prepare_torch_sdpa
+        from torch_peers import (prepare_ferrocupy_step, prepare_torch_flex, prepare_torch_rope,
+                                 prepare_torch_sdpa)
 
+        if impl == "ferrocupy" and self.case.direction == "step":
+            return prepare_ferrocupy_step(self.case, self.sets)
         if impl == "ferrocupy":
             return prepare_ferrocupy(self.case, self.sets, self.positions)
         if impl == "torch-eager":
             return prepare_torch_rope(self.case, self.sets, self.positions)
+        if impl == "torch-flex":
+            return prepare_torch_flex(self.case, self.sets)
         if impl.startswith("torch-"):
             return prepare_torch_sdpa(self.case, self.sets, impl.split("-", 1)[1])
         raise ValueError(f"unknown implementation {impl!r}")
@@ -229,12 +246,14 @@ def _samples(case):
 
 
 def attention_reference(case, s) -> dict:
-    """float64 forward (and backward) of the sampled heads; rows in chunks to bound memory."""
+    """float64 forward (and backward; both for a training step) of the sampled heads, with the
+    case's bias and window; rows in chunks to bound memory."""
     cp = _cp()
     group = case.heads // case.kv_heads
     scale = float(np.float32(1.0) / np.sqrt(np.float32(case.head_dim)))
-    bwd = case.direction == "bwd"
-    res = {n: {} for n in (("dq", "dk", "dv") if bwd else ("out",))}
+    bwd = case.direction != "fwd"
+    names = {"fwd": ("out",), "bwd": ("dq", "dk", "dv"), "step": ("out", "dq", "dk", "dv")}
+    res = {n: {} for n in names[case.direction]}
     chunk = max(1, (32 << 20) // max(case.seq_k, 1))
     cols = cp.arange(case.seq_k)[None, :]
     for b, g in _samples(case):
@@ -243,13 +262,18 @@ def attention_reference(case, s) -> dict:
         for h in range(g * group, (g + 1) * group):
             q = to_f64(head(s["q"], "bshd", b, h))
             do = to_f64(head(s["do"], "bshd", b, h)) if bwd else None
+            bias = to_f64(head(s["bias"], "bhsd", 0, h)) if "bias" in s else None
             outs, dqs = [], []
             for i0 in range(0, case.seq_q, chunk):
                 qc = q[i0:i0 + chunk]
                 sc = scale * (qc @ k.T)
+                if bias is not None:
+                    sc = sc + bias[i0:i0 + chunk]
+                rows = cp.arange(i0, i0 + qc.shape[0])[:, None] + case.causal_offset
                 if case.causal:
-                    rows = cp.arange(i0, i0 + qc.shape[0])[:, None] + case.causal_offset
                     sc = cp.where(cols <= rows, sc, -cp.inf)
+                if case.window:
+                    sc = cp.where(cp.abs(rows - cols) < case.window, sc, -cp.inf)
                 m = sc.max(axis=1, keepdims=True)
                 p = cp.exp(sc - cp.where(cp.isfinite(m), m, 0.0))
                 lsum = p.sum(axis=1, keepdims=True)
@@ -264,7 +288,7 @@ def attention_reference(case, s) -> dict:
                     dv += p.T @ dc
             if bwd:
                 res["dq"][(b, h)] = cp.concatenate(dqs)
-            else:
+            if "out" in res:
                 res["out"][(b, h)] = cp.concatenate(outs)
         if bwd:
             res["dk"][(b, g)], res["dv"][(b, g)] = dk, dv
@@ -361,13 +385,15 @@ def prepare_ferrocupy(case, sets, positions=None) -> Prepared:
             runs.append(lambda x=x, out=out: eng.rope(x, case.shape[-1], 0, out=out, **kw))
             outs.append({"x": (out.buffer(), "bshd")})
     else:
-        opts = AttentionOptions(causal=case.causal, causal_offset=case.causal_offset)
+        opts = AttentionOptions(causal=case.causal, causal_offset=case.causal_offset,
+                                window=case.window)
         for st in sets:
             q, k, v = (t(to_cupy(st[n])) for n in ("q", "k", "v"))
             out = t(_empty_like(q.buffer()))
+            mask = t(to_cupy(st["bias"])) if "bias" in st else None
             if case.direction == "fwd":
-                runs.append(lambda q=q, k=k, v=v, o=out:
-                            eng.flash_attention_v2_with(q, k, v, o, opts))
+                runs.append(lambda q=q, k=k, v=v, o=out, m=mask:
+                            eng.flash_attention_v2_with(q, k, v, o, opts, m))
                 outs.append({"out": (out.buffer(), "bshd")})
                 continue
             # As a training step: the forward writes out and its float32 log-sum-exp, and the

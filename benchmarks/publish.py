@@ -137,8 +137,9 @@ def results_page(runs: list[Run]) -> str:
            "reference and times only right answers: the median of CUDA-event-timed repetitions "
            "after a warm-up and at least 100 ms of untimed back-to-back calls (so no one is "
            "timed on a device still speeding up); compilation stays out. The peers are torch "
-           "SDPA's backends, each forced with `sdpa_kernel` (`flash` and `cudnn` take only "
-           "float16/bfloat16), and eager rotate-half RoPE. Attention FLOPs are 4·B·H·Sq·Sk·D "
+           "SDPA as torch picks its backend (`sdpa-default`) and each backend forced with "
+           "`sdpa_kernel` (`flash` and `cudnn` take only float16/bfloat16), FlexAttention "
+           "(compiled) on the bias and window cases, and eager rotate-half RoPE. Attention FLOPs are 4·B·H·Sq·Sk·D "
            "forward, half of it causal, 2.5× that backward (FlashAttention's convention); the "
            "backward is given the forward's `out` and `lse`, as a training step runs it. The "
            "attention sweep is D64 and D128, S 512 to 16384 at 16384 tokens a batch and hidden "
@@ -173,13 +174,14 @@ def _cell(value, fmt: str) -> str:
 
 
 def _sweep_means(rows: list[dict]) -> list[str]:
-    """Per direction of the attention sweep: ferrocupy over each SDPA backend but math (which
-    runs only the smaller cases), geometric mean of the cases both ran."""
+    """Per direction of the attention sweep: ferrocupy over SDPA as torch picks its backend and
+    each forced backend but math (which runs only the smaller cases), geometric mean of the
+    cases both ran."""
     out = []
     for direction, name in (("fwd", "forward"), ("bwd", "backward")):
         grid = [r for r in rows if r.get("suite") == "grid" and r["direction"] == direction]
         means = []
-        for peer in report.PEER_ORDER[:3]:
+        for peer in ("torch-sdpa-default", "torch-flash", "torch-cudnn", "torch-efficient"):
             xs = [r["ratios"][peer] for r in grid if r["ratios"].get(peer)]
             if xs:
                 gm = report.geomean(xs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import harness
 from harness import DTYPES, FLOOR_ATTN_RATIO, FLOOR_ROPE_PCT, GATE_ROPE_PCT, Case
 
 COLUMNS = [  # header, row key, format
@@ -17,7 +18,9 @@ COLUMNS = [  # header, row key, format
     ("note", "note", "{}"),
 ]
 # The peers that get a "vs NAME" column (ferrocupy's throughput over theirs), in this order.
-PEER_ORDER = ("torch-flash", "torch-cudnn", "torch-efficient", "torch-math", "torch-eager")
+PEER_ORDER = ("torch-sdpa-default", "torch-flash", "torch-cudnn", "torch-efficient",
+              "torch-flex", "torch-math", "torch-eager")
+DEFAULT_PEER = "torch-sdpa-default"      # issue 25's bar: torch's own choice of SDPA backend
 
 
 def short(peer: str) -> str:
@@ -37,7 +40,9 @@ def summarize(case: Case, results: dict, ceilings: dict | None) -> dict:
     best = max(ok_peers, key=lambda n: ok_peers[n]["throughput"], default=None)
     row = {"case": case.id, "dtype": case.dtype, "kind": case.kind, "suite": case.suite,
            "direction": case.direction, "unit": case.unit, "floor": case.floor,
-           "gate": case.gate,
+           "gate": case.gate, "batch": case.batch, "heads": case.heads,
+           "kv_heads": case.kv_heads, "head_dim": case.head_dim, "seq": case.seq_q,
+           "causal": case.causal, "window": case.window,
            "ferro_ms": None, "ferro_thr": None, "ferro_pct": None, "peer": best, "peer_ms": None,
            "peer_thr": None, "peer_pct": None, "ratio": None, "ratios": {}, "note": ""}
     if ferro.get("status") == "ok":
@@ -186,6 +191,70 @@ def ratio_summary(rows: list[dict]) -> list[str]:
 def floor_lines(rows: list[dict], key: str = "floor") -> list[str]:
     """The verdicts of the floor cases (key "floor") or of the gate cases (key "gate")."""
     return [f"  {r['case']}: {r['note'].split(';')[0]}" for r in rows if r.get(key)]
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def _vs_default(r: dict, need: float, what: str = "") -> str:
+    """'CASE: R x sdpa-default, need >= N: PASS/FAIL' (FAIL where either has no number)."""
+    x = r.get("ratios", {}).get(DEFAULT_PEER)
+    if not x:
+        return (f"  {r['case']}: no ratio (ferrocupy or sdpa-default has no number){what}, "
+                f"need >= {need:.2f}: FAIL")
+    return f"  {r['case']}: {x:.2f}x sdpa-default{what}, need >= {need:.2f}: {_verdict(x >= need)}"
+
+
+def gate25_lines(rows: list[dict]) -> list[str]:
+    """Issue 25's gate on the rows present (harness.GATE25_*): a heading, one PASS/FAIL line
+    each, then how many passed. The grid per case and as a geometric mean per dtype and
+    direction (INCOMPLETE where a case of the gate's set has no ratio), the training steps, the
+    bias, the window against its plain call. Empty when no row is one of the gate's."""
+    h = harness
+    n_grid = len(h.GATE25_DIMS) * len(h.GATE25_SEQS) * 2
+    lines = []
+    for dtype in h.GATE25_DTYPES:
+        for direction, (each, geo) in (("fwd", h.GATE25_FWD), ("bwd", h.GATE25_BWD)):
+            rs = [r for r in rows if r.get("suite") == "grid" and r.get("kind") == "attn"
+                  and r["dtype"] == dtype and r["direction"] == direction
+                  and r["head_dim"] in h.GATE25_DIMS and r["seq"] in h.GATE25_SEQS]
+            if not rs:
+                continue
+            lines += [_vs_default(r, each) for r in rs]
+            xs = [r["ratios"][DEFAULT_PEER] for r in rs if r["ratios"].get(DEFAULT_PEER)]
+            name = "backward (given lse)" if direction == "bwd" else "forward"
+            mean = f"{geomean(xs):.2f}x" if xs else "-"
+            verdict = (_verdict(geomean(xs) >= geo) if len(xs) == n_grid else
+                       f"INCOMPLETE ({len(xs)} of the {n_grid} cases have a ratio)")
+            lines.append(f"  {dtype} {name} geometric mean: {mean} sdpa-default, "
+                         f"need >= {geo:.2f}: {verdict}")
+    lines += [_vs_default(r, h.GATE25_TRAIN, " (forward + backward)")
+              for r in rows if r.get("suite") == "train"]
+    lines += [_vs_default(r, h.GATE25_BIAS, " with the same bias")
+              for r in rows if r.get("suite") == "bias"]
+    for r in rows:
+        if r.get("suite") != "window" or not r.get("window"):
+            continue
+        same = ("dtype", "batch", "heads", "kv_heads", "head_dim", "seq", "causal")
+        plain = next((p for p in rows if p.get("suite") == "window" and not p.get("window")
+                      and all(p[k] == r[k] for k in same)), None)
+        need = h.GATE25_WINDOW
+        if plain is None or not (r.get("ferro_thr") and plain.get("ferro_thr")):
+            lines.append(f"  {r['case']}: no ratio (ferrocupy has no number here or on the "
+                         f"plain call), need >= {need:.2f}: FAIL")
+            continue
+        x = r["ferro_thr"] / plain["ferro_thr"]
+        lines.append(f"  {r['case']}: {x:.2f}x the plain call's TFLOP/s ({plain['case']}; "
+                     f"visible keys), need >= {need:.2f}: {_verdict(x >= need)}")
+    if not lines:
+        return []
+    passed = sum(line.endswith(": PASS") for line in lines)
+    head = (f"issue-25 gate (ferrocupy / torch's default SDPA, same run; forward >= "
+            f"{h.GATE25_FWD[0]}x each and >= {h.GATE25_FWD[1]}x geometric mean, backward >= "
+            f"{h.GATE25_BWD[0]}x and >= {h.GATE25_BWD[1]}x, training step >= {h.GATE25_TRAIN}x, "
+            f"bias >= {h.GATE25_BIAS}x, window >= {h.GATE25_WINDOW}x its plain call):")
+    return [head] + lines + [f"  {passed} of {len(lines)} lines PASS"]
 
 
 def write_json(payload: dict, path: str) -> None:
