@@ -24,6 +24,7 @@ from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_fun
 
 import ferrocupy.torch  # noqa: E402
 import ferrocupy.transformers as fct  # noqa: E402
+from gpu_helpers import gpu_pytestmark  # noqa: E402  (tests/, on sys.path by conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, S = 96, 12
@@ -38,6 +39,13 @@ CONFIGS = {
                                               max_window_layers=1),
 }
 IMPLS = ("ferrocupy", "sdpa", "eager")
+# The model tests run on CPU (the reference backend) and, marked `gpu`, on CUDA (the kernels,
+# float32: 3xTF32, float32-accurate, against torch's float32 SDPA, hence the looser tolerances).
+CUDA = pytest.param("cuda", marks=[*gpu_pytestmark(), pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="PyTorch has no CUDA device")])
+DEVICES = ["cpu", CUDA]
+LOGIT_TOL = {"cpu": 1e-5, "cuda": 1e-4}
+GRAD_TOL = {"cpu": (1e-4, 1e-6), "cuda": (1e-3, 1e-5)}  # (rtol, atol)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,7 +67,7 @@ def calls(monkeypatch):
     return seen
 
 
-def _models(name: str, **overrides) -> dict:
+def _models(name: str, device: str = "cpu", **overrides) -> dict:
     """The same random weights under each attention implementation (each model gets its own
     copy of the config: from_config records the implementation in it)."""
     config = CONFIGS[name]()
@@ -71,23 +79,23 @@ def _models(name: str, **overrides) -> dict:
                                                      dtype=torch.float32) for impl in IMPLS}
     for model in models.values():
         model.load_state_dict(models["sdpa"].state_dict())
-        model.eval()
+        model.to(device).eval()
     return models
 
 
-def _batch(padding: str, seed: int = 1):
+def _batch(padding: str, seed: int = 1, device: str = "cpu"):
     """(input_ids [3, S], attention_mask [3, S] of 0/1 as a tokenizer gives, or None)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (3, S), generator=gen)
     if padding == "none":
-        return ids, None
+        return ids.to(device), None
     mask = torch.ones(3, S, dtype=torch.long)
     for row, pad in enumerate((3, 0, 7)):  # one row unpadded
         if padding == "left":
             mask[row, :pad] = 0
         else:
             mask[row, S - pad:] = 0
-    return ids.masked_fill(mask == 0, 0), mask
+    return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
 
 
 def _real(mask):
@@ -96,25 +104,29 @@ def _real(mask):
     return slice(None) if mask is None else mask.bool()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_match_sdpa_and_eager(name, padding, calls):
-    models = _models(name)
-    ids, mask = _batch(padding)
+def test_logits_match_sdpa_and_eager(name, padding, device, calls):
+    models = _models(name, device)
+    ids, mask = _batch(padding, device=device)
+    tol = LOGIT_TOL[device]
     with torch.no_grad():
         logits = {impl: m(ids, attention_mask=mask).logits for impl, m in models.items()}
     assert len(calls) == 2  # one a layer: ferrocupy ran, in every layer
-    torch.testing.assert_close(logits["ferrocupy"], logits["sdpa"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["ferrocupy"], logits["sdpa"], rtol=tol, atol=tol)
     real = _real(mask)
-    torch.testing.assert_close(logits["ferrocupy"][real], logits["eager"][real], rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(logits["ferrocupy"][real], logits["eager"][real], rtol=tol,
+                               atol=tol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_gradients_match_sdpa(name, padding):
-    models = _models(name)
-    ids, mask = _batch(padding, seed=2)
+def test_gradients_match_sdpa(name, padding, device):
+    models = _models(name, device)
+    ids, mask = _batch(padding, seed=2, device=device)
+    rtol, atol = GRAD_TOL[device]
     labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
     grads = {}
     for impl in ("ferrocupy", "sdpa"):
@@ -123,24 +135,26 @@ def test_gradients_match_sdpa(name, padding):
         grads[impl] = {n: p.grad for n, p in model.named_parameters()}
     assert grads["sdpa"].keys() == grads["ferrocupy"].keys()
     for n, g in grads["sdpa"].items():
-        torch.testing.assert_close(grads["ferrocupy"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(grads["ferrocupy"][n], g, rtol=rtol, atol=atol, msg=n)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding", ["none", "left"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_greedy_generation_matches_sdpa(name, padding):
+def test_greedy_generation_matches_sdpa(name, padding, device):
     """Through the KV cache: the prompt, then one query a step (without padding no mask reaches
     the decode steps: bottom-right alignment; with padding a mask does)."""
-    models = _models(name)
-    ids, mask = _batch(padding, seed=3)
+    models = _models(name, device)
+    ids, mask = _batch(padding, seed=3, device=device)
     out = {impl: models[impl].generate(ids, attention_mask=mask, max_new_tokens=6,
                                        do_sample=False, use_cache=True, pad_token_id=0,
                                        output_scores=True, return_dict_in_generate=True)
            for impl in ("ferrocupy", "sdpa")}
     torch.testing.assert_close(out["ferrocupy"].sequences, out["sdpa"].sequences, rtol=0,
                                atol=0)
+    tol = LOGIT_TOL[device]
     for mine, theirs in zip(out["ferrocupy"].scores, out["sdpa"].scores):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine, theirs, rtol=tol, atol=tol)
 
 
 def test_dropout_only_in_training(calls):
