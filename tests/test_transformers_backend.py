@@ -139,16 +139,20 @@ def test_gradients_match_sdpa(name, padding, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padding", ["none", "left"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_greedy_generation_matches_sdpa(name, padding, device):
-    """Through the KV cache: the prompt, then one query a step (without padding no mask reaches
-    the decode steps: bottom-right alignment; with padding a mask does)."""
+def test_greedy_generation_matches_sdpa(name, padding, cache, device):
+    """Through the KV cache: the prompt, then one query a step. A dynamic cache without padding
+    passes no mask to the decode steps (bottom-right alignment); a static cache without padding
+    passes none to the prompt's full-attention layers, whose keys are the cache's 17 slots
+    (top-left); padding passes masks."""
     models = _models(name, device)
     ids, mask = _batch(padding, seed=3, device=device)
     out = {impl: models[impl].generate(ids, attention_mask=mask, max_new_tokens=6,
                                        do_sample=False, use_cache=True, pad_token_id=0,
-                                       output_scores=True, return_dict_in_generate=True)
+                                       cache_implementation=cache, output_scores=True,
+                                       return_dict_in_generate=True)
            for impl in ("ferrocupy", "sdpa")}
     torch.testing.assert_close(out["ferrocupy"].sequences, out["sdpa"].sequences, rtol=0,
                                atol=0)
