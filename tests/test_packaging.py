@@ -58,7 +58,8 @@ def test_wheel_metadata_extras(wheel):
     assert "Requires-Dist: ml_dtypes>=0.4" in meta  # bfloat16
     for extra, dist in [("cuda12", "cupy-cuda12x>=14"), ("cuda13", "cupy-cuda13x>=14"),
                         ("test", "pytest>=7"), ("test", "pytest-benchmark>=4"),
-                        ("plot", "matplotlib"), ("torch", "torch")]:
+                        ("test", "transformers<6,>=5.17"), ("plot", "matplotlib"),
+                        ("torch", "torch")]:
         assert f"Provides-Extra: {extra}" in meta
         assert f'Requires-Dist: {dist}; extra == "{extra}"' in meta, (extra, dist)
     import ferrocupy

@@ -172,7 +172,8 @@ def test_there_are_lab_scripts_to_check():
     assert len(LAB_FILES) >= 5, LAB_FILES
 
 
-def test_torch_module_uses_public_names_only():
-    path = PACKAGE / "torch.py"
+@pytest.mark.parametrize("module", ["torch.py", "transformers.py"])
+def test_framework_modules_use_public_names_only(module):
+    path = PACKAGE / module
     uses = private_uses(path.read_text(), in_package=True)
-    assert not uses, f"ferrocupy/torch.py uses private ferrocupy names: {uses}"
+    assert not uses, f"ferrocupy/{module} uses private ferrocupy names: {uses}"
