@@ -113,10 +113,12 @@ def _python_blocks() -> list[str]:
 
 
 def _run_block(code: str, name: str) -> dict:
-    """Runs a README block as written, in a fresh namespace (a block needing torch is skipped
-    where torch is not installed: CI installs it)."""
+    """Runs a README block as written, in a fresh namespace (a block needing torch or
+    transformers is skipped where it is not installed: CI installs both)."""
     if re.search(r"^\s*(import torch|from torch|from ferrocupy.torch)", code, re.MULTILINE):
         pytest.importorskip("torch", reason="torch is not installed")
+    if re.search(r"^\s*(import|from) (ferrocupy\.)?transformers", code, re.MULTILINE):
+        pytest.importorskip("transformers", reason="transformers is not installed")
     scope: dict = {"__name__": "__readme__"}
     exec(compile(code, name, "exec"), scope)  # noqa: S102 - our README
     return scope
