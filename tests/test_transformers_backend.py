@@ -342,3 +342,9 @@ def test_importing_the_module_imports_no_transformers():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_transformers_without_the_interfaces_is_named(monkeypatch):
+    monkeypatch.delattr(transformers.masking_utils, "sdpa_mask")
+    with pytest.raises(ImportError, match="sdpa_mask.*this is transformers"):
+        fct.register("ferrocupy-old")
