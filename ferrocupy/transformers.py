@@ -80,8 +80,16 @@ def register(name: str = "ferrocupy") -> None:
     function) and `transformers.AttentionMaskInterface` (SDPA's mask form: a bool mask or None),
     so that `from_pretrained(..., attn_implementation=name)` and `from_config(...)` use it.
     Registering again replaces the earlier entry."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
+    import transformers
+
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+    except ImportError as e:
+        raise ImportError(
+            f"ferrocupy.transformers.register needs transformers' AttentionInterface, "
+            f"AttentionMaskInterface and masking_utils.sdpa_mask (tested with transformers 5.17 "
+            f"and 5.25); this is transformers {transformers.__version__}: {e}") from e
 
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)

@@ -19,8 +19,11 @@ if not hasattr(transformers, "AttentionInterface"):
     pytest.skip("this transformers has no AttentionInterface", allow_module_level=True)
 
 import torch.nn.functional as F  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function  # noqa
+from transformers.masking_utils import (causal_mask_function, sdpa_mask,  # noqa: E402
+                                        sliding_window_causal_mask_function)
 
 import ferrocupy.torch  # noqa: E402
 import ferrocupy.transformers as fct  # noqa: E402
@@ -210,11 +213,11 @@ class _Module(torch.nn.Module):
     num_key_value_groups = 2
 
 
-def _qkv(Sq: int, Sk: int, seed: int = 0):
-    """SDPA-layout q [2, 4, Sq, 16] and k, v [2, 2, Sk, 16] (GQA), as the models hand them."""
+def _qkv(Sq: int, Sk: int, seed: int = 0, B: int = 2):
+    """SDPA-layout q [B, 4, Sq, 16] and k, v [B, 2, Sk, 16] (GQA), as the models hand them."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 4, Sq, 16, generator=gen)
-    k, v = (torch.randn(2, 2, Sk, 16, generator=gen) for _ in range(2))
+    q = torch.randn(B, 4, Sq, 16, generator=gen)
+    k, v = (torch.randn(B, 2, Sk, 16, generator=gen) for _ in range(2))
     return q, k, v
 
 
@@ -278,6 +281,42 @@ def test_a_mask_is_applied_as_it_is():
     torch.testing.assert_close(out, _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-6)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_every_mask_transformers_builds_reads_as_sdpa_reads_it(data):
+    """Whatever transformers' mask function hands over for a cache's positions (a dynamic cache:
+    the queries are the last Sq of Sk keys; a static one: they follow `past` written slots, the
+    rest unwritten), padding anywhere and any window, mask or None, ferrocupy's answer is SDPA's
+    with the mask materialized (`allow_is_causal_skip=False`)."""
+    Sk = data.draw(st.integers(1, 10), "Sk")
+    Sq = data.draw(st.sampled_from(sorted({1, Sk, data.draw(st.integers(1, Sk))})), "Sq")
+    static = data.draw(st.booleans(), "static")
+    past = data.draw(st.integers(0, Sk - Sq), "past") if static else Sk - Sq
+    window = data.draw(st.none() | st.integers(1, Sk + 1), "window")
+    seen = past + Sq  # the 2-D padding mask's length (transformers pads it to Sk with False)
+    rows = data.draw(st.lists(st.sampled_from(["full", "left", "right", "holes"]), min_size=1,
+                              max_size=3), "padding")
+    pad = torch.ones(len(rows), seen, dtype=torch.bool)
+    for b, kind in enumerate(rows):
+        cut = data.draw(st.integers(0, seen - 1))
+        if kind == "left":
+            pad[b, :cut] = False
+        elif kind == "right":
+            pad[b, seen - cut:] = False
+        elif kind == "holes":
+            pad[b] = torch.tensor(data.draw(st.lists(st.booleans(), min_size=seen,
+                                                     max_size=seen)))
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    args = dict(batch_size=len(rows), q_length=Sq, kv_length=Sk, q_offset=past,
+                mask_function=fn, attention_mask=pad, local_size=window)
+    q, k, v = _qkv(Sq, Sk, seed=Sk * 16 + Sq, B=len(rows))
+    # create_causal_mask never skips the mask for one query into a static (compileable) cache.
+    mask = sdpa_mask(**args, allow_is_causal_skip=not (static and Sq == 1))
+    out, _ = fct.attention_forward(_Module(), q, k, v, mask, sliding_window=window)
+    want = _sdpa(q, k, v, sdpa_mask(**args, allow_is_causal_skip=False))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
 def test_softcap_and_sinks_are_refused_by_name():
     q, k, v = _qkv(3, 3)
     with pytest.raises(NotImplementedError, match="softcap"):
@@ -303,3 +342,9 @@ def test_importing_the_module_imports_no_transformers():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_transformers_without_the_interfaces_is_named(monkeypatch):
+    monkeypatch.delattr(transformers.masking_utils, "sdpa_mask")
+    with pytest.raises(ImportError, match="sdpa_mask.*this is transformers"):
+        fct.register("ferrocupy-old")
