@@ -27,9 +27,10 @@ What transformers hands an attention function, and what becomes of it here:
   `q - sliding_window < k <= q` is ferrocupy's `causal` with `|a - j| < window`.
 - `scaling` becomes `scale`; `dropout` (transformers passes it non-zero only in training) becomes
   `dropout_p`, seeded from torch's default generator.
-- `softcap` (Gemma 2's `attn_logit_softcapping`) and attention sinks (gpt-oss's `s_aux`) raise
-  NotImplementedError for now: they will go to `ferrocupy.torch.attention`'s `softcap=` and
-  `sinks=` keywords. So does `position_bias` (T5-style relative bias).
+- `softcap` (Gemma 2's `attn_logit_softcapping`) and attention sinks (gpt-oss's `s_aux`, cast to
+  float32) go to `ferrocupy.torch.attention`'s `softcap=` and `sinks=` (the reference backend
+  takes both; the CUDA kernels refuse them, naming them, until their kernel work lands).
+  `position_bias` (T5-style relative bias) raises NotImplementedError.
 - The returned weights are None (as with `sdpa`): `output_attentions=True` needs `eager`.
 """
 
@@ -44,19 +45,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention-function signature: `(attn_output [B, Sq, H, D], None)`."""
     from .torch import attention
 
-    # Softcap and sinks are refused until ferrocupy.torch.attention takes them (its `softcap=`
-    # and `sinks=` keywords, which these two will be handed to as they are).
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss passes its sinks as s_aux
-    if softcap:  # None or 0: no softcap
-        raise NotImplementedError(
-            f"ferrocupy's transformers backend has no softcap yet (module "
-            f"{type(module).__name__} passes softcap={softcap}); it will go to "
-            f"ferrocupy.torch.attention's softcap= keyword")
+    # gpt-oss passes its learned sinks as s_aux ([H], the model's dtype): one extra logit per
+    # head in each row's softmax denominator, ferrocupy's float32 `sinks` (differentiable).
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if sinks is not None:
-        raise NotImplementedError(
-            f"ferrocupy's transformers backend has no attention sinks yet (module "
-            f"{type(module).__name__} passes sinks of shape {tuple(sinks.shape)}); they will go "
-            f"to ferrocupy.torch.attention's sinks= keyword")
+        sinks = sinks.float()
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(
             f"ferrocupy's transformers backend takes no position_bias (module "
@@ -71,7 +64,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         window = (sliding_window or 0) if causal else 0
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                     causal=bool(causal), causal_offset=offset, window=window,
-                    dropout_p=float(dropout), attn_mask=attention_mask, scale=scaling)
+                    dropout_p=float(dropout), attn_mask=attention_mask, scale=scaling,
+                    softcap=float(softcap or 0.0), sinks=sinks)
     return out, None
 
 

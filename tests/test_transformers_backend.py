@@ -196,15 +196,32 @@ def test_gemma2_scaling_matches_eager_without_softcap():
     torch.testing.assert_close(logits[0][real], logits[1][real], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, refused", [("gemma2", "softcap"), ("gpt_oss", "sinks")])
-def test_models_with_softcap_or_sinks_are_refused_by_name(name, refused):
-    config = {"gemma2": lambda: transformers.Gemma2Config(**TINY, head_dim=16, sliding_window=4),
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_softcap_and_sinks_models_match_eager(name):
+    """Gemma 2's logit softcap and gpt-oss's attention sinks (and their gradient) on the
+    reference backend, against transformers' eager implementation (the one that takes both)."""
+    config = {"gemma2": lambda: transformers.Gemma2Config(**TINY, head_dim=16, sliding_window=4,
+                                                          attn_logit_softcapping=5.0),
               "gpt_oss": lambda: transformers.GptOssConfig(**TINY, head_dim=16, sliding_window=4,
                                                            num_local_experts=4,
                                                            num_experts_per_tok=2)}[name]()
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="ferrocupy")
-    with pytest.raises(NotImplementedError, match=refused):
-        model(torch.randint(0, VOCAB, (1, 6)))
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    mine = AutoModelForCausalLM.from_config(config, attn_implementation="ferrocupy")
+    with torch.no_grad():  # scores of order 1 (so the softcap bites), sinks away from zero
+        for n, p in eager.named_parameters():
+            if n.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(20)
+            elif n.endswith("sinks"):
+                p.add_(torch.randn_like(p))
+    mine.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 7))
+    logits = [m.eval()(ids).logits for m in (mine, eager)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    for m, lg in zip((mine, eager), logits):
+        lg.square().mean().backward()
+    for (n, a), (_, b) in zip(mine.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
 # --- the attention function alone -------------------------------------------------------------
@@ -317,14 +334,19 @@ def test_every_mask_transformers_builds_reads_as_sdpa_reads_it(data):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
-def test_softcap_and_sinks_are_refused_by_name():
+def test_softcap_and_sinks_are_handed_on():
+    """`softcap` and gpt-oss's `s_aux` reach ferrocupy.torch.attention's softcap= and sinks=
+    (cast to float32); None and 0 mean neither."""
+    from ferrocupy.torch import attention
+
     q, k, v = _qkv(3, 3)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        fct.attention_forward(_Module(), q, k, v, None, softcap=50.0)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        fct.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
-    out, _ = fct.attention_forward(_Module(), q, k, v, None, softcap=None, s_aux=None)
-    assert out.shape == (2, 3, 4, 16)
+    sinks = torch.randn(4, dtype=torch.bfloat16)
+    out, _ = fct.attention_forward(_Module(), q, k, v, None, softcap=5.0, s_aux=sinks)
+    want = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                     softcap=5.0, sinks=sinks.float())
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    plain, _ = fct.attention_forward(_Module(), q, k, v, None, softcap=None, s_aux=None)
+    assert plain.shape == (2, 3, 4, 16) and not torch.allclose(plain, out)
 
 
 def test_registered_under_the_name():
