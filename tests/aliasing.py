@@ -1,10 +1,10 @@
 """Attention calls whose tensors are all carved from one buffer, in every way views allow: each
 tensor at its own offset with its own padded strides, some far apart, some at nearby offsets
 (same buffer, offset), some interleaved with another (same strides, shifted by a head: two
-halves of one [.., 2, H, D] buffer, as packed QKV is). A hypothesis strategy draws them; `run`
-makes the call cold or warm (after a valid call with the same shapes and strides from separate
-buffers) and checks the rule: an output whose span (first to last byte it can touch) meets any
-other argument's span is refused with a ValueError and the buffer is left as it was; otherwise
+halves of one [.., 2, H, D] buffer, as packed QKV is). A hypothesis strategy draws them;
+`check` makes the call cold or warm (after a valid call with the same shapes and strides from
+separate buffers) and checks the rule: an output whose span (first to last byte it can touch)
+meets any other argument's span is refused with a ValueError and the buffer is left as it was; otherwise
 the call runs and its outputs equal the reference's on contiguous copies.
 
 Also the two cases of issue 27 that a fuzzer found refused cold but not warm. Used by
@@ -174,7 +174,7 @@ def _reference(call: Call, host: dict) -> dict:
     return {n: t[n] for n in WRITTEN[call.op] if n in t}
 
 
-def run(engine: ComputeEngine, mem: Memory, call: Call, rng, warm: bool, tol: float) -> None:
+def check(engine: ComputeEngine, mem: Memory, call: Call, rng, warm: bool, tol: float) -> None:
     """Check `call` on `engine` with its buffers in `mem`."""
     if warm:  # the same shapes and strides, every tensor in a buffer of its own: valid
         own = {n: carve(mem, mem.array(rng.standard_normal(call.size, dtype=np.float32)),

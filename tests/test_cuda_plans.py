@@ -83,7 +83,7 @@ def test_issue_case_is_refused(cuda_engine, rng, warm, kind, case):
 def test_overlapping_outputs_are_refused_and_others_run(cuda_engine, call, warm, seed, kind):
     if kind == "torch":
         pytest.importorskip("torch")
-    aliasing.run(cuda_engine, aliasing.Memory(kind), call, np.random.default_rng(seed), warm,
+    aliasing.check(cuda_engine, aliasing.Memory(kind), call, np.random.default_rng(seed), warm,
                  tol=2e-5)
 
 

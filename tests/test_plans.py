@@ -112,7 +112,7 @@ def test_issue_case_decode_out_interleaved_with_q_is_refused(eng, rng, warm):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call=aliasing.calls(extras=True), warm=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_overlapping_outputs_are_refused_and_others_run(call, warm, seed):
-    aliasing.run(ComputeEngine("reference", quiet=True), aliasing.Memory(), call,
+    aliasing.check(ComputeEngine("reference", quiet=True), aliasing.Memory(), call,
                  np.random.default_rng(seed), warm, tol=1e-12)
 
 

@@ -112,7 +112,7 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README, re.DOTALL)
 
 
-def _run_block(code: str, name: str) -> dict:
+def _check_block(code: str, name: str) -> dict:
     """Runs a README block as written, in a fresh namespace (a block needing torch or
     transformers is skipped where it is not installed: CI installs both)."""
     if re.search(r"^\s*(import torch|from torch|from ferrocupy.torch)", code, re.MULTILINE):
@@ -126,7 +126,7 @@ def _run_block(code: str, name: str) -> dict:
 
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_every_python_block_runs_as_written(index):
-    _run_block(_python_blocks()[index], f"README python block {index}")
+    _check_block(_python_blocks()[index], f"README python block {index}")
 
 
 def test_there_are_python_blocks_to_run():
@@ -139,7 +139,7 @@ def _block_with(text: str) -> str:
 
 
 def test_quick_start_computes_the_outputs():
-    scope = _run_block(_block_with("flash_attention_v2_backward_with"), "README quick start")
+    scope = _check_block(_block_with("flash_attention_v2_backward_with"), "README quick start")
     out, grads = scope["out"], (scope["grad_q"], scope["grad_k"], scope["grad_v"])
     assert out.shape == (2, 128, 8, 64)
     for t in (out, *grads):
@@ -152,7 +152,7 @@ def test_torch_interop_block_writes_in_place():
     lines = code.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("t = torch."))
     lines.insert(at + 1, "t0 = t.clone()")  # remember t before the in-place RoPE
-    scope = _run_block("\n".join(lines), "README torch interop")
+    scope = _check_block("\n".join(lines), "README torch interop")
     t, t0, back = scope["t"], scope["t0"], scope["back"]
     assert not torch.equal(t, t0), "RoPE did not write into the torch tensor's memory"
     assert torch.equal(t[:, 0], t0[:, 0])  # position 0 is not rotated
@@ -164,7 +164,7 @@ def test_pytorch_section_example_runs():
     section = README.split("## PyTorch\n", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     assert len([line for line in code.splitlines() if line.strip()]) <= 8
-    scope = _run_block(code, "README PyTorch example")
+    scope = _check_block(code, "README PyTorch example")
     q, out = scope["q"], scope["out"]
     assert out.shape == q.shape == (2, 128, 8, 64)
     for t in (scope["q"], scope["k"], scope["v"]):
