@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -166,3 +168,15 @@ def backward(q, k, v, out, grad_out, opts=AttentionOptions(), mask=None, stats_d
     ref.flash_attn_v2_bw_dq(q, k, v, out, grad_out, gq, mask, stats, p)
     ref.flash_attn_v2_bw_dkdv(q, k, v, grad_out, gk, gv, mask, stats, p)
     return gq, gk, gv, stats
+
+
+def _cxx_compiler() -> bool:
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+# torch.compile backends the torch tests compile with: inductor needs a C++ compiler on CPU.
+COMPILE_BACKENDS = [
+    "aot_eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(
+        not _cxx_compiler(), reason="inductor on CPU needs a C++ compiler (none on PATH)")),
+]

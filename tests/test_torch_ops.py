@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import ferrocupy.torch as ft  # noqa: E402
 from ferrocupy import AttentionOptions, ComputeEngine  # noqa: E402
+from helpers import COMPILE_BACKENDS  # noqa: E402
 
 FWD = torch.ops.ferrocupy.attention_fwd.default
 BWD = torch.ops.ferrocupy.attention_bwd.default
@@ -352,17 +353,7 @@ def _block(q, k, v, mask):
     return (o * o).sum()
 
 
-def _cxx_compiler() -> bool:
-    import shutil
-
-    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
-
-
-@pytest.mark.parametrize("backend", [
-    "aot_eager",
-    pytest.param("inductor", marks=pytest.mark.skipif(
-        not _cxx_compiler(), reason="inductor on CPU needs a C++ compiler (none on PATH)")),
-])
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 def test_torch_compile_fullgraph_equals_eager(gen, backend):
     import torch._dynamo
 

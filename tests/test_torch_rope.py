@@ -7,12 +7,12 @@ path runs the same checks in tests/test_cuda_torch_rope.py."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
 import ferrocupy.torch as ft  # noqa: E402
+from helpers import COMPILE_BACKENDS  # noqa: E402
 from rope_formula import POSITION_KINDS, make_positions, option_params  # noqa: E402
 from torch_rope_formulas import bshd, positions_for, rope_torch  # noqa: E402
 
@@ -212,12 +212,6 @@ def test_opcheck_in_place(gen):
                                                                torch.arange(5), 4, True))
 
 
-def _cxx_compiler() -> bool:
-    import shutil
-
-    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
-
-
 def _layer(x, positions):
     """A model's use: q and k cut from one projection, rotated with positions, a loss."""
     q, k = x[:, :, 0], x[:, :, 1]
@@ -226,11 +220,7 @@ def _layer(x, positions):
     return (q * k).sum() + (ft.rope(q, 16, pos=3, interleaved=True) ** 2).sum()
 
 
-@pytest.mark.parametrize("backend", [
-    "aot_eager",
-    pytest.param("inductor", marks=pytest.mark.skipif(
-        not _cxx_compiler(), reason="inductor on CPU needs a C++ compiler (none on PATH)")),
-])
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 def test_torch_compile_fullgraph(gen, backend):
     import torch._dynamo
 
