@@ -23,12 +23,12 @@ def _sides(window, seqlen_k):
     return tuple(-1 if w < 0 or w >= seqlen_k else w for w in window)
 
 
-def visible(sq: int, sk: int, causal: bool, window=(-1, -1), seqlen_k=None):
+def visible(sq: int, sk: int, causal: bool, window=(-1, -1), seqlen_k=None, device=None):
     """`[Sq, Sk]` bool, and the rows' positions a = i + Sk - Sq as `[Sq, 1]`."""
     left, right = _sides(window, sk if seqlen_k is None else seqlen_k)
-    a = torch.arange(sq)[:, None] + (sk - sq)
-    j = torch.arange(sk)[None, :]
-    vis = torch.ones(sq, sk, dtype=torch.bool)
+    a = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
         vis &= j <= a
     if left >= 0:
@@ -59,10 +59,10 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None
     s = torch.einsum("bihd,bjhd->bhij", q, kh) * scale_of(d, softmax_scale)
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    vis, a = visible(sq, sk, causal, window, seqlen_k)
+    vis, a = visible(sq, sk, causal, window, seqlen_k, q.device)
     if alibi is not None:
-        slopes = (alibi if alibi.dim() == 2 else alibi[None].expand(b, h)).to(dtype)
-        s = s - slopes[:, :, None, None] * (a - torch.arange(sk)[None]).abs().to(dtype)
+        slopes = (alibi if alibi.dim() == 2 else alibi[None].expand(b, h)).to(q.device, dtype)
+        s = s - slopes[:, :, None, None] * (a - torch.arange(sk, device=q.device)).abs().to(dtype)
     s = s.masked_fill(~vis, -math.inf)
     dead = ~vis.any(-1)[:, None]                                          # [Sq, 1]
     lse = torch.logsumexp(s.masked_fill(dead, 0.0), -1).masked_fill(dead[:, 0], math.inf)
@@ -70,7 +70,7 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None
     pd = p
     if keep is not None:
         factor = float(np.float32(1) / (np.float32(1) - np.float32(dropout_p)))
-        pd = p * keep.to(dtype) * factor
+        pd = p * keep.to(q.device, dtype) * factor
     out = torch.einsum("bhij,bjhd->bihd", pd, vh)
     return out, lse, p
 
@@ -119,3 +119,23 @@ def rotary(x, cos, sin, positions, interleaved: bool):
         x1, x2 = x[..., :rd // 2], x[..., rd // 2:rd]
         rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     return torch.cat((rot, x[..., rd:]), dim=-1)
+
+
+def append(q, k_cache, v_cache, k_new, v_new, lens, *, cos=None, sin=None, interleaved=False,
+           causal=False, window=(-1, -1)):
+    """flash_attn_with_kvcache's appending in float64: (q, k_cache, v_cache) after it, with the
+    new keys (rotated at cache_seqlens[b] + i when tables are given) at cache_seqlens[b] ..< +Sn,
+    and q rotated at cache_seqlens[b] + i when causal or windowed, else at cache_seqlens[b]."""
+    b, sn = k_new.shape[:2]
+    q, k_new = q.double(), k_new.double()
+    if cos is not None:
+        pos = lens[:, None].long() + torch.arange(sn)[None]
+        local = causal or tuple(window) != (-1, -1)
+        k_new = rotary(k_new, cos, sin, pos, interleaved)
+        q = rotary(q, cos, sin, pos if local else lens[:, None].long().expand(b, q.shape[1]),
+                   interleaved)
+    k_cache, v_cache = k_cache.double().clone(), v_cache.double().clone()
+    for i in range(b):
+        k_cache[i, lens[i]:lens[i] + sn] = k_new[i]
+        v_cache[i, lens[i]:lens[i] + sn] = v_new[i].double()
+    return q, k_cache, v_cache

@@ -206,7 +206,7 @@ def test_no_dropout_leaves_torch_rng_alone(gen):
     assert torch.equal(after, torch.rand(()))
 
 
-# --- flash_attn_with_kvcache over a contiguous cache (no appending) --------------------------------
+# --- flash_attn_with_kvcache over a contiguous cache (no appending) -----------------------------
 KV_CASES = {
     "decode-causal": (1, dict(causal=True)),
     "prefill-causal-window": (3, dict(causal=True, window_size=(2, 0))),

@@ -203,7 +203,7 @@ def test_varlen_randomized(data):
     _close("S_dmask", s_dmask, _padded_probs(probs, lens_q, lens_k))
 
 
-# --- flash_attn_with_kvcache: appending, rotary, paging ---------------------------------------------
+# --- flash_attn_with_kvcache: appending, rotary, paging -----------------------------------------
 def _rotary_tables(gen, length, rotary_dim):
     angles = torch.rand(length, rotary_dim // 2, generator=gen) * 6
     return angles.cos(), angles.sin()
@@ -226,18 +226,11 @@ def test_kvcache_append(gen, causal, window, rotary, paged):
     v_cache = torch.randn(B, cap, Hkv, D, generator=gen)
     lens = torch.tensor([2, 9], dtype=torch.int32)
     cos = sin = None
-    qr, kr = q.double(), k_new.double()
     if rotary is not None:
         cos, sin = _rotary_tables(gen, cap, 8)
-        inter = rotary == "interleaved"
-        pos = lens[:, None].long() + torch.arange(Sn)[None]
-        kr = oracle.rotary(k_new, cos, sin, pos, inter)
-        qpos = pos if (causal or window != (-1, -1)) else lens[:, None].long().expand(B, Sn)
-        qr = oracle.rotary(q, cos, sin, qpos, inter)
-    want_k, want_v = k_cache.double().clone(), v_cache.double().clone()
-    for b in range(B):
-        want_k[b, lens[b]:lens[b] + Sn] = kr[b]
-        want_v[b, lens[b]:lens[b] + Sn] = v_new[b].double()
+    qr, want_k, want_v = oracle.append(q, k_cache, v_cache, k_new, v_new, lens, cos=cos, sin=sin,
+                                       interleaved=rotary == "interleaved", causal=causal,
+                                       window=window)
     want_out, want_lse = oracle.kvcache(qr, want_k, want_v, lens + Sn, causal=causal,
                                         window=window)
     kc, vc, table = k_cache.clone(), v_cache.clone(), None
