@@ -127,6 +127,29 @@ def test_return_values(gen):
     assert not res[1].requires_grad and not res[2].requires_grad
 
 
+def test_torch_attention_return_lse(gen):
+    """The keyword this module builds on: (out, lse) with lse float32 [B, H, Sq] (SPEC's: -inf
+    for a dead row), detached; out and its gradient as without it."""
+    q, k, v = _qkv(gen, 2, 5, 3, 4, 2, 8)
+    go = torch.randn(q.shape, generator=gen)
+    kw = dict(causal=True, causal_offset=3 - 5, softcap=3.0)  # bottom-right
+    out, lse = ft.attention(q, k, v, return_lse=True, **kw)
+    want_lse = oracle.attention(q, k, v, causal=True, softcap=3.0)[1]
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 5)
+    assert torch.isneginf(lse[..., :2]).all()  # rows 0, 1 sit below position 0 (-inf: SPEC's)
+    _close("lse", lse[..., 2:], want_lse[..., 2:])
+    with_lse, g1 = _grads(lambda *x: ft.attention(*x, return_lse=True, **kw), (q, k, v), go)
+    plain, g2 = _grads(lambda *x: ft.attention(*x, **kw), (q, k, v), go)
+    assert torch.equal(with_lse, plain) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    leaf = q.clone().requires_grad_(True)
+    assert not ft.attention(leaf, k, v, return_lse=True)[1].requires_grad
+    # through the custom op (torch.compile): the same values, and lse still takes no gradient
+    compiled = torch.compile(lambda *x: ft.attention(*x, return_lse=True, **kw), backend="eager",
+                             fullgraph=True)
+    c_out, c_lse = compiled(leaf, k, v)
+    assert torch.equal(c_out, out) and torch.equal(c_lse, lse) and not c_lse.requires_grad
+
+
 def test_packed_layouts_match_unpacked(gen):
     B, S, H, D = 2, 5, 4, 8
     qkv = torch.randn(B, S, 3, H, D, generator=gen)
