@@ -121,6 +121,30 @@ def test_func_cuda_against_cpu_and_the_half_rule(cuda, gen, dtype, case):
         _check(f"{case} {dtype} {label}", res, x64, plain, inh)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sq, opts", [(1, dict(causal=True)),
+                                      (5, dict(causal=True, window_size=(64, 0)))],
+                         ids=["decode", "chunk-window"])
+def test_kvcache_read_cuda_against_cpu_and_the_half_rule(cuda, gen, dtype, sq, opts):
+    """flash_attn_with_kvcache without appending (kv_lens on the engine), slots past each
+    length NaN (never read)."""
+    B, cap, H, Hkv, D = 3, 300, 8, 2, 128
+    q = torch.randn(B, sq, H, D, generator=gen).to(dtype)
+    kc, vc = (torch.randn(B, cap, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    lens = torch.tensor([7, 300, 160], dtype=torch.int32)
+    for b in range(B):
+        kc[b, int(lens[b]):] = float("nan")
+        vc[b, int(lens[b]):] = float("nan")
+    res = [fa.flash_attn_with_kvcache(q.to(d), kc.to(d), vc.to(d), cache_seqlens=lens.to(d),
+                                      return_softmax_lse=True, **opts) for d in ("cpu", cuda)]
+    kw = dict(causal=True, window=opts.get("window_size", (-1, -1)))
+    x64 = oracle.kvcache(q, kc, vc, lens, **kw)
+    plain = oracle.kvcache(q.to(cuda), kc.to(cuda), vc.to(cuda), lens, dtype=dtype, **kw)
+    for label, (out, lse) in zip(("cpu", "cuda"), res):
+        check_rule(f"{label} out", _np(out), _np(x64[0]), _np(plain[0]))
+        check_rule(f"{label} lse", _np(lse), _np(x64[1]), _np(plain[1]))
+
+
 needs_varlen = pytest.mark.skipif(
     "cu_seqlens_q" not in inspect.signature(ft.attention).parameters,
     reason="ferrocupy.torch.attention has no varlen keywords in this tree")
