@@ -29,6 +29,8 @@ An argument ferrocupy cannot honour raises `NotImplementedError` naming it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Optional, Sequence, Union
 
@@ -57,19 +59,29 @@ def _options(causal: bool, window_size, softcap: float, alibi_slopes: Optional[T
              softmax_scale: Optional[float], seqlen_k: int) -> dict:
     """The keywords of `ferrocupy.torch.attention` for flash-attn's options, less the rows'
     alignment (`_aligned` says whether it matters)."""
-    left, right = _window(window_size, seqlen_k)
     opts = {"causal": bool(causal), "softcap": float(softcap) if softcap > 0 else 0.0,
             "alibi_slopes": alibi_slopes,
             "scale": None if softmax_scale is None else float(softmax_scale)}
-    if (left, right) != (-1, -1):
-        opts.update(window_left=left, window_right=right)
+    opts.update(_window_keywords(bool(causal), *_window(window_size, seqlen_k)))
     return opts
+
+
+def _window_keywords(causal: bool, left: int, right: int) -> dict:
+    """ferrocupy's window keywords for these sides: the symmetric `window = w` (`|a - j| < w`,
+    which every kernel path takes) where it says the same thing (equal sides, or a causal call,
+    where keys right of the row are hidden whatever `right` is), else window_left/window_right."""
+    if causal:
+        right = left
+    if left == right:
+        return {} if left < 0 else {"window": left + 1}
+    return {"window_left": left, "window_right": right}
 
 
 def _aligned(opts: dict) -> bool:
     """Whether the rows' positions change the result (else the alignment is left at 0, which
     every kernel path takes)."""
-    return opts["causal"] or "window_left" in opts or opts["alibi_slopes"] is not None
+    return (opts["causal"] or "window" in opts or "window_left" in opts
+            or opts["alibi_slopes"] is not None)
 
 
 def _dropout_seed(dropout_p: float) -> Optional[int]:
@@ -193,10 +205,11 @@ def _require(feature: str, available: bool) -> None:
         raise NotImplementedError(f"{feature}: this ferrocupy.torch has no such interface yet")
 
 
-def _has_varlen() -> bool:
-    import inspect
-
-    return set(_VARLEN) <= set(inspect.signature(ferro.attention).parameters)
+@functools.lru_cache(maxsize=4)
+def _takes_varlen(attention) -> bool:
+    """Whether this `ferrocupy.torch.attention` has the varlen keywords (asked once per
+    function object)."""
+    return set(_VARLEN) <= set(inspect.signature(attention).parameters)
 
 
 def _lengths(cu_seqlens: Tensor) -> list[int]:
@@ -220,7 +233,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     """flash-attn's varlen forward (and backward) on ferrocupy.torch.attention's varlen keywords,
     whose rows are aligned per sequence at the bottom right (SPEC "Packed variable-length
     batches"), so no causal_offset is passed."""
-    _require("flash_attn varlen (cu_seqlens_q, cu_seqlens_k)", _has_varlen())
+    _require("flash_attn varlen (cu_seqlens_q, cu_seqlens_k)", _takes_varlen(ferro.attention))
     _rank("q", q, 3, "[total_q, H, D]")
     opts = _options(causal, window_size, softcap, alibi_slopes, softmax_scale, max_seqlen_k)
     opts.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -339,12 +352,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                      hasattr(ferro, "attention_with_kvcache"))
             if lens is None:
                 lens = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
+            left, right = _window(window_size, capacity)
             res = ferro.attention_with_kvcache(
                 q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table,
                 rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                 rotary_interleaved=bool(rotary_interleaved), causal=opts["causal"],
-                window_left=opts.get("window_left", -1), window_right=opts.get("window_right", -1),
-                softcap=opts["softcap"], alibi_slopes=alibi_slopes, scale=opts["scale"],
+                window_left=left, window_right=right, softcap=opts["softcap"],
+                alibi_slopes=alibi_slopes, scale=opts["scale"],
                 return_lse=bool(return_softmax_lse))
     if not return_softmax_lse:
         return res

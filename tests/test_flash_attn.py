@@ -265,6 +265,16 @@ def test_kvcache_matches_flash_attn_semantics(gen, case, lens_kind):
     assert torch.equal(plain, out)
 
 
+@pytest.mark.parametrize("causal, sides, want", [
+    (True, (3, 0), {"window": 4}), (True, (3, 7), {"window": 4}), (True, (-1, 2), {}),
+    (False, (2, 2), {"window": 3}), (False, (2, 1), {"window_left": 2, "window_right": 1}),
+    (False, (-1, -1), {})])
+def test_windows_take_the_symmetric_form_where_it_is_the_same(causal, sides, want):
+    """Mistral's causal sliding window (left, 0) is ferrocupy's symmetric `window`, which every
+    kernel path takes (the asymmetric sides are not on all of them)."""
+    assert fa._window_keywords(causal, *sides) == want
+
+
 def test_kvcache_window_is_normalized_by_the_cache_capacity(gen):
     """A window side of at least the capacity is unbounded (flash-attn's rule), even where the
     literal bound would hide keys: 6 queries over 1 of 4 keys sit at -5 .. 0, window (-1, 4)."""
