@@ -306,8 +306,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
               attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
               kv_lens: Optional[Tensor] = None, softcap: float = 0.0,
               window_left: Optional[int] = None, window_right: Optional[int] = None,
-              alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tensor:
-    """Fused attention with autograd; returns `out`, `[B, Sq, H, D]` in q's dtype.
+              alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Fused attention with autograd; returns `out`, `[B, Sq, H, D]` in q's dtype (with
+    `return_lse`, `(out, lse)`: lse float32 `[B, H, Sq]`, SPEC's log-sum-exp, not differentiable).
 
     - `q`: `[B, Sq, H, D]`; `k`, `v`: `[B, Sk, Hkv, D]` (ferrocupy's layout, not SDPA's
       `[B, H, S, D]`: pass `x.transpose(1, 2)` to convert). float32, float16 or bfloat16, all
@@ -348,7 +350,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
                          "cache lengths are for inference): call it under torch.no_grad() or "
                          "with inputs that do not require grad")
     windows = (window_left, window_right, float(softcap))
-    if alibi_slopes is None and sinks is None and _eager_inference(q, k, v, attn_mask, kv_lens):
+    if not return_lse and alibi_slopes is None and sinks is None and _eager_inference(
+            q, k, v, attn_mask, kv_lens):
         return _forward_now(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
                             seed, None if scale is None else float(scale), kv_lens, *windows)
     eager = _plain_eager(q, k, v, attn_mask, kv_lens) and all(
@@ -358,9 +361,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
                                                                                       dropout_p)
     rest = (attn_mask, causal, causal_offset, window, float(dropout_p), seed_t,
             None if scale is None else float(scale), kv_lens, *windows, alibi_slopes)
-    if eager:
-        return _EagerAttention.apply(q, k, v, sinks, rest)[0]
-    return _attention_fwd(q, k, v, *rest, sinks)[0]
+    out, lse = (_EagerAttention.apply(q, k, v, sinks, rest) if eager
+                else _attention_fwd(q, k, v, *rest, sinks))
+    # lse is detached: the backward ignores its gradient, so none may flow into it
+    return (out, lse.detach()) if return_lse else out
 
 
 # --- eager calls without the ops ----------------------------------------------------------------

@@ -1,0 +1,265 @@
+"""ferrocupy.flash_attn's varlen functions and flash_attn_with_kvcache's appending, paging and
+rotary on CPU tensors, against tests/flash_oracle.py (flash-attn's semantics in float64).
+
+They run on `ferrocupy.torch.attention`'s varlen keywords (`cu_seqlens_q`, `cu_seqlens_k`,
+`max_seqlen_q`, `max_seqlen_k`, `block_table`) and `ferrocupy.torch.attention_with_kvcache`;
+where this ferrocupy.torch lacks them the tests are skipped, saying so."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flash_oracle as oracle  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_flash_attn import _close, _grads  # noqa: E402
+
+import ferrocupy.flash_attn as fa  # noqa: E402
+import ferrocupy.torch as ft  # noqa: E402
+
+needs_varlen = pytest.mark.skipif(
+    "cu_seqlens_q" not in inspect.signature(ft.attention).parameters,
+    reason="ferrocupy.torch.attention has no varlen keywords (cu_seqlens_q, ...) in this tree")
+needs_kvcache = pytest.mark.skipif(
+    not hasattr(ft, "attention_with_kvcache"),
+    reason="ferrocupy.torch.attention_with_kvcache is not in this tree")
+
+
+@pytest.fixture
+def gen(rng):
+    return torch.Generator().manual_seed(int(rng.integers(2**62)))
+
+
+def _cu(lengths):
+    return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+
+
+def _packed(gen, lens_q, lens_k, H, Hkv, D):
+    q = torch.randn(sum(lens_q), H, D, generator=gen)
+    k = torch.randn(sum(lens_k), Hkv, D, generator=gen)
+    v = torch.randn(sum(lens_k), Hkv, D, generator=gen)
+    return q, k, v
+
+
+def _padded_probs(probs, lens_q, lens_k):
+    """The oracle's per-sequence P as flash-attn's S_dmask layout, zero outside each sequence."""
+    full = torch.zeros(len(probs), probs[0].shape[0], max(lens_q), max(lens_k),
+                       dtype=torch.float64)
+    for n, p in enumerate(probs):
+        full[n, :, :lens_q[n], :lens_k[n]] = p
+    return full
+
+
+# Per sequence: Sq_n > Sk_n, Sq_n < Sk_n, equal, and an empty query sequence.
+LENS_Q, LENS_K = [5, 2, 4, 0, 3], [3, 6, 4, 2, 1]
+VARLEN_CASES = {
+    "causal": dict(causal=True),
+    "window-softcap": dict(window_size=(2, 1), softcap=2.0),
+    "causal-alibi-nh": dict(causal=True, alibi="nh"),
+    "window-past-max-k-alibi-h": dict(window_size=(1, 6), alibi="h"),
+    "plain-scale": dict(softmax_scale=0.25),
+}
+
+
+def _varlen_options(gen, opts, n, H):
+    opts = dict(opts)
+    kind = opts.pop("alibi", None)
+    alibi = None if kind is None else torch.rand((n, H) if kind == "nh" else (H,),
+                                                 generator=gen) * 0.5
+    want = dict(causal=opts.get("causal", False), window=opts.get("window_size", (-1, -1)),
+                softcap=opts.get("softcap", 0.0), softmax_scale=opts.get("softmax_scale"))
+    return opts, alibi, want
+
+
+@needs_varlen
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_varlen_matches_flash_attn_semantics(gen, case):
+    H, Hkv, D = 4, 2, 8
+    q, k, v = _packed(gen, LENS_Q, LENS_K, H, Hkv, D)
+    cu_q, cu_k = _cu(LENS_Q), _cu(LENS_K)
+    opts, alibi, want_kw = _varlen_options(gen, VARLEN_CASES[case], len(LENS_Q), H)
+    args = (cu_q, cu_k, max(LENS_Q), max(LENS_K))
+    out, lse, s_dmask = fa.flash_attn_varlen_func(q, k, v, *args, alibi_slopes=alibi,
+                                                  return_attn_probs=True, **opts)
+    want_out, want_lse, probs = oracle.varlen(q, k, v, cu_q.tolist(), cu_k.tolist(),
+                                              max(LENS_K), alibi=alibi, **want_kw)
+    _close("out", out, want_out)
+    _close("softmax_lse", lse, want_lse)
+    assert lse.shape == (H, sum(LENS_Q)) and lse.dtype == torch.float32
+    _close("S_dmask", s_dmask, _padded_probs(probs, LENS_Q, LENS_K))
+    go = torch.randn(out.shape, generator=gen)
+    _, got = _grads(lambda *x: fa.flash_attn_varlen_func(*x, *args, alibi_slopes=alibi, **opts),
+                    (q, k, v), go)
+    _, want = _grads(lambda *x: oracle.varlen(*x, cu_q.tolist(), cu_k.tolist(), max(LENS_K),
+                                              alibi=alibi, **want_kw)[0], (q, k, v), go.double())
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        _close(name, g, w)
+
+
+@needs_varlen
+def test_varlen_packed_layouts(gen):
+    lens = [4, 1, 6]
+    H, D = 2, 8
+    cu = _cu(lens)
+    qkv = torch.randn(sum(lens), 3, H, D, generator=gen)
+    kw = dict(causal=True, window_size=(3, 0), return_attn_probs=True)
+    want = fa.flash_attn_varlen_func(*qkv.unbind(1), cu, cu, max(lens), max(lens), **kw)
+    got_qkv = fa.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), **kw)
+    got_kv = fa.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, max(lens),
+                                                max(lens), **kw)
+    for got in (got_qkv, got_kv):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    go = torch.randn(sum(lens), H, D, generator=gen)
+    _, (dqkv,) = _grads(lambda x: fa.flash_attn_varlen_qkvpacked_func(x, cu, max(lens),
+                                                                       causal=True), (qkv,), go)
+    _, want_g = _grads(lambda *x: oracle.varlen(*x, cu.tolist(), cu.tolist(), max(lens),
+                                                causal=True)[0], qkv.unbind(1), go.double())
+    _close("dqkv", dqkv, torch.stack(want_g, dim=1))
+
+
+@needs_varlen
+def test_varlen_dropout_s_dmask(gen):
+    """Dropout's counter restarts in each sequence (b = n, i and j inside it): the S_dmask signs,
+    as the oracle's keep mask, reproduce out; out == clipped S_dmask / (1-p) @ v per sequence."""
+    p = 0.25
+    lens_q, lens_k = [6, 3, 8], [9, 3, 5]
+    q, k, v = _packed(gen, lens_q, lens_k, 4, 2, 8)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    torch.manual_seed(int(torch.randint(2**62, (), generator=gen)))
+    out, lse, s_dmask = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 9, dropout_p=p,
+                                                  causal=True, return_attn_probs=True)
+    keep = [~torch.signbit(s_dmask[n, :, :lens_q[n], :lens_k[n]]) for n in range(3)]
+    want_out, _, probs = oracle.varlen(q, k, v, cu_q.tolist(), cu_k.tolist(), 9, causal=True,
+                                       keep=keep, dropout_p=p)
+    _close("out", out, want_out)
+    _close("|S_dmask|", s_dmask.abs(), _padded_probs(probs, lens_q, lens_k))
+    dropped = torch.cat([(~kn).flatten() for kn in keep]).float().mean().item()
+    assert 0.05 < dropped < 0.5, dropped
+
+
+def _paged(gen, cache, page, n_blocks):
+    """`cache` [B, cap, Hkv, D] scattered into shuffled pages: (pages, block_table)."""
+    B, cap, Hkv, D = cache.shape
+    per = cap // page
+    order = torch.randperm(n_blocks, generator=gen)[:B * per]
+    pages = torch.full((n_blocks, page, Hkv, D), math.nan)
+    pages[order] = cache.reshape(B * per, page, Hkv, D)
+    return pages, order.reshape(B, per).to(torch.int32)
+
+
+@needs_varlen
+def test_varlen_paged_keys(gen):
+    lens_q, lens_k, page = [2, 3], [5, 8], 4
+    H, Hkv, D = 4, 2, 8
+    q = torch.randn(sum(lens_q), H, D, generator=gen)
+    cache_k = torch.randn(2, 8, Hkv, D, generator=gen)
+    cache_v = torch.randn(2, 8, Hkv, D, generator=gen)
+    k_pages, table = _paged(gen, cache_k, page, 7)
+    v_pages = torch.full_like(k_pages, math.nan)
+    v_pages[table.flatten().long()] = cache_v.reshape(-1, page, Hkv, D)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    with torch.no_grad():
+        out = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 8, causal=True,
+                                        block_table=table)
+    k = torch.cat([cache_k[n, :lens_k[n]] for n in range(2)])
+    v = torch.cat([cache_v[n, :lens_k[n]] for n in range(2)])
+    _close("out", out, oracle.varlen(q, k, v, cu_q.tolist(), cu_k.tolist(), 8, causal=True)[0])
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 8, block_table=table,
+                                  return_attn_probs=True)
+
+
+@needs_varlen
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_varlen_randomized(data):
+    n = data.draw(st.integers(1, 4))
+    lens_q = data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    lens_k = data.draw(st.lists(st.integers(1, 6), min_size=n, max_size=n))
+    lens_q[0] = max(lens_q[0], 1)  # max_seqlen_q >= 1
+    hkv = data.draw(st.integers(1, 2))
+    h = hkv * data.draw(st.integers(1, 2))
+    causal = data.draw(st.booleans())
+    window = (data.draw(st.integers(-1, 7)), data.draw(st.integers(-1, 7)))
+    softcap = data.draw(st.sampled_from([0.0, 3.0]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    q, k, v = _packed(gen, lens_q, lens_k, h, hkv, 8)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    out, lse, s_dmask = fa.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+        window_size=window, softcap=softcap, return_attn_probs=True)
+    want_out, want_lse, probs = oracle.varlen(q, k, v, cu_q.tolist(), cu_k.tolist(),
+                                              max(lens_k), causal=causal, window=window,
+                                              softcap=softcap)
+    _close("out", out, want_out)
+    _close("lse", lse, want_lse)
+    _close("S_dmask", s_dmask, _padded_probs(probs, lens_q, lens_k))
+
+
+# --- flash_attn_with_kvcache: appending, rotary, paging -----------------------------------------
+def _rotary_tables(gen, length, rotary_dim):
+    angles = torch.rand(length, rotary_dim // 2, generator=gen) * 6
+    return angles.cos(), angles.sin()
+
+
+@needs_kvcache
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)),
+                                            (False, (3, 1))])
+@pytest.mark.parametrize("rotary", [None, "half", "interleaved"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_append(gen, causal, window, rotary, paged):
+    """New k, v go into the cache at cache_seqlens[b] (rotated at those positions when rotary
+    tables are given), q is rotated at cache_seqlens[b] + i when causal or windowed, else at
+    cache_seqlens[b], then attends over cache_seqlens[b] + Sn keys, bottom-right aligned."""
+    B, cap, H, Hkv, D, Sn, page = 2, 12, 4, 2, 16, 3, 4
+    q = torch.randn(B, Sn, H, D, generator=gen)
+    k_new = torch.randn(B, Sn, Hkv, D, generator=gen)
+    v_new = torch.randn(B, Sn, Hkv, D, generator=gen)
+    k_cache = torch.randn(B, cap, Hkv, D, generator=gen)
+    v_cache = torch.randn(B, cap, Hkv, D, generator=gen)
+    lens = torch.tensor([2, 9], dtype=torch.int32)
+    cos = sin = None
+    if rotary is not None:
+        cos, sin = _rotary_tables(gen, cap, 8)
+    qr, want_k, want_v = oracle.append(q, k_cache, v_cache, k_new, v_new, lens, cos=cos, sin=sin,
+                                       interleaved=rotary == "interleaved", causal=causal,
+                                       window=window)
+    want_out, want_lse = oracle.kvcache(qr, want_k, want_v, lens + Sn, causal=causal,
+                                        window=window)
+    kc, vc, table = k_cache.clone(), v_cache.clone(), None
+    if paged:
+        kc, table = _paged(gen, k_cache, page, 9)
+        vc = torch.full_like(kc, math.nan)
+        vc[table.flatten().long()] = v_cache.reshape(-1, page, Hkv, D)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+        block_table=table, causal=causal, window_size=window,
+        rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    _close("out", out, want_out, tol=1e-4)
+    _close("softmax_lse", lse, want_lse, tol=1e-4)
+    got_k = kc if not paged else kc[table.long()].reshape(B, cap, Hkv, D)
+    got_v = vc if not paged else vc[table.long()].reshape(B, cap, Hkv, D)
+    _close("k_cache", got_k, want_k, tol=1e-5)
+    _close("v_cache", got_v, want_v, tol=1e-5)
+
+
+@needs_kvcache
+def test_kvcache_paged_read_only(gen):
+    B, cap, Hkv, D, page = 2, 8, 2, 8, 2
+    q = torch.randn(B, 1, 4, D, generator=gen)
+    k_cache = torch.randn(B, cap, Hkv, D, generator=gen)
+    v_cache = torch.randn(B, cap, Hkv, D, generator=gen)
+    kp, table = _paged(gen, k_cache, page, 11)
+    vp = torch.full_like(kp, math.nan)
+    vp[table.flatten().long()] = v_cache.reshape(-1, page, Hkv, D)
+    lens = torch.tensor([3, 8], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                     causal=True)
+    _close("out", out, oracle.kvcache(q, k_cache, v_cache, lens, causal=True)[0])
