@@ -121,7 +121,8 @@ class CudaBackend:
         fn = self.loader.function(configs.ROPE_SOURCE, configs.ROPE_KERNEL,
                                   configs.rope_defines(x.dtype, vec))
         tokens = x.size // (d * heads)
-        lanes = rd // 2 // vec + (0 if in_place else (d - rd) // vec)
+        # rope.cu's lanes: rotating ones, then copying ones with two vectors each
+        lanes = rd // 2 // vec + ((0 if in_place else (d - rd) // vec) + 1) // 2
         groups = configs.rope_head_groups(tokens, lanes, heads, self.sm_count)
         threads = configs.ROPE_THREADS
         blocks = max(1, min(-(-(tokens * groups * lanes) // threads), self.sm_count * 32))

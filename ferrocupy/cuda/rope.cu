@@ -11,7 +11,9 @@
 // its VEC angles once (float32 inverse frequencies from the host, computed by the NumPy reference
 // itself; angle = f32(t) * inv in float32; sincosf in full precision) and rotates them in every
 // head of its group, HU heads' loads in flight at a time. Out of place, further lanes copy the
-// features past rotary_dim. Rotations run in float32 and are rounded once to the element type.
+// features past rotary_dim, two vectors each (c and c + copy lanes: each load instruction of a
+// warp reads contiguous bytes), so a copying lane moves as many bytes as a rotating one and the
+// (token, head group) items stay few. Rotations run in float32, rounded once to the element type.
 #include "ferro_params.cuh"
 
 #ifndef FERRO_ROPE_DTYPE
@@ -128,17 +130,36 @@ __device__ __forceinline__ void rotate_heads(const elem_t* xs, elem_t* os, u64 x
     }
 }
 
-// Heads [h, h1) of one token: the VEC features at offset j of each head, copied as they are.
+// Heads [h, h1) of one token: the VEC features at offset j1 of each head, and at j2 when `two`,
+// copied as they are.
 __device__ __forceinline__ void copy_heads(const elem_t* xs, elem_t* os, u64 xh, u64 oh, u32 h,
-                                           u32 h1, u32 j) {
+                                           u32 h1, u32 j1, u32 j2, bool two) {
+    if (!two) j2 = j1;  // (the same vector twice: one load, stored twice, harmless)
     for (; h + HU <= h1; h += HU) {
-        raw_t r[HU];
+        raw_t r1[HU], r2[HU];
 #pragma unroll
-        for (u32 u = 0; u < HU; ++u) r[u] = load_raw(xs + (h + u) * xh + j);
+        for (u32 u = 0; u < HU; ++u) {
+            r1[u] = load_raw(xs + (h + u) * xh + j1);
+            r2[u] = load_raw(xs + (h + u) * xh + j2);
+        }
 #pragma unroll
-        for (u32 u = 0; u < HU; ++u) store_raw(os + (h + u) * oh + j, r[u]);
+        for (u32 u = 0; u < HU; ++u) {
+            store_raw(os + (h + u) * oh + j1, r1[u]);
+            store_raw(os + (h + u) * oh + j2, r2[u]);
+        }
     }
-    for (; h < h1; ++h) store_raw(os + h * oh + j, load_raw(xs + h * xh + j));
+    for (; h < h1; ++h) {
+        const raw_t r1 = load_raw(xs + h * xh + j1), r2 = load_raw(xs + h * xh + j2);
+        store_raw(os + h * oh + j1, r1);
+        store_raw(os + h * oh + j2, r2);
+    }
+}
+
+// Lanes of one (token, head group): rd / 2 / VEC rotating, then (out of place) the copying ones,
+// each passing two of the (head_dim - rd) / VEC vectors past rotary_dim through (backend.py's
+// rope planning counts them the same way).
+__device__ __forceinline__ u32 copy_vectors(const RopeParams& p, u32 rd, bool in_place) {
+    return in_place ? 0 : (p.head_dim - rd) / VEC;
 }
 
 // The grid-stride loop over (token, head group, lane) items, with index arithmetic in I (32
@@ -146,8 +167,9 @@ __device__ __forceinline__ void copy_heads(const elem_t* xs, elem_t* os, u64 xh,
 template <typename I>
 __device__ __forceinline__ void rope_items(const elem_t* x, elem_t* out, const void* positions,
                                            const float* __restrict__ inv_freq, I items,
-                                           u32 lanes, u32 rot_lanes, u32 head_groups,
-                                           const RopeParams& p, const RopeLayout& l) {
+                                           u32 lanes, u32 rot_lanes, u32 copy_vecs,
+                                           u32 head_groups, const RopeParams& p,
+                                           const RopeLayout& l) {
     const u32 rd = p.rotary_dim ? p.rotary_dim : p.head_dim;
     const u32 half = rd / 2;
     const u32 per_group = (p.heads + head_groups - 1) / head_groups;
@@ -165,7 +187,8 @@ __device__ __forceinline__ void rope_items(const elem_t* x, elem_t* out, const v
         const u32 h0 = group * per_group;
         const u32 h1 = min(h0 + per_group, p.heads);
         if (lane >= rot_lanes) {  // out of place: features past rotary_dim pass through
-            copy_heads(xs, os, l.x_h, l.out_h, h0, h1, rd + (lane - rot_lanes) * VEC);
+            const u32 c = lane - rot_lanes, c2 = c + (lanes - rot_lanes);
+            copy_heads(xs, os, l.x_h, l.out_h, h0, h1, rd + c * VEC, rd + c2 * VEC, c2 < copy_vecs);
             continue;
         }
         // The token's position, read once for all its heads.
@@ -205,12 +228,13 @@ extern "C" __global__ void __launch_bounds__(256)
 rope(const elem_t* x, elem_t* out, const void* positions, const float* __restrict__ inv_freq,
      const u64 tokens, const u32 head_groups, const RopeParams p, const RopeLayout l) {
     const u32 rd = p.rotary_dim ? p.rotary_dim : p.head_dim;
-    const u32 rot_lanes = rd / 2 / VEC;
-    const u32 lanes = rot_lanes + (out != x ? (p.head_dim - rd) / VEC : 0);
+    const u32 rot_lanes = rd / 2 / VEC, copy_vecs = copy_vectors(p, rd, out == x);
+    const u32 lanes = rot_lanes + (copy_vecs + 1) / 2;
     const u64 items = tokens * head_groups * lanes;
     if (items + (u64)gridDim.x * blockDim.x < 0xFFFFFFFFull)
-        rope_items<u32>(x, out, positions, inv_freq, (u32)items, lanes, rot_lanes, head_groups,
-                        p, l);
+        rope_items<u32>(x, out, positions, inv_freq, (u32)items, lanes, rot_lanes, copy_vecs,
+                        head_groups, p, l);
     else
-        rope_items<u64>(x, out, positions, inv_freq, items, lanes, rot_lanes, head_groups, p, l);
+        rope_items<u64>(x, out, positions, inv_freq, items, lanes, rot_lanes, copy_vecs,
+                        head_groups, p, l);
 }
