@@ -263,7 +263,7 @@ def test_new_options_leave_the_seed_struct_as_it_was(rng):
                                                softcap=2.5),
                               alibi_slopes=t["alibi_slopes"], sinks=t["sinks"])
     assert plain.params.tobytes() == rich.params.tobytes()
-    assert words(plain.extras).tolist() == [2**32 - 1, 2**32 - 1, 0, 0]
+    assert words(plain.extras).tolist() == [2**32 - 1, 2**32 - 1] + [0] * 6
     ex = rich.extras
     assert (int(ex["window_left"]), int(ex["window_right"])) == (3, 0)
     assert np.float32(ex["softcap"]) == np.float32(2.5) and int(ex["flags"]) == 1 | 2 | 4
