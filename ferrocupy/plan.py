@@ -100,7 +100,10 @@ class TensorSpec(NamedTuple):
 
     @property
     def is_contiguous(self) -> bool:
-        """C order (a dimension of size 1 may have any stride, as in NumPy)."""
+        """C order (a dimension of size 1 may have any stride, as in NumPy; an empty tensor,
+        which has no element to place, is contiguous whatever its strides)."""
+        if self.numel == 0:
+            return True
         step = 1
         for n, st in zip(reversed(self.shape), reversed(self.strides)):
             if n > 1 and st != step:
