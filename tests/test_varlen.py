@@ -25,7 +25,7 @@ def _eng():
     return ComputeEngine("reference", quiet=True)
 
 
-def _packed(rng, lens_q, lens_k, h, hkv, d, *, alibi=None, sinks=False):
+def packed(rng, lens_q, lens_k, h, hkv, d, *, alibi=None, sinks=False):
     """Packed q [total_q, h, d], k, v [total_k, hkv, d], cu_seqlens and the optional tensors."""
     tq, tk = sum(lens_q), sum(lens_k)
     t = dict(q=rng.standard_normal((tq, h, d), dtype=np.float32),
@@ -157,7 +157,7 @@ LENS = ([3, 0, 5, 1], [4, 2, 5, 3])  # an empty query sequence, Sq > Sk and Sq <
 def test_options_per_sequence_against_the_dense_oracle(rng, name, lse_given):
     o, tensors = CASES[name]
     lens_q, lens_k = LENS if name != "causal-self" else (LENS[0], LENS[0])
-    t = _packed(rng, lens_q, lens_k, 4, 2, 8, **tensors)
+    t = packed(rng, lens_q, lens_k, 4, 2, 8, **tensors)
     max_q, max_k = max(lens_q), max(lens_k)
     if o.get("causal_offset") == "br":
         o = o | dict(causal_offset=max_k - max_q)
@@ -168,7 +168,7 @@ def test_bottom_right_is_per_sequence(rng):
     """causal_offset = max_seqlen_k - max_seqlen_q puts every sequence's last row on its last
     key, also with max_seqlen larger than any sequence: the last row of each sequence sees
     all its keys, its first row Sk_n - Sq_n + 1 of them."""
-    t = _packed(rng, [2, 5, 3], [6, 5, 9], 2, 2, 8)
+    t = packed(rng, [2, 5, 3], [6, 5, 9], 2, 2, 8)
     eng = _eng()
     max_q, max_k = 7, 12  # larger than needed: allowed, and the alignment is unchanged
     opts = AttentionOptions(causal=True, causal_offset=max_k - max_q)
@@ -185,7 +185,7 @@ def test_bottom_right_is_per_sequence(rng):
 
 def test_one_sequence_is_the_dense_call(rng):
     """A varlen call of one sequence equals the dense call on the same rows, every option on."""
-    t = _packed(rng, [6], [9], 4, 2, 8, alibi="bh", sinks=True)
+    t = packed(rng, [6], [9], 4, 2, 8, alibi="bh", sinks=True)
     opts = AttentionOptions(causal=True, causal_offset=1, window_left=4, softcap=3.0,
                             dropout_prob=0.2, seed=5)
     eng = _eng()
@@ -202,7 +202,7 @@ def test_strided_packed_views(rng):
     """q, k, v as views of packed QKV rows (a contiguous last dimension, other strides free)."""
     lens = [3, 4]
     qkv = rng.standard_normal((7, 3, 2, 8), dtype=np.float32)
-    t = _packed(rng, lens, lens, 2, 2, 8)
+    t = packed(rng, lens, lens, 2, 2, 8)
     t["q"], t["k"], t["v"] = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     check(t, AttentionOptions(causal=True), rng=rng)
 
@@ -235,14 +235,14 @@ def varlen_calls(draw):
 def test_random_splits(call):
     lens_q, lens_k, extra_q, extra_k, h, hkv, d, o, tensors, lse_given, seed = call
     rng = np.random.default_rng(seed)
-    t = _packed(rng, lens_q, lens_k, h, hkv, d, **tensors)
+    t = packed(rng, lens_q, lens_k, h, hkv, d, **tensors)
     check(t, AttentionOptions(**o), max(lens_q) + extra_q, max(lens_k) + extra_k,
           lse_given=lse_given, rng=rng)
 
 
 # --- plans ---------------------------------------------------------------------------------------
 def test_plans_are_kept_by_max_seqlen_too(rng):
-    t = _packed(rng, [2, 3], [2, 3], 2, 1, 8)
+    t = packed(rng, [2, 3], [2, 3], 2, 1, 8)
     eng = _eng()
     out = np.empty_like(t["q"])
     args = (t["q"], t["k"], t["v"], out, AttentionOptions(causal=True))
@@ -258,7 +258,7 @@ def test_plans_are_kept_by_max_seqlen_too(rng):
 
 # --- bad inputs ----------------------------------------------------------------------------------
 def _bad_calls(rng):
-    t = _packed(rng, [2, 3], [4, 1], 4, 2, 8)
+    t = packed(rng, [2, 3], [4, 1], 4, 2, 8)
     i32 = lambda *x: np.array(x, np.int32)  # noqa: E731
     return t, [
         (dict(cu_seqlens_q=i32(1, 2, 5)), ValueError, r"cu_seqlens_q\[0\] = 1 must be 0"),
@@ -312,7 +312,7 @@ def test_bad_inputs_raise_naming_the_argument_and_write_nothing(rng):
 
 
 def test_overlapping_outputs_are_refused(rng):
-    t = _packed(rng, [2, 3], [4, 1], 2, 2, 8)
+    t = packed(rng, [2, 3], [4, 1], 2, 2, 8)
     eng = _eng()
     cu = dict(cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"], max_seqlen_q=3,
               max_seqlen_k=4)
@@ -331,7 +331,7 @@ def test_overlapping_outputs_are_refused(rng):
 def test_cuda_backend_refuses_varlen_at_plan_time(rng):
     eng = _eng()
     eng.backend = rec = _CudaRecorder()
-    t = _packed(rng, [2, 3], [4, 1], 2, 2, 8)
+    t = packed(rng, [2, 3], [4, 1], 2, 2, 8)
     cu = dict(cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"], max_seqlen_q=3,
               max_seqlen_k=4)
     out = np.zeros_like(t["q"])
@@ -351,7 +351,7 @@ def test_the_cuda_backend_refuses_varlen_on_the_gpu(rng):
     import cupy
 
     eng = ComputeEngine("cuda", quiet=True)
-    t = {n: cupy.asarray(a) for n, a in _packed(rng, [2, 3], [4, 1], 2, 2, 8).items()}
+    t = {n: cupy.asarray(a) for n, a in packed(rng, [2, 3], [4, 1], 2, 2, 8).items()}
     cu = dict(cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"], max_seqlen_q=3,
               max_seqlen_k=4)
     out = cupy.zeros_like(t["q"])
