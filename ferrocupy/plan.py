@@ -271,9 +271,7 @@ class AttentionPlan:
         specs, dims = self.specs, self.dims
         lens = None if specs.get("kv_lens") is None else read("kv_lens")
         if lens is not None:
-            check_kv_lens_values(lens, dims.seq_k)
-            if self.new_keys is not None:
-                check_append_room(lens, self.new_keys, dims.seq_k)
+            check_kv_lens_values(lens, dims.seq_k, self.new_keys)
         if specs.get("cu_seqlens_q") is not None:
             for side, total, most in (("q", specs["q"].shape[0], self.scalars.max_seqlen_q),
                                       ("k", specs["k"].shape[0], self.scalars.max_seqlen_k)):
@@ -593,25 +591,27 @@ def overlaps_itself(shape, strides) -> bool:
     return False
 
 
-def check_kv_lens_values(values: np.ndarray, seq_k: int) -> None:
-    """Every kv_lens value (on the host) in [0, seq_k]."""
-    bad = np.flatnonzero((values < 0) | (values > seq_k))
-    if bad.size:
-        i = int(bad[0])
+def check_kv_lens_values(values: np.ndarray, seq_k: int, new_keys: int | None = None) -> None:
+    """Every kv_lens value (on the host) in [0, seq_k]; with an append of `new_keys` keys at
+    each (kv_lens are then the cache_seqlens), `kv_lens[b] + new_keys` too."""
+    i, count = _first((values < 0) | (values > seq_k))
+    if i is not None:
         raise ValueError(f"kv_lens[{i}] = {int(values[i])} is outside [0, seq_k = {seq_k}] "
-                         f"({bad.size} of {values.size} entries are)")
-
-
-def check_append_room(values: np.ndarray, new_keys: int, capacity: int) -> None:
-    """An append of `new_keys` keys at each `values[b]` (cache_seqlens) stays inside the
-    cache's `capacity`."""
+                         f"({count} of {values.size} entries are)")
+    if new_keys is None:
+        return
     ends = values.astype(np.int64) + new_keys
-    bad = np.flatnonzero(ends > capacity)
-    if bad.size:
-        i = int(bad[0])
+    i, count = _first(ends > seq_k)
+    if i is not None:
         raise ValueError(f"cache_seqlens[{i}] = {int(values[i])} plus {new_keys} new keys (k_new) "
-                         f"= {int(ends[i])} overflows the cache's capacity of {capacity} keys "
-                         f"({bad.size} of {values.size} sequences do)")
+                         f"= {int(ends[i])} overflows the cache's capacity of {seq_k} keys "
+                         f"({count} of {values.size} sequences do)")
+
+
+def _first(bad: np.ndarray):
+    """(the first index where `bad`, how many are), or (None, 0)."""
+    where = np.flatnonzero(bad)
+    return (int(where[0]), where.size) if where.size else (None, 0)
 
 
 def check_cu_seqlens(values: np.ndarray, name: str, total: int, most: int,
@@ -625,9 +625,8 @@ def check_cu_seqlens(values: np.ndarray, name: str, total: int, most: int,
         raise ValueError(f"{name}[-1] = {int(values[-1])} must equal the packed tensor's rows "
                          f"({total}) ({name} shape {values.shape})")
     steps = np.diff(values)
-    bad = np.flatnonzero((steps < 0) | (steps > most))
-    if bad.size:
-        n = int(bad[0])
+    n, _ = _first((steps < 0) | (steps > most))
+    if n is not None:
         what = "decreases" if steps[n] < 0 else f"exceeds {most_name} = {most}"
         raise ValueError(f"{name}[{n + 1}] - {name}[{n}] = {int(values[n + 1])} - "
                          f"{int(values[n])} = {int(steps[n])}: sequence {n}'s length {what}")
@@ -655,9 +654,8 @@ def check_rotary_reach(rows: int, lens: np.ndarray, new_keys: int, seq_q: int,
     if span == 0:
         return
     ends = lens.astype(np.int64) + span
-    bad = np.flatnonzero(ends > rows)
-    if bad.size:
-        i = int(bad[0])
+    i, _ = _first(ends > rows)
+    if i is not None:
         raise ValueError(f"rotary_cos/rotary_sin have {rows} positions (shape [{rows}, ...]), "
                          f"but sequence {i} rotates positions up to {int(ends[i]) - 1} "
                          f"(cache_seqlens[{i}] = {int(lens[i])})")

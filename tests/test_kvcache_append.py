@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dense_options import dense
+from dense_options import dense, per_head_inputs
 from ferrocupy import AttentionOptions, ComputeEngine
 from helpers import poison
 from test_model_options import _CudaRecorder, _close, _oracle_options
@@ -78,11 +78,7 @@ def case(rng, b, sq, sn, h, hkv, d, cache_seqlens, *, capacity, page_size=None, 
     t["k_cache"], t["v_cache"] = k, v
     if rotary_dim:
         t["rotary_cos"], t["rotary_sin"] = tables(rng, capacity + sq, rotary_dim)
-    if alibi == "bh":
-        t["alibi_slopes"] = rng.uniform(0, 0.5, (b, h)).astype(np.float32)
-    if sinks:
-        t["sinks"] = rng.normal(0, 2, h).astype(np.float32)
-    return t
+    return t | per_head_inputs(rng, b, h, alibi=alibi, sinks=sinks)
 
 
 def _kwargs(t, interleaved=False):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dense_options import dense
+from dense_options import dense, per_head_inputs
 from ferrocupy import AttentionOptions, ComputeEngine
 from helpers import poison
 from test_model_options import _CudaRecorder, _close, _keep, _oracle_options
@@ -45,12 +45,7 @@ def paged_case(rng, b, sq, h, hkv, d, page_size, max_blocks, kv_lens, *, spare_b
             v_cache[blk, row] = rng.standard_normal((hkv, d))
     t = dict(q=rng.standard_normal((b, sq, h, d), dtype=np.float32), k=k_cache, v=v_cache,
              block_table=table, kv_lens=np.array(kv_lens, np.int32))
-    if alibi == "h":
-        t["alibi_slopes"] = rng.uniform(0, 0.5, h).astype(np.float32)
-    elif alibi == "bh":
-        t["alibi_slopes"] = rng.uniform(0, 0.5, (b, h)).astype(np.float32)
-    if sinks:
-        t["sinks"] = rng.normal(0, 2, h).astype(np.float32)
+    t |= per_head_inputs(rng, b, h, alibi=alibi, sinks=sinks)
     if mask:
         t["mask"] = rng.standard_normal((b, 1, sq, max_blocks * page_size)).astype(np.float32)
     return t
