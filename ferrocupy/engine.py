@@ -157,6 +157,16 @@ def _make_backend(backend: str):
     raise ValueError(f"backend must be 'cuda' or 'reference', got {backend!r}")
 
 
+_NO_SCALARS = PlanScalars()  # a call without varlen or an append (the hot path: keyed once)
+_NO_SCALARS_KEY = _NO_SCALARS.key()
+
+
+def _varlen_scalars(max_seqlen_q, max_seqlen_k) -> PlanScalars:
+    if max_seqlen_q is None and max_seqlen_k is None:
+        return _NO_SCALARS
+    return PlanScalars(max_seqlen_q, max_seqlen_k)
+
+
 class ComputeEngine:
     """Owns the kernels and the device context; outputs are written into the tensors passed in."""
 
@@ -275,7 +285,7 @@ class ComputeEngine:
         KV run on the reference backend (the CUDA kernels refuse them, by name, for now)."""
         self._call(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks,
                              cu_seqlens_q, cu_seqlens_k, block_table, None, None, None, None),
-                   opts, PlanScalars(max_seqlen_q, max_seqlen_k))
+                   opts, _varlen_scalars(max_seqlen_q, max_seqlen_k))
 
     def plan_attention(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
                        mask=None, *, lse=None, kv_lens=None, alibi_slopes=None,
@@ -289,7 +299,7 @@ class ComputeEngine:
         return self._plan(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks,
                                     cu_seqlens_q, cu_seqlens_k, block_table, None, None, None,
                                     None),
-                          opts, False, PlanScalars(max_seqlen_q, max_seqlen_k))[0]
+                          opts, False, _varlen_scalars(max_seqlen_q, max_seqlen_k))[0]
 
     # --- KV-cache append ------------------------------------------------------------------------
     def attention_with_kvcache(self, q, k_cache, v_cache, out,
@@ -396,7 +406,7 @@ class ComputeEngine:
             raise ValueError(_NO_BACKWARD_KV_LENS)
         self._call(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse,
                               alibi_slopes, sinks, grad_sinks, cu_seqlens_q, cu_seqlens_k),
-                   opts, PlanScalars(max_seqlen_q, max_seqlen_k))
+                   opts, _varlen_scalars(max_seqlen_q, max_seqlen_k))
 
     def plan_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
                                 opts: AttentionOptions = AttentionOptions(), mask=None, *,
@@ -408,10 +418,10 @@ class ComputeEngine:
         return self._plan(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse,
                                      alibi_slopes, sinks, grad_sinks, cu_seqlens_q,
                                      cu_seqlens_k), opts, False,
-                          PlanScalars(max_seqlen_q, max_seqlen_k))[0]
+                          _varlen_scalars(max_seqlen_q, max_seqlen_k))[0]
 
     # --- plans ----------------------------------------------------------------------------------
-    def _call(self, op: str, args: tuple, opts, scalars: PlanScalars = PlanScalars()) -> None:
+    def _call(self, op: str, args: tuple, opts, scalars: PlanScalars = _NO_SCALARS) -> None:
         plan, ptrs = self._plan(op, args, opts, scalars=scalars)
         if ptrs is not None:  # CUDA arrays or tensors: their addresses were read with their specs
             plan.run_pointers(ptrs)
@@ -419,7 +429,7 @@ class ComputeEngine:
             plan.run(*args)
 
     def _plan(self, op: str, args: tuple, opts, addresses: bool = True,
-              scalars: PlanScalars = PlanScalars()):
+              scalars: PlanScalars = _NO_SCALARS):
         """(the plan for `args`, their device addresses by name, or None where they were not
         asked for or cannot be read). Plans are kept by the arguments' metadata as read here
         (type-specific, cheap: no wrapping) and the options' values; an argument whose metadata
@@ -428,8 +438,8 @@ class ComputeEngine:
             raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
         names = ARGS[op]
         metas, ptrs = _describe(names, args, addresses and self.backend.name == "cuda")
-        key = None if metas is None or opts.key is None else (op, opts.key, metas,
-                                                              scalars.key())
+        skey = _NO_SCALARS_KEY if scalars is _NO_SCALARS else scalars.key()
+        key = None if metas is None or opts.key is None else (op, opts.key, metas, skey)
         try:
             plan = None if key is None else self._plans.get(key)
         except TypeError:  # an unhashable max_seqlen: the plan's checks say why
