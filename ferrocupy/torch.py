@@ -503,24 +503,55 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                    device=q.device)
     elif isinstance(cache_seqlens, Tensor) and cache_seqlens.dtype == torch.int64:
         cache_seqlens = cache_seqlens.to(torch.int32)
-    lens = None if cache_seqlens is None else cache_seqlens.contiguous()
-    opts = _options_of(bool(causal), 0, 0, 0.0, 0, None if scale is None else float(scale),
+    if not isinstance(cache_seqlens, Tensor):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got "
+                        f"{type(cache_seqlens).__name__}")
+    out, lse = _attention_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin,
+        bool(rotary_interleaved), bool(causal), int(window_left), int(window_right),
+        float(softcap), alibi_slopes, None if scale is None else float(scale), bool(return_lse))
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("ferrocupy::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor],
+                            v_new: Optional[Tensor], cache_seqlens: Tensor,
+                            block_table: Optional[Tensor], rotary_cos: Optional[Tensor],
+                            rotary_sin: Optional[Tensor], rotary_interleaved: bool, causal: bool,
+                            window_left: int, window_right: int, softcap: float,
+                            alibi_slopes: Optional[Tensor], scale: Optional[float],
+                            return_lse: bool) -> tuple[Tensor, Tensor]:
+    """The append op (the cache written in place): (out, lse), lse empty `[0]` unless
+    `return_lse`."""
+    opts = _options_of(causal, 0, 0, 0.0, 0, scale,
                        None if window_left == -1 else window_left,
-                       None if window_right == -1 else window_right, float(softcap))
+                       None if window_right == -1 else window_right, softcap)
+    lens = cache_seqlens.contiguous()
     q = _rows(q)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = None
-    if return_lse:
-        B, Sq, H, _ = q.shape
-        lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    lse = torch.empty(_kvcache_lse_shape(q, return_lse), dtype=torch.float32, device=q.device)
     named = _index_tensors(k_new=k_new, v_new=v_new, block_table=block_table,
                            rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    kept_lse = lse if return_lse else None
     plan = _engine(q.device).plan_attention_with_kvcache(
-        q, k_cache, v_cache, out, opts, cache_seqlens=lens, lse=lse, alibi_slopes=alibi_slopes,
-        rotary_interleaved=rotary_interleaved, **named)
-    _run(plan, {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": lse, "kv_lens": lens,
+        q, k_cache, v_cache, out, opts, cache_seqlens=lens, lse=kept_lse,
+        alibi_slopes=alibi_slopes, rotary_interleaved=rotary_interleaved, **named)
+    _run(plan, {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": kept_lse, "kv_lens": lens,
                 "alibi_slopes": alibi_slopes, **named}, fresh=("out", "lse"))
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+def _kvcache_lse_shape(q: Tensor, return_lse: bool) -> tuple:
+    B, Sq, H, _ = q.shape
+    return (B, H, Sq) if return_lse else (0,)
+
+
+@_attention_with_kvcache.register_fake
+def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin,
+      rotary_interleaved, causal, window_left, window_right, softcap, alibi_slopes, scale,
+      return_lse):
+    return q.new_empty(q.shape), q.new_empty(_kvcache_lse_shape(q, return_lse),
+                                             dtype=torch.float32)
 
 
 # --- RoPE -------------------------------------------------------------------------------------

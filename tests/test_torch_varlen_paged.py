@@ -153,6 +153,33 @@ def test_attention_with_kvcache_takes_flash_attn_arguments(rng):
                                   tt["v_new"], cache_seqlens=6)
 
 
+def test_attention_with_kvcache_op_under_opcheck_and_compile(rng):
+    """The append is the op `ferrocupy::attention_with_kvcache` (mutating the cache): opcheck
+    passes, and torch.compile(fullgraph=True) gives the eager answer and cache."""
+    t = append.case(rng, 2, 2, 2, 4, 2, 8, [3, 5], capacity=9, page_size=4, rotary_dim=8,
+                    alibi="bh")
+    tt = {n: torch.from_numpy(np.nan_to_num(a)) for n, a in t.items()}
+    args = (tt["q"], tt["k_cache"].clone(), tt["v_cache"].clone(), tt["k_new"], tt["v_new"],
+            tt["cache_seqlens"], tt["block_table"], tt["rotary_cos"], tt["rotary_sin"], True,
+            True, -1, -1, 0.0, tt["alibi_slopes"], None, True)
+    torch.library.opcheck(torch.ops.ferrocupy.attention_with_kvcache.default, args)
+
+    def call(q, k_cache, v_cache):
+        return ft.attention_with_kvcache(
+            q, k_cache, v_cache, tt["k_new"], tt["v_new"], cache_seqlens=tt["cache_seqlens"],
+            block_table=tt["block_table"], rotary_cos=tt["rotary_cos"],
+            rotary_sin=tt["rotary_sin"], rotary_interleaved=True, causal=True,
+            alibi_slopes=tt["alibi_slopes"], return_lse=True)
+
+    eager_cache = (tt["k_cache"].clone(), tt["v_cache"].clone())
+    want = call(tt["q"], *eager_cache)
+    torch.compiler.reset()
+    compiled_cache = (tt["k_cache"].clone(), tt["v_cache"].clone())
+    got = torch.compile(call, fullgraph=True, backend="aot_eager")(tt["q"], *compiled_cache)
+    for g, w in zip(got + compiled_cache, want + eager_cache):
+        assert torch.equal(g, w)
+
+
 def test_cuda_backend_refuses_them_through_torch(rng, monkeypatch):
     """A stand-in CUDA backend (host memory): varlen, paged and the append are refused when
     the plan is made, naming the argument, nothing written."""
