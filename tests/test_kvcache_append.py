@@ -342,6 +342,57 @@ def test_the_cache_sharing_memory_is_refused(rng):
         assert np.array_equal(k_cache, k_before) and np.array_equal(v_cache, v_before)
 
 
+@st.composite
+def carved_appends(draw):
+    """An append whose float tensors (q, the caches, out, lse, k_new, v_new) are carved from one
+    buffer, each at a drawn offset: apart, or onto / into another's span."""
+    names = ("q", "k_cache", "v_cache", "out", "lse", "k_new", "v_new")
+    shapes = dict(q=(1, 2, 2, 4), k_cache=(1, 6, 1, 4), v_cache=(1, 6, 1, 4), out=(1, 2, 2, 4),
+                  lse=(1, 2, 2), k_new=(1, 2, 1, 4), v_new=(1, 2, 1, 4))
+    places, end = {}, 0
+    for n in names:
+        if places and draw(st.booleans()):
+            off = draw(st.integers(0, end - 1))
+        else:
+            off = end + draw(st.integers(0, 3))
+        places[n] = off
+        end = max(end, off + int(np.prod(shapes[n])))
+    return shapes, places, end, draw(st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(carved_appends())
+def test_carved_appends_are_refused_exactly_when_an_output_meets_another_tensor(call):
+    """The written tensors (out, lse and the cache) may share no byte with any other argument;
+    a call where one does is refused with the buffer unchanged, any other runs as on copies."""
+    shapes, places, size, seed = call
+    rng = np.random.default_rng(seed)
+    buf = rng.standard_normal(size).astype(np.float32)
+    views = {n: buf[o:o + int(np.prod(shapes[n]))].reshape(shapes[n]) for n, o in places.items()}
+    spans = {n: (o, o + int(np.prod(shapes[n]))) for n, o in places.items()}
+    written = ("out", "lse", "k_cache", "v_cache")
+    clash = any(spans[w][0] < spans[n][1] and spans[n][0] < spans[w][1]
+                for w in written for n in spans if n != w)
+    lens = np.array([3], np.int32)
+    call_args = lambda v: (  # noqa: E731
+        (v["q"], v["k_cache"], v["v_cache"], v["out"]),
+        dict(cache_seqlens=lens, k_new=v["k_new"], v_new=v["v_new"], lse=v["lse"]))
+    if clash:
+        before = buf.copy()
+        args, kw = call_args(views)
+        with pytest.raises(ValueError, match="shares memory"):
+            _eng().attention_with_kvcache(*args, **kw)
+        assert np.array_equal(buf, before)
+        return
+    copies = {n: v.copy() for n, v in views.items()}
+    args, kw = call_args(views)
+    _eng().attention_with_kvcache(*args, **kw)
+    args, kw = call_args(copies)
+    _eng().attention_with_kvcache(*args, **kw)
+    for n in written:
+        np.testing.assert_array_equal(views[n], copies[n], err_msg=n)
+
+
 def test_plans_are_kept_by_rotary_interleaved(rng):
     t = case(rng, 1, 1, 1, 2, 1, 8, [2], capacity=4, rotary_dim=4)
     eng = _eng()
