@@ -405,7 +405,7 @@ def test_plans_are_kept_by_rotary_interleaved(rng):
     assert int(plan(False).params["causal_offset"]) == 4 - 1
 
 
-# --- CUDA refuses the append when the plan is made -------------------------------------------------
+# --- CUDA refuses the append when the plan is made ------------------------------------------------
 def test_cuda_backend_refuses_the_append_at_plan_time(rng):
     eng = _eng()
     eng.backend = rec = _CudaRecorder()

@@ -225,7 +225,7 @@ def forward_into(t, out):
                                    block_table=t["block_table"])
 
 
-# --- CUDA refuses paged KV when the plan is made ---------------------------------------------------
+# --- CUDA refuses paged KV when the plan is made --------------------------------------------------
 def test_cuda_backend_refuses_paged_kv_at_plan_time(rng):
     eng = _eng()
     eng.backend = rec = _CudaRecorder()

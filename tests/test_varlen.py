@@ -315,7 +315,7 @@ def test_overlapping_outputs_are_refused(rng):
     assert not lse.any()
 
 
-# --- CUDA refuses varlen when the plan is made -----------------------------------------------------
+# --- CUDA refuses varlen when the plan is made ----------------------------------------------------
 def test_cuda_backend_refuses_varlen_at_plan_time(rng):
     eng = _eng()
     eng.backend = rec = _CudaRecorder()
