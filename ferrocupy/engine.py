@@ -4,14 +4,15 @@ NumPy reference, which picks, orders and launches its own kernels."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import rope_args
-from .plan import (ARGS, BACKWARD, FORWARD, AttentionPlan, TensorSpec, check_device,
-                   check_dtypes)
+from .plan import (ARGS, BACKWARD, FORWARD, AttentionPlan, PlanScalars, TensorSpec,
+                   check_device, check_dtypes)
 from .tensor import UnifiedTensor, cuda_available
 
 
@@ -156,6 +157,16 @@ def _make_backend(backend: str):
     raise ValueError(f"backend must be 'cuda' or 'reference', got {backend!r}")
 
 
+_NO_SCALARS = PlanScalars()  # a call without varlen or an append (the hot path: keyed once)
+_NO_SCALARS_KEY = _NO_SCALARS.key()
+
+
+def _varlen_scalars(max_seqlen_q, max_seqlen_k) -> PlanScalars:
+    if max_seqlen_q is None and max_seqlen_k is None:
+        return _NO_SCALARS
+    return PlanScalars(max_seqlen_q, max_seqlen_k)
+
+
 class ComputeEngine:
     """Owns the kernels and the device context; outputs are written into the tensors passed in."""
 
@@ -233,7 +244,8 @@ class ComputeEngine:
 
     def flash_attention_v2_with(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
                                 mask=None, *, lse=None, kv_lens=None, alibi_slopes=None,
-                                sinks=None) -> None:
+                                sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                                max_seqlen_q=None, max_seqlen_k=None, block_table=None) -> None:
         """`flash_attention_v2` with every option (KV-cache offset, sliding window, scale).
 
         `lse` (optional output, float32 `[batch, heads, seq_q]`): each row's log-sum-exp of its
@@ -249,19 +261,110 @@ class ComputeEngine:
         `-slope * |a - j|` to each visible score (after softcap, before the mask).
         `sinks` (optional input, float32 `[heads]`): head h's logit joins each row's softmax
         denominator without a value (`lse` includes it; a dead row has `lse = sinks[h]`).
-        Both run on the reference backend (the CUDA kernels refuse them for now)."""
-        self._call(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks), opts)
+
+        Varlen (packed sequences): `cu_seqlens_q`, `cu_seqlens_k` (int32 `[N + 1]`) with
+        `max_seqlen_q`, `max_seqlen_k` (ints): `q`, `out` are `[total_q, heads, head_dim]`,
+        `k`, `v` `[total_k, kv_heads, head_dim]`, `lse` `[heads, total_q]`; sequence n is the
+        attention of rows `cu_seqlens_q[n] ..< cu_seqlens_q[n+1]` over keys `cu_seqlens_k[n]
+        ..< cu_seqlens_k[n+1]`, every option applied inside it (dropout's batch index is n).
+        Each sequence sits right-aligned in the `[max_seqlen_q, max_seqlen_k]` frame of a
+        dense call: its row i is at `a = i + causal_offset + (Sk_n - max_seqlen_k) - (Sq_n -
+        max_seqlen_q)`, so `causal_offset = max_seqlen_k - max_seqlen_q` is bottom-right in
+        every sequence (FlashAttention's), and 0 is top-left where `Sq_n = Sk_n` (packed
+        self-attention). No mask, kv_lens or block_table with it. The values are checked
+        before any launch (start 0, non-decreasing, end at the totals, steps at most the
+        max_seqlen).
+
+        Paged KV cache: `block_table` (int32 `[batch, max_blocks]`): `k`, `v` are `[num_blocks,
+        page_size, kv_heads, head_dim]` and key j of batch b is row `j % page_size` of block
+        `block_table[b, j // page_size]`; seq_k is `max_blocks * page_size` for the kv_lens
+        rule (`kv_lens` are the cache lengths). Blocks a sequence does not reach are never
+        read; one it reaches outside `[0, num_blocks)` is an error. Forward only.
+
+        alibi_slopes, sinks, negative offsets, asymmetric windows, softcap, varlen and paged
+        KV run on the reference backend (the CUDA kernels refuse them, by name, for now)."""
+        self._call(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks,
+                             cu_seqlens_q, cu_seqlens_k, block_table, None, None, None, None),
+                   opts, _varlen_scalars(max_seqlen_q, max_seqlen_k))
 
     def plan_attention(self, q, k, v, out, opts: AttentionOptions = AttentionOptions(),
                        mask=None, *, lse=None, kv_lens=None, alibi_slopes=None,
-                       sinks=None) -> AttentionPlan:
+                       sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None, block_table=None) -> AttentionPlan:
         """The plan of `flash_attention_v2_with` for tensors like these (tensors, or
         `TensorSpec`s: only their shapes, strides, dtypes and devices count), every check that
         depends on them done. The engine keeps one plan per combination: the same arguments
         give the same plan object. `plan.run(q, k, v, out, ...)` runs it on each call's
         tensors (their memory checked every time)."""
-        return self._plan(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks),
-                          opts, False)[0]
+        return self._plan(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks,
+                                    cu_seqlens_q, cu_seqlens_k, block_table, None, None, None,
+                                    None),
+                          opts, False, _varlen_scalars(max_seqlen_q, max_seqlen_k))[0]
+
+    # --- KV-cache append ------------------------------------------------------------------------
+    def attention_with_kvcache(self, q, k_cache, v_cache, out,
+                               opts: AttentionOptions = AttentionOptions(), *, cache_seqlens,
+                               k_new=None, v_new=None, block_table=None, rotary_cos=None,
+                               rotary_sin=None, rotary_interleaved: bool = False, lse=None,
+                               alibi_slopes=None, sinks=None) -> None:
+        """FlashAttention's `flash_attn_with_kvcache` (SPEC "Appending to a KV cache"), forward
+        only. `k_cache`, `v_cache`: `[batch, capacity, kv_heads, head_dim]`, or paged
+        `[num_blocks, page_size, kv_heads, head_dim]` with `block_table`; `cache_seqlens`
+        (int32 `[batch]`) keys of batch b are in the cache.
+
+        With `k_new`, `v_new` (`[batch, new_keys, kv_heads, head_dim]`, C-contiguous) they are
+        written into the cache at `cache_seqlens[b] ..< cache_seqlens[b] + new_keys` (past the
+        capacity: an error, nothing written), k_new rotated first when `rotary_cos`,
+        `rotary_sin` (`[seqlen_ro, rotary_dim / 2]`, float32 or q's dtype) are given:
+        rotate-half, or pairs `(x[2i], x[2i+1])` with `rotary_interleaved`; q is rotated too, at
+        `cache_seqlens[b] + i` when causal or windowed, else at `cache_seqlens[b]` (rounded to
+        q's dtype before the attention). `cache_seqlens` itself is not updated.
+
+        Then `q` (`[batch, seq_q, heads, head_dim]`) attends over `cache_seqlens[b] + new_keys`
+        keys, bottom-right aligned: row i sits at `a = i + causal_offset + cache_seqlens[b] +
+        new_keys - seq_q` (so `causal_offset = 0` is FlashAttention's alignment). `lse`,
+        `alibi_slopes`, `sinks` as in `flash_attention_v2_with`."""
+        plan = self.plan_attention_with_kvcache(
+            q, k_cache, v_cache, out, opts, cache_seqlens=cache_seqlens, k_new=k_new,
+            v_new=v_new, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved, lse=lse, alibi_slopes=alibi_slopes,
+            sinks=sinks)
+        plan.run(q, k_cache, v_cache, out, lse=lse, kv_lens=cache_seqlens,
+                 alibi_slopes=alibi_slopes, sinks=sinks, block_table=block_table, k_new=k_new,
+                 v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+
+    def plan_attention_with_kvcache(self, q, k_cache, v_cache, out,
+                                    opts: AttentionOptions = AttentionOptions(), *,
+                                    cache_seqlens, k_new=None, v_new=None, block_table=None,
+                                    rotary_cos=None, rotary_sin=None,
+                                    rotary_interleaved: bool = False, lse=None,
+                                    alibi_slopes=None, sinks=None) -> AttentionPlan:
+        """The plan of `attention_with_kvcache` (a forward plan; its `run` takes the cache as
+        `k`, `v` and `cache_seqlens` as `kv_lens`)."""
+        if cache_seqlens is None:
+            raise TypeError("attention_with_kvcache needs cache_seqlens (int32 [batch])")
+        if not isinstance(rotary_interleaved, (bool, np.bool_)):
+            raise TypeError(f"rotary_interleaved must be a bool, got {rotary_interleaved!r}")
+        if k_new is None:
+            # No append: the kv_lens rule over cache_seqlens keys, bottom-right.
+            if rotary_cos is not None or rotary_sin is not None:
+                raise ValueError("rotary_cos/rotary_sin rotate an append's q and k_new: they "
+                                 "need k_new and v_new")
+            if v_new is not None:
+                raise ValueError(f"an append needs k_new and v_new: v_new (shape "
+                                 f"{self._spec('v_new', v_new).shape}) is given alone")
+        if not isinstance(opts, AttentionOptions):
+            raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
+        # Bottom-right: the kv_lens rule's row position with causal_offset + capacity - seq_q.
+        qs, ks = self._spec("q", q), self._spec("k_cache", k_cache)
+        capacity = (ks.shape[1] if len(ks.shape) > 1 else 0) * (
+            1 if block_table is None else self._spec("block_table", block_table).shape[-1])
+        seq_q = qs.shape[1] if len(qs.shape) > 1 else 0
+        shifted = _shifted(opts, capacity - seq_q)
+        return self._plan(FORWARD, (q, k_cache, v_cache, out, None, lse, cache_seqlens,
+                                    alibi_slopes, sinks, None, None, block_table, k_new, v_new,
+                                    rotary_cos, rotary_sin), shifted, False,
+                          PlanScalars(rotary_interleaved=bool(rotary_interleaved)))[0]
 
     # --- backward -------------------------------------------------------------------------------
     def flash_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
@@ -281,8 +384,9 @@ class ComputeEngine:
     def flash_attention_v2_backward_with(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
                                          opts: AttentionOptions = AttentionOptions(),
                                          mask=None, *, lse=None, kv_lens=None,
-                                         alibi_slopes=None, sinks=None,
-                                         grad_sinks=None) -> None:
+                                         alibi_slopes=None, sinks=None, grad_sinks=None,
+                                         cu_seqlens_q=None, cu_seqlens_k=None,
+                                         max_seqlen_q=None, max_seqlen_k=None) -> None:
         """Backward of `flash_attention_v2_with`: `out` is the forward's output for the same
         inputs, `opts` and `mask` (dropout is regenerated from `opts.seed`). Writes, never
         accumulates into, `grad_q`, `grad_k`, `grad_v`; no gradient for the mask.
@@ -294,43 +398,55 @@ class ComputeEngine:
         (optional output, float32 `[heads]`, with `sinks`): written with
         `-sum_{b,i} exp(sinks[h] - lse_bhi) * Delta_bhi`.
 
+        `cu_seqlens_q`, `cu_seqlens_k`, `max_seqlen_q`, `max_seqlen_k`: the forward's varlen
+        split (`lse` then `[heads, total_q]`; `grad_k`, `grad_v` like the packed `k`, `v`).
+
         `kv_lens` is not taken: a cache with per-sequence lengths is an inference-time thing."""
         if kv_lens is not None:
             raise ValueError(_NO_BACKWARD_KV_LENS)
         self._call(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse,
-                              alibi_slopes, sinks, grad_sinks), opts)
+                              alibi_slopes, sinks, grad_sinks, cu_seqlens_q, cu_seqlens_k),
+                   opts, _varlen_scalars(max_seqlen_q, max_seqlen_k))
 
     def plan_attention_backward(self, q, k, v, out, grad_out, grad_q, grad_k, grad_v,
                                 opts: AttentionOptions = AttentionOptions(), mask=None, *,
-                                lse=None, alibi_slopes=None, sinks=None,
-                                grad_sinks=None) -> AttentionPlan:
+                                lse=None, alibi_slopes=None, sinks=None, grad_sinks=None,
+                                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                                max_seqlen_k=None) -> AttentionPlan:
         """The plan of `flash_attention_v2_backward_with` for tensors like these (see
         `plan_attention`)."""
         return self._plan(BACKWARD, (q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse,
-                                     alibi_slopes, sinks, grad_sinks), opts, False)[0]
+                                     alibi_slopes, sinks, grad_sinks, cu_seqlens_q,
+                                     cu_seqlens_k), opts, False,
+                          _varlen_scalars(max_seqlen_q, max_seqlen_k))[0]
 
     # --- plans ----------------------------------------------------------------------------------
-    def _call(self, op: str, args: tuple, opts) -> None:
-        plan, ptrs = self._plan(op, args, opts)
+    def _call(self, op: str, args: tuple, opts, scalars: PlanScalars = _NO_SCALARS) -> None:
+        plan, ptrs = self._plan(op, args, opts, scalars=scalars)
         if ptrs is not None:  # CUDA arrays or tensors: their addresses were read with their specs
             plan.run_pointers(ptrs)
         else:
             plan.run(*args)
 
-    def _plan(self, op: str, args: tuple, opts, addresses: bool = True):
+    def _plan(self, op: str, args: tuple, opts, addresses: bool = True,
+              scalars: PlanScalars = _NO_SCALARS):
         """(the plan for `args`, their device addresses by name, or None where they were not
         asked for or cannot be read). Plans are kept by the arguments' metadata as read here
         (type-specific, cheap: no wrapping) and the options' values; an argument whose metadata
-        this cannot read makes a plan that is not kept."""
+        this cannot read makes a plan that is not kept; so does an unhashable scalar."""
         if not isinstance(opts, AttentionOptions):
             raise TypeError(f"opts must be AttentionOptions, got {type(opts).__name__}")
         names = ARGS[op]
         metas, ptrs = _describe(names, args, addresses and self.backend.name == "cuda")
-        key = None if metas is None or opts.key is None else (op, opts.key, metas)
-        plan = None if key is None else self._plans.get(key)
+        skey = _NO_SCALARS_KEY if scalars is _NO_SCALARS else scalars.key()
+        key = None if metas is None or opts.key is None else (op, opts.key, metas, skey)
+        try:
+            plan = None if key is None else self._plans.get(key)
+        except TypeError:  # an unhashable max_seqlen: the plan's checks say why
+            key = plan = None
         if plan is None:
             specs = {n: None if x is None else self._spec(n, x) for n, x in zip(names, args)}
-            plan = AttentionPlan(self.backend, op, specs, opts)
+            plan = AttentionPlan(self.backend, op, specs, opts, scalars)
             if key is not None:
                 if len(self._plans) >= _PLANS_MAX:
                     self._plans.clear()
@@ -448,6 +564,13 @@ def _reader(kind):
         _READERS[kind] = _read_torch
         _TORCH_TENSOR[0] = kind
     return _READERS.get(kind)
+
+
+def _shifted(opts: AttentionOptions, shift: int) -> AttentionOptions:
+    """`opts` with `shift` added to its causal_offset (validated first, so an error names the
+    caller's values)."""
+    opts.validate()
+    return dataclasses.replace(opts, causal_offset=opts.causal_offset + shift)
 
 
 def _single_head_view(name: str, x, engine: ComputeEngine) -> UnifiedTensor:

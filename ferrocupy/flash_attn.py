@@ -230,19 +230,20 @@ def _index_in_sequence(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
             block_table=None):
-    """flash-attn's varlen forward (and backward) on ferrocupy.torch.attention's varlen keywords,
-    whose rows are aligned per sequence at the bottom right (SPEC "Packed variable-length
-    batches"), so no causal_offset is passed."""
+    """flash-attn's varlen forward (and backward) on ferrocupy.torch.attention's varlen keywords.
+    Those right-align each sequence in the [max_seqlen_q, max_seqlen_k] frame, so
+    causal_offset = max_seqlen_k - max_seqlen_q is flash-attn's bottom-right alignment in every
+    sequence (for the window and ALiBi too, causal or not)."""
     _require("flash_attn varlen (cu_seqlens_q, cu_seqlens_k)", _takes_varlen(ferro.attention))
     _rank("q", q, 3, "[total_q, H, D]")
     opts = _options(causal, window_size, softcap, alibi_slopes, softmax_scale, max_seqlen_k)
     opts.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+                max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+                causal_offset=int(max_seqlen_k) - int(max_seqlen_q))
     if block_table is not None:
-        opts["block_table"] = block_table
-        if return_attn_probs:
-            raise NotImplementedError("flash_attn_varlen_func: return_attn_probs with block_table "
-                                      "(S_dmask of a paged KV cache)")
+        raise NotImplementedError(f"flash_attn_varlen_func: block_table (shape "
+                                  f"{tuple(block_table.shape)}): ferrocupy has a paged KV cache "
+                                  f"for batched calls (flash_attn_with_kvcache), not under varlen")
     seed = _dropout_seed(dropout_p)
     res = ferro.attention(q, k, v, dropout_p=float(dropout_p), seed=seed,
                           return_lse=bool(return_attn_probs), **opts)

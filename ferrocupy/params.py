@@ -63,17 +63,39 @@ assert ATTN_LAYOUT.itemsize == 192
 # words have no room for. window_left/right: key j is visible to position a iff
 # a - window_left <= j <= a + window_right (-1: unbounded on that side), whichever form of
 # window the call gave; softcap (0: none); flags say which optional tensors the call has.
-# A seed call packs (-1, -1, 0, 0) unless it has a seed window, which this restates.
+# page_size: rows per block of a paged KV cache (0: not paged); new_keys: the keys a KV-cache
+# append writes per sequence (`k_new`'s seq dimension); rotary_dim: the width the append's RoPE
+# rotates (0: none). A seed call packs (-1, -1, 0, 0, 0, 0, 0, 0) unless it has a seed window,
+# which this restates.
 ATTN_EXTRAS = _struct([("window_left", "i4"), ("window_right", "i4"), ("softcap", "f4"),
-                       ("flags", "u4")])
-assert ATTN_EXTRAS.itemsize == 16
+                       ("flags", "u4"), ("page_size", "u4"), ("new_keys", "u4"),
+                       ("rotary_dim", "u4"), ("_pad0", "u4")])
+assert ATTN_EXTRAS.itemsize == 32
 EXTRAS_ALIBI = 1  # alibi_slopes given: score - slope[b, h] * |a - j|
 EXTRAS_ALIBI_PER_BATCH = 2  # alibi_slopes is [batch, heads] (else [heads])
 EXTRAS_SINKS = 4  # sinks given: sinks[h] joins each row's softmax denominator
+# varlen: the seed struct's batch is the number of sequences N, its seq_q/seq_k the
+# max_seqlen_q/max_seqlen_k; sequence n spans rows cu_seqlens_q[n]..<cu_seqlens_q[n+1] of q
+# and keys cu_seqlens_k[n]..<cu_seqlens_k[n+1] of k (each [total, heads, head_dim]).
+EXTRAS_VARLEN = 8
+# paged: k and v are [num_blocks, page_size, kv_heads, head_dim]; key j of batch b is row
+# j % page_size of block block_table[b, j // page_size]; the seed struct's seq_k is the
+# capacity max_blocks * page_size.
+EXTRAS_PAGED = 16
+# append: k_new/v_new [batch, new_keys, kv_heads, head_dim] are written into the cache at
+# kv_lens[b]..< kv_lens[b] + new_keys before the attention, which then follows the kv_lens
+# rule with kv_lens[b] + new_keys keys.
+EXTRAS_APPEND = 32
+EXTRAS_ROTARY = 64  # the append rotates q and k_new by rotary_cos/rotary_sin tables
+EXTRAS_ROTARY_INTERLEAVED = 128  # ... pairing (x[2i], x[2i+1]) (else rotate-half)
 
 
-def extras_params(opts, alibi_slopes=None, sinks=None) -> np.void:
-    """`AttnExtras` of options `opts` (validated) and the shapes of the optional tensors."""
+def extras_params(opts, alibi_slopes=None, sinks=None, *, varlen: bool = False,
+                  page_size: int = 0, new_keys: int | None = None, rotary_dim: int = 0,
+                  rotary_interleaved: bool = False) -> np.void:
+    """`AttnExtras` of options `opts` (validated) and the shapes of the optional tensors:
+    `varlen` (cu_seqlens given), `page_size` (of a paged cache, else 0), `new_keys` (an
+    append's; None: no append), `rotary_dim` (an append's RoPE width, 0: none)."""
     p = np.zeros((), ATTN_EXTRAS)
     p["window_left"], p["window_right"] = opts.windows()
     p["softcap"] = np.float32(opts.softcap)
@@ -82,6 +104,17 @@ def extras_params(opts, alibi_slopes=None, sinks=None) -> np.void:
         flags |= EXTRAS_ALIBI | (EXTRAS_ALIBI_PER_BATCH if len(alibi_slopes.shape) == 2 else 0)
     if sinks is not None:
         flags |= EXTRAS_SINKS
+    if varlen:
+        flags |= EXTRAS_VARLEN
+    if page_size:
+        flags |= EXTRAS_PAGED
+        p["page_size"] = _u32(page_size, "page_size")
+    if new_keys is not None:
+        flags |= EXTRAS_APPEND
+        p["new_keys"] = _u32(new_keys, "new_keys")
+    if rotary_dim:
+        flags |= EXTRAS_ROTARY | (EXTRAS_ROTARY_INTERLEAVED if rotary_interleaved else 0)
+        p["rotary_dim"] = _u32(rotary_dim, "rotary_dim")
     p["flags"] = flags
     return p[()]
 
@@ -107,14 +140,17 @@ assert ROPE_LAYOUT.itemsize == 64
 
 def layout_params(tensors: dict) -> np.void:
     """`AttnLayout` from the element strides of the rank-4 tensors in `tensors` (name -> tensor
-    with `.shape` and `.strides`, or None). A dimension of size 1 takes stride 0 (never
+    with `.shape` and `.strides`, or None); a packed (varlen) `[total, heads, head_dim]` one
+    is read as `[1, total, heads, head_dim]`. A dimension of size 1 takes stride 0 (never
     stepped over, so whatever stride it had is irrelevant)."""
     p = np.zeros((), ATTN_LAYOUT)
     for name in LAYOUT_TENSORS:
         t = tensors.get(name)
         if t is None:
             continue
-        shape, strides = t.shape, t.strides
+        shape, strides = tuple(t.shape), tuple(t.strides)
+        if len(shape) == 3:
+            shape, strides = (1,) + shape, (0,) + strides
         for c, n, st in zip("bsh", shape[:3], strides[:3]):
             p[f"{name}_{c}"] = int(st) if n > 1 else 0
     return p[()]
@@ -238,11 +274,51 @@ class AttentionDims:
         if len(k.shape) != 4:
             raise ValueError(
                 f"k must be [batch, seq, kv_heads, head_dim], got shape {tuple(k.shape)}")
-        dims = cls(batch=int(q.shape[0]), seq_q=int(q.shape[1]), heads=int(q.shape[2]),
-                   head_dim=int(q.shape[3]), seq_k=int(k.shape[1]), kv_heads=int(k.shape[2]))
-        if int(k.shape[0]) != dims.batch:
+        if int(k.shape[0]) != int(q.shape[0]):
             raise ValueError(f"batch of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
-        if int(k.shape[3]) != dims.head_dim:
+        return cls._checked(q, k, batch=int(q.shape[0]), seq_q=int(q.shape[1]),
+                            seq_k=int(k.shape[1]))
+
+    @classmethod
+    def packed(cls, q, k, sequences: int, max_seqlen_q: int,
+               max_seqlen_k: int) -> "AttentionDims":
+        """A varlen call's: `q [total_q, heads, head_dim]`, `k [total_k, kv_heads, head_dim]`;
+        batch is the number of sequences, seq_q / seq_k the max_seqlen_q / max_seqlen_k."""
+        if len(q.shape) != 3:
+            raise ValueError(f"with cu_seqlens, q must be [total_q, heads, head_dim], got shape "
+                             f"{tuple(q.shape)}")
+        if len(k.shape) != 3:
+            raise ValueError(f"with cu_seqlens, k must be [total_k, kv_heads, head_dim], got "
+                             f"shape {tuple(k.shape)}")
+        return cls._checked(q, k, batch=sequences,
+                            seq_q=max_seqlen_q, seq_k=max_seqlen_k)
+
+    @classmethod
+    def paged(cls, q, k, block_table) -> "AttentionDims":
+        """A paged call's: `q [batch, seq_q, heads, head_dim]`, `k [num_blocks, page_size,
+        kv_heads, head_dim]`, `block_table [batch, max_blocks]`; seq_k is the capacity
+        max_blocks * page_size."""
+        if len(q.shape) != 4:
+            raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
+        if len(k.shape) != 4:
+            raise ValueError(f"with block_table, k must be [num_blocks, page_size, kv_heads, "
+                             f"head_dim], got shape {tuple(k.shape)}")
+        if len(block_table.shape) != 2 or int(block_table.shape[0]) != int(q.shape[0]):
+            raise ValueError(f"block_table shape {tuple(block_table.shape)} must be [batch, "
+                             f"max_blocks] with batch = {int(q.shape[0])} (q shape "
+                             f"{tuple(q.shape)})")
+        if int(k.shape[1]) == 0:
+            raise ValueError(f"page_size must be at least 1, got k shape {tuple(k.shape)}")
+        return cls._checked(q, k, batch=int(q.shape[0]), seq_q=int(q.shape[1]),
+                            seq_k=int(block_table.shape[1]) * int(k.shape[1]))
+
+    @classmethod
+    def _checked(cls, q, k, *, batch: int, seq_q: int, seq_k: int) -> "AttentionDims":
+        """The dims, heads and head_dim read from the last two dimensions of `q` and `k`, and
+        checked."""
+        dims = cls(batch=batch, seq_q=seq_q, heads=int(q.shape[-2]), head_dim=int(q.shape[-1]),
+                   seq_k=seq_k, kv_heads=int(k.shape[-2]))
+        if int(k.shape[-1]) != dims.head_dim:
             raise ValueError(f"head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
         for name, n in (("seq_q", dims.seq_q), ("seq_k", dims.seq_k)):
             if n >= 2**31:  # the kernels count tiles in 32 bits

@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from .dtypes import ATTENTION_DTYPES
-from .params import (EXTRAS_ALIBI, EXTRAS_ALIBI_PER_BATCH, EXTRAS_SINKS, ROPE_INTERLEAVED,
+from .params import (EXTRAS_ALIBI, EXTRAS_ALIBI_PER_BATCH, EXTRAS_APPEND, EXTRAS_PAGED,
+                     EXTRAS_ROTARY, EXTRAS_ROTARY_INTERLEAVED, EXTRAS_SINKS, EXTRAS_VARLEN,
+                     ROPE_INTERLEAVED,
                      ROPE_INVERSE, ROPE_POSITIONS, contiguous_layout, contiguous_rope_layout,
                      seed_extras)
 
@@ -165,12 +167,16 @@ class _Fields:
             return self._extras[name]
         return self._p[name]
 
+    def replaced(self, **over) -> "_Fields":
+        return _Fields(self._p, self._extras, **(self._over | over))
+
     def batch(self, kv_len: int) -> "_Fields":
-        return _Fields(self._p, self._extras, seq_k=kv_len, causal_offset=int(
-            self["causal_offset"]) + kv_len - int(self._p["seq_k"]))
+        return self.replaced(seq_k=kv_len, causal_offset=int(self["causal_offset"]) + kv_len
+                             - int(self._p["seq_k"]))
 
 
-ATTN_EXTRAS_FIELDS = ("window_left", "window_right", "softcap", "flags")
+ATTN_EXTRAS_FIELDS = ("window_left", "window_right", "softcap", "flags", "page_size",
+                      "new_keys", "rotary_dim")
 
 
 def _fields(p, extras=None) -> _Fields:
@@ -328,125 +334,289 @@ def _f64(a):
     return a.astype(np.float64)
 
 
-# --- the three attention kernels ------------------------------------------------------------------
-def _views(p, lay, **named):
-    """The named buffers as rank-4 views through `lay` (None: C-contiguous)."""
-    B, H, Hkv, Sq, Sk, D = _dims(p)
-    if lay is None:
-        lay = contiguous_layout(p)
-    out = []
-    for name, x in named.items():
-        seq, heads = (Sk, Hkv) if name in ("k", "v", "grad_k", "grad_v") else (Sq, H)
-        size = x.dtype.itemsize
-        strides = tuple(int(lay[f"{name}_{c}"]) * size for c in "bsh") + (size,)
-        out.append(np.lib.stride_tricks.as_strided(x, shape=(B, seq, heads, D), strides=strides))
+# --- batch entries: dense batches, packed sequences (varlen), paged caches -----------------------
+class _Entry:
+    """One batch entry of a call (a sequence of a varlen call): `b`, its index for dropout's
+    counter and ALiBi's `[batch, heads]` slopes; `p`, the call's fields with this entry's
+    `seq_q`, `seq_k` and row positions; where its query rows and keys lie in the rank-4 views
+    (`rows`, `keys`), and its `[heads, rows]` part of a per-row `[B', heads, S']` array
+    (`per_row`)."""
+
+    def __init__(self, b, p, at, rows, keys, pages=None, page_size=0):
+        self.b, self.p, self._at, self._rows, self._keys = b, p, at, rows, keys
+        self._pages, self._page_size = pages, page_size
+
+    def rows(self, x4):
+        return x4[self._at, self._rows]
+
+    def per_row(self, x3):
+        return x3[self._at, :, self._rows]
+
+    def keys(self, x4):
+        """This entry's keys `[seq_k, heads, head_dim]`: a view, or (paged) gathered from the
+        blocks the entry reaches, no other block read."""
+        if self._pages is None:
+            return x4[self._at, self._keys]
+        n = self._keys.stop
+        blocks = self._pages[:-(-n // self._page_size)] if n else self._pages[:0]
+        return x4[np.asarray(blocks, np.int64)].reshape((-1,) + x4.shape[2:])[:n]
+
+
+class _Frame:
+    """How a call's buffers are laid out: the rank-4 view shapes (q-shaped `[qb, qs, H, D]`,
+    k-shaped `[kb, ks, Hkv, D]`) and the batch entries. Dense: `[B, Sq]` and `[B, Sk]`;
+    varlen: `[1, total_q]` and `[1, total_k]`; paged: k-shaped `[num_blocks, page_size]`."""
+
+    def __init__(self, p, q, k, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+                 kv_lens=None):
+        B, _, _, Sq, Sk, _ = _dims(p)
+        flags = int(p["flags"])
+        self.p, self.varlen = p, bool(flags & EXTRAS_VARLEN)
+        self.page_size = int(p["page_size"]) if flags & EXTRAS_PAGED else 0
+        self.new_keys = int(p["new_keys"]) if flags & EXTRAS_APPEND else 0
+        self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
+        self.block_table, self.kv_lens = block_table, kv_lens
+        if self.varlen:
+            self.q_shape, self.k_shape = (1, int(q.shape[0])), (1, int(k.shape[0]))
+        elif self.page_size:
+            self.q_shape, self.k_shape = (B, Sq), (int(k.shape[0]), self.page_size)
+        else:
+            self.q_shape, self.k_shape = (B, Sq), (B, Sk)
+
+    def views(self, lay, **named):
+        """The named buffers as rank-4 views through `lay` (None: C-contiguous)."""
+        _, H, Hkv, _, _, D = _dims(self.p)
+        if lay is None:
+            lay = contiguous_layout(self.p)
+        out = []
+        for name, x in named.items():
+            (nb, seq), heads = ((self.k_shape, Hkv) if name in ("k", "v", "grad_k", "grad_v")
+                                else (self.q_shape, H))
+            size = x.dtype.itemsize
+            strides = tuple(int(lay[f"{name}_{c}"]) * size for c in "bsh") + (size,)
+            out.append(np.lib.stride_tricks.as_strided(x, shape=(nb, seq, heads, D),
+                                                       strides=strides))
+        return out
+
+    def per_row(self, x, width=None):
+        """A per-row buffer (`lse`: `[B, H, Sq]`, varlen `[H, total_q]`; `width`: a trailing
+        dimension, the backward's stats) as `[B', H, S'(, width)]`."""
+        H = int(self.p["heads"])
+        shape = (self.q_shape[0], H, self.q_shape[1]) + (() if width is None else (width,))
+        return x.reshape(shape)
+
+    def entries(self):
+        p = self.p
+        B, _, _, Sq, Sk, _ = _dims(p)
+        if self.varlen:
+            off = int(p["causal_offset"])
+            for n in range(B):
+                r0, r1 = int(self.cu_q[n]), int(self.cu_q[n + 1])
+                k0, k1 = int(self.cu_k[n]), int(self.cu_k[n + 1])
+                # SPEC varlen: sequence n right-aligned in the [max_seqlen_q, max_seqlen_k] frame
+                pn = p.replaced(seq_q=r1 - r0, seq_k=k1 - k0,
+                                causal_offset=off + (k1 - k0 - Sk) - (r1 - r0 - Sq))
+                yield _Entry(n, pn, 0, slice(r0, r1), slice(k0, k1))
+            return
+        for b in range(B):
+            n_keys = Sk if self.kv_lens is None else int(self.kv_lens[b]) + self.new_keys
+            pb = p if self.kv_lens is None else p.batch(n_keys)
+            pages = None if not self.page_size else self.block_table[b]
+            yield _Entry(b, pb, b, slice(0, Sq), slice(0, n_keys), pages, self.page_size)
+
+
+# --- the KV-cache append and its RoPE -----------------------------------------------------------
+def rotate_with_tables(x, cos, sin, positions, interleaved: bool):
+    """RoPE of `x` `[n, heads, head_dim]` (float64) with token t at `positions[t]`, from tables
+    `cos`, `sin` `[seqlen_ro, rotary_dim / 2]` (flash-attn's `rotary_cos`/`rotary_sin`): each
+    pair (a, b) of frequency i (rotate-half `(x[i], x[i + r/2])`, or interleaved `(x[2i],
+    x[2i+1])`) becomes `(a cos - b sin, b cos + a sin)`; features past rotary_dim pass."""
+    positions = np.asarray(positions, np.int64)
+    c = _f64(np.asarray(cos)[positions])[:, None, :]
+    s = _f64(np.asarray(sin)[positions])[:, None, :]
+    rd = 2 * c.shape[-1]
+    first, second = ((slice(0, rd, 2), slice(1, rd, 2)) if interleaved
+                     else (slice(0, rd // 2), slice(rd // 2, rd)))
+    out = np.array(x, dtype=np.float64)
+    a, b = x[..., first], x[..., second]
+    out[..., first] = a * c - b * s
+    out[..., second] = b * c + a * s
     return out
 
 
+def _rotary(p):
+    """(interleaved,) of a call whose append rotates, or None."""
+    flags = int(p["flags"])
+    return None if not flags & EXTRAS_ROTARY else bool(flags & EXTRAS_ROTARY_INTERLEAVED)
+
+
+def append_kv(k, v, k_new, v_new, kv_lens, p, layout=None, extras=None, block_table=None,
+              rotary_cos=None, rotary_sin=None) -> None:
+    """SPEC "Appending to a KV cache": batch b's `k_new[b]`, `v_new[b]` `[new_keys, kv_heads,
+    head_dim]` are written into the cache (`k`, `v`: `[B, Sk, ...]`, or paged `[num_blocks,
+    page_size, ...]` through `block_table`) at positions `kv_lens[b] ..< kv_lens[b] +
+    new_keys`, k_new rotated first (at those positions) when the call has RoPE tables."""
+    p = _fields(p, extras)
+    frame = _Frame(p, k_new, k, block_table=block_table)
+    k4, v4 = frame.views(layout, k=k, v=v)
+    interleaved = _rotary(p)
+    n = int(k_new.shape[1])
+    for b in range(int(p["batch"])):
+        pos = int(kv_lens[b]) + np.arange(n, dtype=np.int64)
+        kb = _f64(k_new[b])
+        if interleaved is not None:
+            kb = rotate_with_tables(kb, rotary_cos, rotary_sin, pos, interleaved)
+        if frame.page_size:
+            at = (np.asarray(block_table[b], np.int64)[pos // frame.page_size],
+                  pos % frame.page_size)
+        else:
+            at = (b, pos)
+        k4[at] = kb
+        v4[at] = v_new[b]
+
+
+def _query_rows(e, q4, p, rotary_cos, rotary_sin):
+    """Entry `e`'s query rows `[rows, heads, head_dim]` in float64: rotated, when the call's
+    append has RoPE, at `kv_lens[b] + i` (causal or windowed) or `kv_lens[b]` (flash-attn's
+    rule) and rounded to q's dtype, as a rotated q stored first would be."""
+    rows = e.rows(q4)
+    interleaved = _rotary(p)
+    if interleaved is None:
+        return _f64(rows)
+    start = int(e.p["seq_k"]) - int(p["new_keys"])  # kv_lens[b]
+    i = np.arange(rows.shape[0], dtype=np.int64)
+    pos = start + (i if _limited(p) else 0 * i)
+    rotated = rotate_with_tables(_f64(rows), rotary_cos, rotary_sin, pos, interleaved)
+    return _f64(rotated.astype(rows.dtype))
+
+
+# --- the three attention kernels ------------------------------------------------------------------
 def flash_attn_v2(q, k, v, out, mask, p, lse=None, kv_lens=None, layout=None,
-                  alibi_slopes=None, sinks=None, extras=None) -> None:
+                  alibi_slopes=None, sinks=None, extras=None, cu_seqlens_q=None,
+                  cu_seqlens_k=None, block_table=None, rotary_cos=None,
+                  rotary_sin=None) -> None:
     """Forward (SPEC "Attention forward"): writes `out` [B, Sq, H, D] and, when given, `lse`
     [B, H, Sq] (float32: each row's log-sum-exp, -inf for a row that sees no key). With
     `kv_lens` [B], batch b has kv_lens[b] keys (the rest are never read) and its rows sit
     kv_lens[b] - Sk positions earlier. `extras`: the AttnExtras struct (None: a seed call's),
-    whose flags say whether `alibi_slopes` and `sinks` are read."""
+    whose flags say whether `alibi_slopes` and `sinks` are read, and whether the call is
+    varlen (`q`, `out` `[total_q, H, D]`, `lse` `[H, total_q]`, `k`, `v` `[total_k, Hkv, D]`,
+    split by `cu_seqlens_q`/`cu_seqlens_k`), paged (`k`, `v` blocks read through
+    `block_table`) or the attention of an append (kv_lens[b] + new_keys keys; q rotated by
+    `rotary_cos`/`rotary_sin` when the flags say so)."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
     p = _fields(p, extras)
-    q4, o4, k4, v4 = _views(p, layout, q=q, out=out, k=k, v=v)
+    frame = _Frame(p, q, k, cu_seqlens_q, cu_seqlens_k, block_table, kv_lens)
+    q4, o4, k4, v4 = frame.views(layout, q=q, out=out, k=k, v=v)
+    lse3 = None if lse is None else frame.per_row(lse)
     group = H // Hkv
     with np.errstate(all="ignore"):  # inf/NaN are meant to flow through
-        for b in range(B):
-            pb = p if kv_lens is None else p.batch(int(kv_lens[b]))
-            n_keys = Sk if kv_lens is None else int(kv_lens[b])
+        for e in frame.entries():
+            pb, b = e.p, e.b
+            sq, n_keys = int(pb["seq_q"]), int(pb["seq_k"])
+            qb, kb, vb = _query_rows(e, q4, p, rotary_cos, rotary_sin), e.keys(k4), e.keys(v4)
+            ob = e.rows(o4)
             for h in range(H):
-                kh = _f64(k4[b, :n_keys, h // group])
-                vh = _f64(v4[b, :n_keys, h // group])
+                kh, vh = _f64(kb[:, h // group]), _f64(vb[:, h // group])
                 slope, sink = alibi_slope(p, alibi_slopes, b, h), sink_logit(p, sinks, h)
-                for rows, cols, keys in _blocks(pb, Sq, n_keys):
-                    s, live, _ = _scores(_f64(q4[b, rows, h]), kh[keys], pb, mask, b, h, rows,
-                                         cols, slope)
+                for rows, cols, keys in _blocks(pb, sq, n_keys):
+                    s, live, _ = _scores(qb[rows, h], kh[keys], pb, mask, b, h, rows, cols,
+                                         slope)
                     prob, row_lse = _softmax(s, sink)
                     prob = _apply(prob, _dropout_factor(pb, b, h, rows, cols))
-                    o4[b, rows, h] = _masked_matmul(prob, vh[keys], live)
-                    if lse is not None:
-                        lse.reshape(B, H, Sq)[b, h, rows] = row_lse
+                    ob[rows, h] = _masked_matmul(prob, vh[keys], live)
+                    if lse3 is not None:
+                        e.per_row(lse3)[h, rows] = row_lse
 
 
 def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p, lse=None,
                         layout=None, alibi_slopes=None, sinks=None, grad_sinks=None,
-                        extras=None) -> None:
+                        extras=None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
     """Backward, first kernel: writes `stats` [B*H*Sq, 2] = [Delta, LSE] per row
-    (row `(b*H + h)*Sq + i`), `grad_q` and, when given (with sinks), `grad_sinks` [H] =
-    `-sum_{b,i} exp(sink_h - LSE) * Delta`. With `lse` [B, H, Sq] given (the forward's), P is
-    `exp(s - lse)` and that LSE is what `stats` passes on, as the CUDA kernel does."""
+    (row `(b*H + h)*Sq + i`; varlen: [H*total_q, 2], row `h*total_q + r`), `grad_q` and, when
+    given (with sinks), `grad_sinks` [H] = `-sum_{b,i} exp(sink_h - LSE) * Delta`. With `lse`
+    [B, H, Sq] (varlen [H, total_q]) given (the forward's), P is `exp(s - lse)` and that LSE
+    is what `stats` passes on, as the CUDA kernel does."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
     p = _fields(p, extras)
-    q4, o4, do4, dq4, k4, v4 = _views(p, layout, q=q, out=out, grad_out=grad_out,
-                                      grad_q=grad_q, k=k, v=v)
-    st = stats.reshape(B, H, Sq, 2)
+    frame = _Frame(p, q, k, cu_seqlens_q, cu_seqlens_k)
+    q4, o4, do4, dq4, k4, v4 = frame.views(layout, q=q, out=out, grad_out=grad_out,
+                                           grad_q=grad_q, k=k, v=v)
+    st = frame.per_row(stats, 2)
+    lse3 = None if lse is None else frame.per_row(lse)
     group, scale = H // Hkv, np.float64(np.float32(p["scale"]))
     d_sinks = np.zeros(H)
     with np.errstate(all="ignore"):
-        for b in range(B):
+        for e in frame.entries():
+            pb, b = e.p, e.b
+            sq, sk = int(pb["seq_q"]), int(pb["seq_k"])
+            qb, kb, vb, ob, dob = (e.rows(q4), e.keys(k4), e.keys(v4), e.rows(o4), e.rows(do4))
+            dqb, stb = e.rows(dq4), e.per_row(st)
             for h in range(H):
-                kh, vh = _f64(k4[b, :, h // group]), _f64(v4[b, :, h // group])
+                kh, vh = _f64(kb[:, h // group]), _f64(vb[:, h // group])
                 slope, sink = alibi_slope(p, alibi_slopes, b, h), sink_logit(p, sinks, h)
-                for rows, cols, keys in _blocks(p, Sq, Sk):
-                    do = _f64(do4[b, rows, h])
-                    delta = np.einsum("rd,rd->r", do, _f64(o4[b, rows, h]))
-                    s, live, dcap = _scores(_f64(q4[b, rows, h]), kh[keys], p, mask, b, h, rows,
+                for rows, cols, keys in _blocks(pb, sq, sk):
+                    do = _f64(dob[rows, h])
+                    delta = np.einsum("rd,rd->r", do, _f64(ob[rows, h]))
+                    s, live, dcap = _scores(_f64(qb[rows, h]), kh[keys], pb, mask, b, h, rows,
                                             cols, slope)
-                    if lse is None:
+                    if lse3 is None:
                         prob, row_lse = _softmax(s, sink)
                     else:
-                        row_lse = _f64(lse.reshape(B, H, Sq)[b, h, rows])
+                        row_lse = _f64(e.per_row(lse3)[h, rows])
                         live &= (row_lse != -np.inf)[:, None]
                         prob = np.where(live, np.exp(s - row_lse[:, None]), 0.0)
-                    dprob = _apply(do @ vh[keys].T, _dropout_factor(p, b, h, rows, cols))
+                    dprob = _apply(do @ vh[keys].T, _dropout_factor(pb, b, h, rows, cols))
                     ds = _apply(prob * (dprob - delta[:, None]), dcap)
                     if sink is not None:
                         d_sinks[h] -= np.sum(np.exp(sink - row_lse) * delta)
-                    st[b, h, rows, 0] = delta
-                    st[b, h, rows, 1] = row_lse
-                    dq4[b, rows, h] = scale * _masked_matmul(ds, kh[keys], live)
+                    stb[h, rows, 0] = delta
+                    stb[h, rows, 1] = row_lse
+                    dqb[rows, h] = scale * _masked_matmul(ds, kh[keys], live)
     if grad_sinks is not None:
         grad_sinks[...] = d_sinks
 
 
 def flash_attn_v2_bw_dkdv(q, k, v, grad_out, grad_k, grad_v, mask, stats, p,
-                          layout=None, alibi_slopes=None, extras=None) -> None:
+                          layout=None, alibi_slopes=None, extras=None, cu_seqlens_q=None,
+                          cu_seqlens_k=None) -> None:
     """Backward, second kernel: reads `stats`, recomputes `P = exp(s - LSE)` (0 where not
     visible or LSE = −inf; the LSE holds any sink) and writes `grad_k`, `grad_v` summed over
-    each KV head's group."""
+    each KV head's group (varlen: each sequence's keys from its own rows)."""
     B, H, Hkv, Sq, Sk, D = _dims(p)
     p = _fields(p, extras)
-    q4, do4, k4, v4, dk4, dv4 = _views(p, layout, q=q, grad_out=grad_out, k=k, v=v,
-                                       grad_k=grad_k, grad_v=grad_v)
-    st = stats.reshape(B, H, Sq, 2)
+    frame = _Frame(p, q, k, cu_seqlens_q, cu_seqlens_k)
+    q4, do4, k4, v4, dk4, dv4 = frame.views(layout, q=q, grad_out=grad_out, k=k, v=v,
+                                            grad_k=grad_k, grad_v=grad_v)
+    st = frame.per_row(stats, 2)
     group, scale = H // Hkv, np.float64(np.float32(p["scale"]))
     with np.errstate(all="ignore"):
-        for b in range(B):
+        for e in frame.entries():
+            pb, b = e.p, e.b
+            sq, sk = int(pb["seq_q"]), int(pb["seq_k"])
+            qb, dob, kb, vb, stb = e.rows(q4), e.rows(do4), e.keys(k4), e.keys(v4), e.per_row(st)
+            dkb, dvb = e.keys(dk4), e.keys(dv4)
             for hk in range(Hkv):
-                kh, vh = _f64(k4[b, :, hk]), _f64(v4[b, :, hk])
-                dk, dv = np.zeros((Sk, D)), np.zeros((Sk, D))
+                kh, vh = _f64(kb[:, hk]), _f64(vb[:, hk])
+                dk, dv = np.zeros((sk, D)), np.zeros((sk, D))
                 for h in range(hk * group, (hk + 1) * group):
                     slope = alibi_slope(p, alibi_slopes, b, h)
-                    for rows, cols, keys in _blocks(p, Sq, Sk):
-                        qh, do = _f64(q4[b, rows, h]), _f64(do4[b, rows, h])
-                        delta, lse = _f64(st[b, h, rows, 0]), _f64(st[b, h, rows, 1])
-                        s, live, dcap = _scores(qh, kh[keys], p, mask, b, h, rows, cols, slope)
+                    for rows, cols, keys in _blocks(pb, sq, sk):
+                        qh, do = _f64(qb[rows, h]), _f64(dob[rows, h])
+                        delta, lse = _f64(stb[h, rows, 0]), _f64(stb[h, rows, 1])
+                        s, live, dcap = _scores(qh, kh[keys], pb, mask, b, h, rows, cols, slope)
                         live &= (lse != -np.inf)[:, None]  # a dead row has P = 0
                         prob = np.where(live, np.exp(s - lse[:, None]), 0.0)
-                        factor = _dropout_factor(p, b, h, rows, cols)
+                        factor = _dropout_factor(pb, b, h, rows, cols)
                         ds = _apply(prob * (_apply(do @ vh[keys].T, factor) - delta[:, None]),
                                     dcap)
                         dk[keys] += _masked_matmul(ds.T, qh, live.T)
                         dv[keys] += _masked_matmul(_apply(prob, factor).T, do, live.T)
-                dk4[b, :, hk] = scale * dk
-                dv4[b, :, hk] = dv
+                dkb[:, hk] = scale * dk
+                dvb[:, hk] = dv
 
 
-KERNELS = {"rope": rope, "flash_attn_v2": flash_attn_v2,
+KERNELS = {"rope": rope, "flash_attn_v2": flash_attn_v2, "append_kv": append_kv,
            "flash_attn_v2_bw_dq": flash_attn_v2_bw_dq,
            "flash_attn_v2_bw_dkdv": flash_attn_v2_bw_dkdv}
 
@@ -476,25 +646,36 @@ class ReferenceBackend:
 
     def forward(self, buffers: dict, params: np.void, layout: np.void | None = None,
                 extras: np.void | None = None) -> None:
-        """buffers: q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks (each optional one
-        may be None or absent); `layout`: their strides (None: C-contiguous); `extras`: the
-        AttnExtras struct (None: a seed call's)."""
-        KERNELS["flash_attn_v2"](**buffers, p=params, layout=layout, extras=extras)
+        """buffers: q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks, cu_seqlens_q,
+        cu_seqlens_k, block_table, k_new, v_new, rotary_cos, rotary_sin (each optional one may
+        be None or absent); `layout`: their strides (None: C-contiguous); `extras`: the
+        AttnExtras struct (None: a seed call's). With k_new, the append runs first."""
+        b = dict(buffers)
+        k_new, v_new = b.pop("k_new", None), b.pop("v_new", None)
+        if k_new is not None:
+            KERNELS["append_kv"](b["k"], b["v"], k_new, v_new, b["kv_lens"], params, layout,
+                                 extras, block_table=b.get("block_table"),
+                                 rotary_cos=b.get("rotary_cos"), rotary_sin=b.get("rotary_sin"))
+        KERNELS["flash_attn_v2"](**b, p=params, layout=layout, extras=extras)
 
     def backward(self, buffers: dict, params: np.void, layout: np.void | None = None,
                  extras: np.void | None = None) -> None:
         """buffers: q, k, v, out, grad_out, grad_q, grad_k, grad_v, mask, lse (None: computed
-        again), alibi_slopes, sinks, grad_sinks (each optional one may be None or absent). The
-        dQ kernel writes each row's [Delta, LSE] for the dK/dV kernel."""
+        again), alibi_slopes, sinks, grad_sinks, cu_seqlens_q, cu_seqlens_k (each optional one
+        may be None or absent). The dQ kernel writes each row's [Delta, LSE] for the dK/dV
+        kernel."""
         b = buffers
-        stats = np.empty((int(params["batch"]) * int(params["heads"]) * int(params["seq_q"]), 2),
-                         np.float32)
+        varlen = {n: b.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k")}
+        heads = int(params["heads"])
+        rows = (int(b["q"].shape[0]) if varlen["cu_seqlens_q"] is not None
+                else int(params["batch"]) * int(params["seq_q"]))
+        stats = np.empty((rows * heads, 2), np.float32)
         alibi = b.get("alibi_slopes")
         KERNELS["flash_attn_v2_bw_dq"](b["q"], b["k"], b["v"], b["out"], b["grad_out"],
                                        b["grad_q"], b["mask"], stats, params, lse=b["lse"],
                                        layout=layout, alibi_slopes=alibi, sinks=b.get("sinks"),
-                                       grad_sinks=b.get("grad_sinks"), extras=extras)
+                                       grad_sinks=b.get("grad_sinks"), extras=extras, **varlen)
         if int(params["seq_k"]):
             KERNELS["flash_attn_v2_bw_dkdv"](b["q"], b["k"], b["v"], b["grad_out"], b["grad_k"],
                                              b["grad_v"], b["mask"], stats, params, layout=layout,
-                                             alibi_slopes=alibi, extras=extras)
+                                             alibi_slopes=alibi, extras=extras, **varlen)

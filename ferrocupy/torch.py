@@ -31,7 +31,7 @@ from torch import Tensor
 from .engine import AttentionOptions, ComputeEngine
 from .tensor import UnifiedTensor
 
-__all__ = ["attention", "rope", "rope_"]
+__all__ = ["attention", "attention_with_kvcache", "rope", "rope_"]
 
 
 _REFERENCE = ComputeEngine("reference", quiet=True)  # every CPU tensor
@@ -145,22 +145,43 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], caus
               scale: Optional[float], kv_lens: Optional[Tensor], window_left: Optional[int] = None,
               window_right: Optional[int] = None, softcap: float = 0.0,
               alibi_slopes: Optional[Tensor] = None,
-              sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]): the forward op's body."""
+              sinks: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+              cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+              max_seqlen_k: Optional[int] = None,
+              block_table: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]; varlen: out [total_q, H, D],
+    lse [H, total_q]): the forward op's body."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     mask = _mask(attn_mask)
     lens = None if kv_lens is None else kv_lens.contiguous()
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale, window_left,
                     window_right, softcap)
-    B, Sq, H, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    lse = torch.empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32, device=q.device)
+    index = _index_tensors(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           block_table=block_table)
     named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens,
-             "alibi_slopes": alibi_slopes, "sinks": sinks}
+             "alibi_slopes": alibi_slopes, "sinks": sinks, **index}
     _run(_engine(q.device).plan_attention(q, k, v, out, opts, mask, lse=lse, kv_lens=lens,
-                                          alibi_slopes=alibi_slopes, sinks=sinks), named,
+                                          alibi_slopes=alibi_slopes, sinks=sinks,
+                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                          **index), named,
          fresh=("out", "lse"))
     return out, lse
+
+
+def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
+    """The forward's lse: `[B, H, Sq]`, or `[H, total_q]` for a varlen (packed) q."""
+    if cu_seqlens_q is not None:
+        return (q.shape[-2], q.shape[0])
+    B, Sq, H, _ = q.shape
+    return (B, H, Sq)
+
+
+def _index_tensors(**named: Optional[Tensor]) -> dict:
+    """Tensors the engine takes C-contiguous (cu_seqlens, block_table, an append's new keys and
+    RoPE tables): themselves, or a copy where a view is not."""
+    return {n: None if t is None else t.contiguous() for n, t in named.items()}
 
 
 _attention_fwd = torch.library.custom_op("ferrocupy::attention_fwd", _fwd_body, mutates_args=())
@@ -168,9 +189,10 @@ _attention_fwd = torch.library.custom_op("ferrocupy::attention_fwd", _fwd_body, 
 
 @_attention_fwd.register_fake
 def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens,
-      window_left=None, window_right=None, softcap=0.0, alibi_slopes=None, sinks=None):
-    B, Sq, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, Sq), dtype=torch.float32)
+      window_left=None, window_right=None, softcap=0.0, alibi_slopes=None, sinks=None,
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+      block_table=None):
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 # --- attention: backward ----------------------------------------------------------------------
@@ -179,7 +201,9 @@ def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
               dropout_p: float, seed: Tensor, scale: Optional[float],
               window_left: Optional[int] = None, window_right: Optional[int] = None,
               softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-              sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              sinks: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+              cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+              max_seqlen_k: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_q, grad_k, grad_v, grad_sinks), given the forward's `out` and `lse` (never
     recomputed): the backward op's body. grad_sinks is float32 `[H]` with sinks, else empty."""
     q, k, v, out = _rows(q), _rows(k), _rows(v), _rows(out)
@@ -191,13 +215,15 @@ def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     gq, gk, gv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     gs = _grad_sinks_like(q, sinks)
     has_gs = sinks is not None
+    index = _index_tensors(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     plan = _engine(q.device).plan_attention_backward(
         q, k, v, out, grad_out, gq, gk, gv, opts, mask, lse=lse, alibi_slopes=alibi_slopes,
-        sinks=sinks, grad_sinks=gs if has_gs else None)
+        sinks=sinks, grad_sinks=gs if has_gs else None, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, **index)
     _run(plan, {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "grad_q": gq,
                 "grad_k": gk, "grad_v": gv, "mask": mask, "lse": lse,
                 "alibi_slopes": alibi_slopes, "sinks": sinks,
-                "grad_sinks": gs if has_gs else None},
+                "grad_sinks": gs if has_gs else None, **index},
          fresh=("grad_q", "grad_k", "grad_v", "grad_sinks"))
     return gq, gk, gv, gs
 
@@ -214,27 +240,33 @@ _attention_bwd = torch.library.custom_op("ferrocupy::attention_bwd", _bwd_body, 
 
 @_attention_bwd.register_fake
 def _(grad_out, q, k, v, out, lse, attn_mask, causal, causal_offset, window, dropout_p, seed,
-      scale, window_left=None, window_right=None, softcap=0.0, alibi_slopes=None, sinks=None):
+      scale, window_left=None, window_right=None, softcap=0.0, alibi_slopes=None, sinks=None,
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             _grad_sinks_like(q, sinks))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale, kv_lens,
-     window_left, window_right, softcap, alibi_slopes, sinks) = _full_inputs(inputs)
+     window_left, window_right, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+     max_seqlen_q, max_seqlen_k, block_table) = _full_inputs(inputs)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed, alibi_slopes, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, seed, alibi_slopes, sinks, cu_seqlens_q,
+                          cu_seqlens_k)
     ctx.options = (causal, causal_offset, window, dropout_p, scale, window_left, window_right,
                    softcap)
-    ctx.has_kv_lens = kv_lens is not None
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.has_kv_lens = kv_lens is not None or block_table is not None
     ctx.n_inputs = len(inputs)
 
 
-_OP_DEFAULTS = (None, None, 0.0, None, None)  # the forward op's trailing optional arguments
+# the forward op's trailing optional arguments
+_OP_DEFAULTS = (None, None, 0.0, None, None, None, None, None, None, None)
+_SINKS_INPUT = 15  # sinks' place among the forward op's inputs
 
 
 def _full_inputs(inputs: tuple) -> tuple:
-    """The forward op's 16 inputs, the trailing defaults filled in where a call left them out."""
+    """The forward op's 21 inputs, the trailing defaults filled in where a call left them out."""
     return tuple(inputs) + _OP_DEFAULTS[len(inputs) - 11:]
 
 
@@ -242,19 +274,21 @@ def _backward(ctx, grad_out, grad_lse, bwd=None):
     # lse is not differentiable (`attention` does not return it); `grad_lse` is ignored. `bwd`:
     # the backward op (the default), or its body (the eager Function).
     if ctx.has_kv_lens:
-        raise ValueError("ferrocupy.torch.attention has no backward with kv_lens (per-sequence "
-                         "cache lengths are for inference); train on unpadded keys or pass an "
-                         "additive attn_mask")
-    q, k, v, out, lse, attn_mask, seed, alibi_slopes, sinks = ctx.saved_tensors
+        raise ValueError("ferrocupy.torch.attention has no backward with kv_lens or block_table "
+                         "(a KV cache is for inference); train on unpadded keys, packed "
+                         "sequences (cu_seqlens) or an additive attn_mask")
+    q, k, v, out, lse, attn_mask, seed, alibi_slopes, sinks, cu_q, cu_k = ctx.saved_tensors
     causal, causal_offset, window, dropout_p, scale, window_left, window_right, softcap = \
         ctx.options
     gq, gk, gv, gs = (bwd or _attention_bwd)(grad_out, q, k, v, out, lse, attn_mask, causal,
                                              causal_offset, window, dropout_p, seed, scale,
                                              window_left, window_right, softcap, alibi_slopes,
-                                             sinks)
-    # None for every input but q, k, v and sinks (no gradient for the mask or the slopes)
-    grads = (gq, gk, gv) + (None,) * 12 + (None if sinks is None else gs,)
-    return grads[:ctx.n_inputs]
+                                             sinks, cu_q, cu_k, *ctx.max_seqlens)
+    # None for every input but q, k, v and sinks (no gradient for the mask, the slopes or the
+    # index tensors)
+    grads = [gq, gk, gv] + [None] * (len(_OP_DEFAULTS) + 8)
+    grads[_SINKS_INPUT] = None if sinks is None else gs
+    return tuple(grads[:ctx.n_inputs])
 
 
 torch.library.register_autograd("ferrocupy::attention_fwd", _backward,
@@ -268,10 +302,11 @@ class _EagerAttention(torch.autograd.Function):
     torch.compile and tensor subclasses take the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, rest):
-        # `rest`: the op's other arguments but sinks, in its order, as one argument (apply's
-        # per-argument bookkeeping is a good part of its cost); none of them takes a gradient.
-        inputs = (q, k, v, *rest, sinks)
+    def forward(ctx, q, k, v, sinks, rest, tail=()):
+        # `rest`, `tail`: the op's other arguments before and after sinks, in its order, as
+        # one argument each (apply's per-argument bookkeeping is a good part of its cost); none
+        # of them takes a gradient.
+        inputs = (q, k, v, *rest, sinks, *tail)
         out, lse = _fwd_body(*inputs)
         _setup_context(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
@@ -281,7 +316,7 @@ class _EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # as the op: no double backward, an error
     def backward(ctx, grad_out, grad_lse):
         grads = _backward(ctx, grad_out, grad_lse, bwd=_bwd_body)
-        return grads[:3] + (grads[-1], None)
+        return grads[:3] + (grads[_SINKS_INPUT], None, None)
 
 
 _ZERO_SEED = torch.zeros((), dtype=torch.int64)
@@ -307,9 +342,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
               kv_lens: Optional[Tensor] = None, softcap: float = 0.0,
               window_left: Optional[int] = None, window_right: Optional[int] = None,
               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+              cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+              block_table: Optional[Tensor] = None,
               return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Fused attention with autograd; returns `out`, `[B, Sq, H, D]` in q's dtype (with
-    `return_lse`, `(out, lse)`: lse float32 `[B, H, Sq]`, SPEC's log-sum-exp, not differentiable).
+    `return_lse`, `(out, lse)`: lse float32 `[B, H, Sq]` (varlen: `[H, total_q]`), SPEC's
+    log-sum-exp, not differentiable).
 
     - `q`: `[B, Sq, H, D]`; `k`, `v`: `[B, Sk, Hkv, D]` (ferrocupy's layout, not SDPA's
       `[B, H, S, D]`: pass `x.transpose(1, 2)` to convert). float32, float16 or bfloat16, all
@@ -337,32 +376,46 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
     - `alibi_slopes`: float32 `[H]` or `[B, H]`, adds `-slope * |a - j|` to each score (no
       gradient). `sinks`: float32 `[H]`, a per-head logit in each row's softmax denominator;
       it gets a gradient.
-    These five run on CPU tensors (the reference backend); the CUDA kernels refuse them for now,
-    as they refuse a negative `causal_offset`.
+    - `cu_seqlens_q`, `cu_seqlens_k` (int32 `[N + 1]`), `max_seqlen_q`, `max_seqlen_k` (ints):
+      packed variable-length sequences (varlen): `q` is `[total_q, H, D]`, `k`, `v` `[total_k,
+      Hkv, D]`, out like q; sequence n is rows `cu_seqlens_q[n]..<cu_seqlens_q[n+1]` over keys
+      `cu_seqlens_k[n]..<cu_seqlens_k[n+1]`, every option applied inside it, each sequence
+      right-aligned in a `[max_seqlen_q, max_seqlen_k]` frame (so `causal_offset =
+      max_seqlen_k - max_seqlen_q` is bottom-right in each, and 0 is plain causal for packed
+      self-attention). Gradients for q, k, v and sinks. No attn_mask or kv_lens with it.
+    - `block_table` (int32 `[B, max_blocks]`): a paged KV cache: `k`, `v` are `[num_blocks,
+      page_size, Hkv, D]`, key j of batch b is row `j % page_size` of block
+      `block_table[b, j // page_size]` (with `kv_lens` as the cache lengths over a capacity of
+      `max_blocks * page_size`). Inference only, as kv_lens.
+    These run on CPU tensors (the reference backend); the CUDA kernels refuse them for now, as
+    they refuse a negative `causal_offset`.
     """
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=torch.float32,
                                 device=attn_mask.device).masked_fill(~attn_mask, -math.inf)
-    if kv_lens is not None and torch.is_grad_enabled() and any(
+    if (kv_lens is not None or block_table is not None) and torch.is_grad_enabled() and any(
             x.requires_grad for x in (q, k, v)):
         # Refused here, not in the backward: torch.compile traces the backward ahead of time.
-        raise ValueError("ferrocupy.torch.attention has no backward with kv_lens (per-sequence "
-                         "cache lengths are for inference): call it under torch.no_grad() or "
+        raise ValueError("ferrocupy.torch.attention has no backward with kv_lens or block_table "
+                         "(a KV cache is for inference): call it under torch.no_grad() or "
                          "with inputs that do not require grad")
     windows = (window_left, window_right, float(softcap))
-    if not return_lse and alibi_slopes is None and sinks is None and _eager_inference(
-            q, k, v, attn_mask, kv_lens):
+    packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    tail = () if all(x is None for x in packed) else packed  # the op's arguments after sinks
+    if (not return_lse and alibi_slopes is None and sinks is None and not tail
+            and _eager_inference(q, k, v, attn_mask, kv_lens)):
         return _forward_now(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
                             seed, None if scale is None else float(scale), kv_lens, *windows)
     eager = _plain_eager(q, k, v, attn_mask, kv_lens) and all(
-        x is None or type(x) is Tensor for x in (alibi_slopes, sinks))
+        x is None or type(x) is Tensor for x in (alibi_slopes, sinks, cu_seqlens_q,
+                                                 cu_seqlens_k, block_table))
     # (Eager, no dropout and no seed: one shared zero seed, never written, spares a tensor a call.)
     seed_t = _ZERO_SEED if eager and seed is None and not dropout_p else _seed_tensor(seed,
                                                                                       dropout_p)
     rest = (attn_mask, causal, causal_offset, window, float(dropout_p), seed_t,
             None if scale is None else float(scale), kv_lens, *windows, alibi_slopes)
-    out, lse = (_EagerAttention.apply(q, k, v, sinks, rest) if eager
-                else _attention_fwd(q, k, v, *rest, sinks))
+    out, lse = (_EagerAttention.apply(q, k, v, sinks, rest, tail) if eager
+                else _attention_fwd(q, k, v, *rest, sinks, *tail))
     # lse is detached: the backward ignores its gradient, so none may flow into it
     return (out, lse.detach()) if return_lse else out
 
@@ -413,6 +466,96 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
     _run(plan, {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "kv_lens": lens},
          fresh=("out",))
     return out
+
+
+# --- KV-cache append -------------------------------------------------------------------------
+def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                           k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None, *,
+                           cache_seqlens, block_table: Optional[Tensor] = None,
+                           rotary_cos: Optional[Tensor] = None,
+                           rotary_sin: Optional[Tensor] = None, rotary_interleaved: bool = False,
+                           causal: bool = False, window_left: int = -1, window_right: int = -1,
+                           softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                           scale: Optional[float] = None, return_lse: bool = False):
+    """FlashAttention's `flash_attn_with_kvcache` (inference only): appends `k_new`, `v_new`
+    to the cache in place, then attends; returns `out` `[B, Sq, H, D]`, or `(out, lse)` with
+    `return_lse` (lse float32 `[B, H, Sq]`).
+
+    - `q`: `[B, Sq, H, D]`; `k_cache`, `v_cache`: `[B, capacity, Hkv, D]`, or with
+      `block_table` (int32 `[B, max_blocks]`) a paged cache `[num_blocks, page_size, Hkv, D]`
+      (key j of batch b: row `j % page_size` of block `block_table[b, j // page_size]`).
+    - `cache_seqlens`: int32 `[B]` (int64 is converted; an int is every sequence's): the keys
+      already in the cache. Not updated.
+    - `k_new`, `v_new`: `[B, Sn, Hkv, D]`, written at `cache_seqlens[b] ..< cache_seqlens[b] +
+      Sn` (past the capacity: an error, nothing written), rotated first with `rotary_cos`,
+      `rotary_sin` (`[seqlen_ro, rotary_dim / 2]`, flash-attn's tables; rotate-half, or pairs
+      `(x[2i], x[2i+1])` with `rotary_interleaved`); q is rotated too, at `cache_seqlens[b] + i`
+      when causal or windowed, else at `cache_seqlens[b]`.
+    - The attention sees `cache_seqlens[b] + Sn` keys, bottom-right aligned (row i at
+      `cache_seqlens[b] + Sn - Sq + i`): `causal`, `window_left`, `window_right` (-1:
+      unbounded), `softcap`, `alibi_slopes` (float32 `[H]` or `[B, H]`), `scale` as in
+      `attention`.
+    CPU tensors run the reference backend; the CUDA kernels refuse the append and paged caches
+    for now."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                       for x in (q, k_cache, v_cache, k_new, v_new)):
+        raise ValueError("ferrocupy.torch.attention_with_kvcache has no backward (a KV cache is "
+                         "for inference): call it under torch.no_grad() or with inputs that do "
+                         "not require grad")
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+                                   device=q.device)
+    elif isinstance(cache_seqlens, Tensor) and cache_seqlens.dtype == torch.int64:
+        cache_seqlens = cache_seqlens.to(torch.int32)
+    if not isinstance(cache_seqlens, Tensor):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got "
+                        f"{type(cache_seqlens).__name__}")
+    out, lse = _attention_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin,
+        bool(rotary_interleaved), bool(causal), int(window_left), int(window_right),
+        float(softcap), alibi_slopes, None if scale is None else float(scale), bool(return_lse))
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("ferrocupy::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor],
+                            v_new: Optional[Tensor], cache_seqlens: Tensor,
+                            block_table: Optional[Tensor], rotary_cos: Optional[Tensor],
+                            rotary_sin: Optional[Tensor], rotary_interleaved: bool, causal: bool,
+                            window_left: int, window_right: int, softcap: float,
+                            alibi_slopes: Optional[Tensor], scale: Optional[float],
+                            return_lse: bool) -> tuple[Tensor, Tensor]:
+    """The append op (the cache written in place): (out, lse), lse empty `[0]` unless
+    `return_lse`."""
+    opts = _options_of(causal, 0, 0, 0.0, 0, scale,
+                       None if window_left == -1 else window_left,
+                       None if window_right == -1 else window_right, softcap)
+    lens = cache_seqlens.contiguous()
+    q = _rows(q)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(_kvcache_lse_shape(q, return_lse), dtype=torch.float32, device=q.device)
+    named = _index_tensors(k_new=k_new, v_new=v_new, block_table=block_table,
+                           rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    kept_lse = lse if return_lse else None
+    plan = _engine(q.device).plan_attention_with_kvcache(
+        q, k_cache, v_cache, out, opts, cache_seqlens=lens, lse=kept_lse,
+        alibi_slopes=alibi_slopes, rotary_interleaved=rotary_interleaved, **named)
+    _run(plan, {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": kept_lse, "kv_lens": lens,
+                "alibi_slopes": alibi_slopes, **named}, fresh=("out", "lse"))
+    return out, lse
+
+
+def _kvcache_lse_shape(q: Tensor, return_lse: bool) -> tuple:
+    B, Sq, H, _ = q.shape
+    return (B, H, Sq) if return_lse else (0,)
+
+
+@_attention_with_kvcache.register_fake
+def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, rotary_cos, rotary_sin,
+      rotary_interleaved, causal, window_left, window_right, softcap, alibi_slopes, scale,
+      return_lse):
+    return q.new_empty(q.shape), q.new_empty(_kvcache_lse_shape(q, return_lse),
+                                             dtype=torch.float32)
 
 
 # --- RoPE -------------------------------------------------------------------------------------

@@ -83,3 +83,16 @@ def dense_grads(q, k, v, grad_out, **options):
     (out * torch.as_tensor(np.asarray(grad_out, np.float64))).sum().backward()
     grads = [x.grad.numpy() for x in leaves]
     return (*grads, None if sinks is None else sinks.grad.numpy())
+
+
+def per_head_inputs(rng, batch: int, heads: int, *, alibi=None, sinks=False) -> dict:
+    """A test call's optional per-head tensors: `alibi_slopes` float32 `[heads]` (alibi "h")
+    or `[batch, heads]` ("bh"), `sinks` float32 `[heads]` (when `sinks`)."""
+    t = {}
+    if alibi == "h":
+        t["alibi_slopes"] = rng.uniform(0, 0.5, heads).astype(np.float32)
+    elif alibi == "bh":
+        t["alibi_slopes"] = rng.uniform(0, 0.5, (batch, heads)).astype(np.float32)
+    if sinks:
+        t["sinks"] = rng.normal(0, 2, heads).astype(np.float32)
+    return t

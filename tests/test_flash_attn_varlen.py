@@ -155,25 +155,20 @@ def _paged(gen, cache, page, n_blocks):
 
 
 @needs_varlen
-def test_varlen_paged_keys(gen):
+def test_varlen_paged_keys_are_refused_by_name(gen):
+    """A paged cache under varlen (flash-attn's varlen `block_table`) is not built yet: the
+    engine has paged KV for batched calls only. NotImplementedError naming it, not a ValueError
+    from deeper down."""
     lens_q, lens_k, page = [2, 3], [5, 8], 4
     H, Hkv, D = 4, 2, 8
     q = torch.randn(sum(lens_q), H, D, generator=gen)
-    cache_k = torch.randn(2, 8, Hkv, D, generator=gen)
-    cache_v = torch.randn(2, 8, Hkv, D, generator=gen)
-    k_pages, table = _paged(gen, cache_k, page, 7)
-    v_pages = torch.full_like(k_pages, math.nan)
-    v_pages[table.flatten().long()] = cache_v.reshape(-1, page, Hkv, D)
+    k_pages = torch.randn(7, page, Hkv, D, generator=gen)
+    table = torch.arange(4, dtype=torch.int32).reshape(2, 2)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
-    with torch.no_grad():
-        out = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 8, causal=True,
-                                        block_table=table)
-    k = torch.cat([cache_k[n, :lens_k[n]] for n in range(2)])
-    v = torch.cat([cache_v[n, :lens_k[n]] for n in range(2)])
-    _close("out", out, oracle.varlen(q, k, v, cu_q.tolist(), cu_k.tolist(), 8, causal=True)[0])
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 8, block_table=table,
-                                  return_attn_probs=True)
+    for probs in (False, True):
+        with pytest.raises(NotImplementedError, match="block_table"):
+            fa.flash_attn_varlen_func(q, k_pages, k_pages, cu_q, cu_k, 3, 8, causal=True,
+                                      block_table=table, return_attn_probs=probs)
 
 
 @needs_varlen

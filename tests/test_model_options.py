@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dense_options import dense, dense_grads
+from dense_options import dense, dense_grads, per_head_inputs
 from ferrocupy import AttentionOptions, ComputeEngine
 from ferrocupy import reference as ref
 from ferrocupy.params import FLASH_V2_PARAMS, extras_params, words
@@ -43,13 +43,7 @@ def _case(rng, b, sq, sk, h, hkv, d, *, alibi=None, sinks=False, mask=False):
     q = rng.standard_normal((b, sq, h, d), dtype=np.float32)
     k = rng.standard_normal((b, sk, hkv, d), dtype=np.float32)
     v = rng.standard_normal((b, sk, hkv, d), dtype=np.float32)
-    t = dict(q=q, k=k, v=v)
-    if alibi == "h":
-        t["alibi_slopes"] = rng.uniform(0, 0.5, h).astype(np.float32)
-    elif alibi == "bh":
-        t["alibi_slopes"] = rng.uniform(0, 0.5, (b, h)).astype(np.float32)
-    if sinks:
-        t["sinks"] = rng.normal(0, 2, h).astype(np.float32)
+    t = dict(q=q, k=k, v=v) | per_head_inputs(rng, b, h, alibi=alibi, sinks=sinks)
     if mask:
         t["mask"] = rng.standard_normal((1, h, sq, sk)).astype(np.float32)
     return t
@@ -113,7 +107,11 @@ def check_call(t, opts, *, backward=True, lse_given=False, rng=None):
     rng = rng or np.random.default_rng(0)
     go = rng.standard_normal(t["q"].shape).astype(np.float32)
     got = _backward(eng, t, opts, out, go, lse if lse_given else None)
-    want = dense_grads(t["q"], t["k"], t["v"], go, sinks=t.get("sinks"), **oracle)
+    check_grads(got, dense_grads(t["q"], t["k"], t["v"], go, sinks=t.get("sinks"), **oracle))
+
+
+def check_grads(got, want):
+    """(grad_q, grad_k, grad_v, grad_sinks or None) against the oracle's."""
     for name, g, w in zip(("grad_q", "grad_k", "grad_v", "grad_sinks"), got, want):
         if w is None:
             assert g is None
@@ -263,7 +261,7 @@ def test_new_options_leave_the_seed_struct_as_it_was(rng):
                                                softcap=2.5),
                               alibi_slopes=t["alibi_slopes"], sinks=t["sinks"])
     assert plain.params.tobytes() == rich.params.tobytes()
-    assert words(plain.extras).tolist() == [2**32 - 1, 2**32 - 1, 0, 0]
+    assert words(plain.extras).tolist() == [2**32 - 1, 2**32 - 1] + [0] * 6
     ex = rich.extras
     assert (int(ex["window_left"]), int(ex["window_right"])) == (3, 0)
     assert np.float32(ex["softcap"]) == np.float32(2.5) and int(ex["flags"]) == 1 | 2 | 4

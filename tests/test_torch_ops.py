@@ -480,7 +480,9 @@ def test_cuda_tensors_run_a_kept_plan_from_their_addresses(gen, monkeypatch):
     assert rec.plans == [("forward", {"q": np.float32, "k": np.float32, "v": np.float32,
                                       "out": np.float32, "mask": None, "lse": np.float32,
                                       "kv_lens": np.int32, "alibi_slopes": None,
-                                      "sinks": None})]
+                                      "sinks": None, "cu_seqlens_q": None, "cu_seqlens_k": None,
+                                      "block_table": None, "k_new": None, "v_new": None,
+                                      "rotary_cos": None, "rotary_sin": None})]
     # Captured in a CUDA graph, the launch gets a zeroed counter of its own (made in the graph).
     run(named, capturing=True)
     counter = rec.launches.pop()[-1]
