@@ -47,15 +47,43 @@ def _run(case):
 
 
 # --- the cases ------------------------------------------------------------------------------------
+ISSUE25_IDS = [
+    "train-step-bfloat16-b4-h16kv16-d128-s4096-causal",
+    "train-step-bfloat16-b2-h32kv8-d128-s8192-causal",
+    "train-step-bfloat16-b8-h16kv4-d64-s2048-causal",
+    "bias-fwd-bfloat16-b4-h16-d128-s4096-noncausal",
+    "bias-bwd-bfloat16-b4-h16-d128-s4096-noncausal",
+    "window-fwd-bfloat16-b1-h32kv8-d128-s16384-causal-w4096",
+    "window-fwd-bfloat16-b1-h32kv8-d128-s16384-causal-w0",
+    "dropout-fwd-bfloat16-b4-h16kv16-d128-s4096-causal-p0.1",
+    "dropout-fwd-bfloat16-b4-h16kv16-d128-s4096-causal-p0",
+    "dropout-bwd-bfloat16-b4-h16kv16-d128-s4096-causal-p0.1",
+    "dropout-bwd-bfloat16-b4-h16kv16-d128-s4096-causal-p0",
+    "kvlens-fwd-bfloat16-b16-h16kv16-d128-s1024-sk4096-causal-kvlen3072",
+    "kvlens-fwd-bfloat16-b16-h16kv16-d128-s1024-sk4096-causal-kvlen0",
+    "gqa-fwd-bfloat16-h32kv32-d128-s4096-causal",
+    "gqa-bwd-bfloat16-h32kv32-d128-s4096-causal",
+]
+# Each option case of the gate and its plain call (the same shape without the option).
+OPTION_PAIRS = {
+    "window-fwd-bfloat16-b1-h32kv8-d128-s16384-causal-w4096":
+        "window-fwd-bfloat16-b1-h32kv8-d128-s16384-causal-w0",
+    "dropout-fwd-bfloat16-b4-h16kv16-d128-s4096-causal-p0.1":
+        "dropout-fwd-bfloat16-b4-h16kv16-d128-s4096-causal-p0",
+    "dropout-bwd-bfloat16-b4-h16kv16-d128-s4096-causal-p0.1":
+        "dropout-bwd-bfloat16-b4-h16kv16-d128-s4096-causal-p0",
+    "kvlens-fwd-bfloat16-b16-h16kv16-d128-s1024-sk4096-causal-kvlen3072":
+        "kvlens-fwd-bfloat16-b16-h16kv16-d128-s1024-sk4096-causal-kvlen0",
+    "gqa-fwd-bfloat16-h32kv8-d128-s4096-causal": "gqa-fwd-bfloat16-h32kv32-d128-s4096-causal",
+    "gqa-bwd-bfloat16-h32kv8-d128-s4096-causal": "gqa-bwd-bfloat16-h32kv32-d128-s4096-causal",
+}
+
+
 def test_issue25_cases_in_the_full_set():
     full = harness.build_cases(["bfloat16"])
-    ids = [c.id for c in full if c.suite in ("train", "bias", "window")]
-    assert ids == ["train-step-bfloat16-b4-h16kv16-d128-s4096-causal",
-                   "train-step-bfloat16-b2-h32kv8-d128-s8192-causal",
-                   "train-step-bfloat16-b8-h16kv4-d64-s2048-causal",
-                   "bias-fwd-bfloat16-b4-h16-d128-s4096-noncausal",
-                   "window-fwd-bfloat16-b1-h32kv8-d128-s16384-causal-w4096",
-                   "window-fwd-bfloat16-b1-h32kv8-d128-s16384-causal-w0"]
+    assert [c.id for c in harness.issue25_cases("bfloat16")] == ISSUE25_IDS
+    ids = ISSUE25_IDS
+    assert set(ids) <= {c.id for c in full}
     assert not [c for c in harness.build_cases(["float16", "float32"]) if c.suite == "train"]
     assert not [c for c in harness.build_cases(["bfloat16"], quick=True) if c.suite == "bias"]
     for i in ids:
@@ -63,7 +91,7 @@ def test_issue25_cases_in_the_full_set():
     step = harness.case_by_id(ids[0])
     assert step.flops == attention_flops(4, 16, 4096, 4096, 128, True) * 7 // 2
     assert step.tolerance == harness.ATTN_TOL["bfloat16"][1]
-    bias = harness.case_by_id(ids[3])
+    bias = harness.case_by_id("bias-fwd-bfloat16-b4-h16-d128-s4096-noncausal")
     assert bias.bytes == 2 * 4 * 4096 * 16 * 128 * 2 * 2 + 16 * 4096 * 4096 * 2
     assert peers.implementations(bias) == ["ferrocupy", "torch-sdpa-default", "torch-flash",
                                            "torch-efficient", "torch-cudnn", "torch-flex"]
@@ -183,7 +211,7 @@ def test_gate_block_passes_and_fails_per_line():
     ids = list(cases)
     special = [_row(cases[ids[0]], 1.0, 1.1), _row(cases[ids[1]], 1.0, 0.9),
                _row(cases[ids[3]], 1.0, 1.3)]
-    window, plain = cases[ids[4]], cases[ids[5]]
+    window, plain = cases[ids[5]], cases[ids[6]]
     # the window at 0.95x and the plain call's TFLOP/s, each over its own visible keys
     ms_window = window.flops / (0.95 * plain.flops / 2.0)
     rows = (fwd + bwd + fp16 + [_row(c, 1.0, 2.0) for c in other] + special
@@ -213,7 +241,7 @@ def test_gate_block_passes_and_fails_per_line():
     assert by_case[window.id].endswith(f"0.95x the plain call's TFLOP/s ({plain.id}; visible "
                                        f"keys), need >= 0.90: PASS")
     assert not any(c.id in by_case for c in other)            # S512, S2048: not the gate's
-    assert ids[5] not in by_case                              # the plain call: no line of its own
+    assert ids[6] not in by_case                              # the plain call: no line of its own
     passed = sum(line.endswith(": PASS") for line in body)
     assert lines[-1] == f"  {passed} of {len(body)} lines PASS"
     assert passed == len(body) - 1 - 1 - 1 - 1 - (geo < 1)    # bwd case, fp16 x2, train
