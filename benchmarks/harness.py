@@ -118,11 +118,12 @@ class Case:
             return (f"decode-{self.dtype}-b{self.batch}-h{self.heads}kv{self.kv_heads}"
                     f"-d{self.head_dim}-sk{self.seq_k}" + (f"-q{self.seq_q}" if self.seq_q > 1 else ""))
         mask = "causal" if self.causal else "noncausal"
-        if self.suite in ("train", "bias", "window", "dropout", "kvlens"):  # "step": forward +
+        if self.suite in ("train", "bias", "window", "dropout", "kvlens"):
+            # direction "step": forward + backward, timed as one; the option last (0: plain)
             heads = f"h{self.heads}" + (f"kv{self.kv_heads}" if self.suite != "bias" else "")
             seq = f"s{self.seq_q}" + (f"-sk{self.seq_k}" if self.seq_k != self.seq_q else "")
-            last = {"window": f"-w{self.window}", "dropout": f"-p{self.dropout:g}",  # backward,
-                    "kvlens": f"-kvlen{self.kv_len}"}.get(self.suite, "")       # timed as one
+            last = {"window": f"-w{self.window}", "dropout": f"-p{self.dropout:g}",
+                    "kvlens": f"-kvlen{self.kv_len}"}.get(self.suite, "")
             return (f"{self.suite}-{self.direction}-{self.dtype}-b{self.batch}-{heads}"
                     f"-d{self.head_dim}-{seq}-{mask}{last}")
         heads = f"-h{self.heads}kv{self.kv_heads}" if self.suite == "gqa" else ""
@@ -164,9 +165,9 @@ class Case:
     def flops(self) -> int:
         if self.kind == "rope":
             return 0
-        if self.suite in ("window", "kvlens"):  # the option and its plain call alike: visible
-            keys, shift = (self.kv_len, self.kv_len - self.seq_k) if self.kv_len else (  # pairs
-                self.seq_k, 0)
+        if self.suite in ("window", "kvlens"):  # the option and its plain call alike: the
+            keys = self.kv_len or self.seq_k      # visible pairs (kv_lens: rows sit kv_len -
+            shift = keys - self.seq_k             # seq_k positions earlier)
             pairs = visible_pairs(self.seq_q, keys, self.causal, self.window,
                                   self.causal_offset + shift)
             return attention_flops(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim,
