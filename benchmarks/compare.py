@@ -18,13 +18,19 @@ cuDNN on Hopper with torch 2.11) and its flash, cudnn, efficient and math backen
 and cudnn take only float16/bfloat16), FlexAttention (compiled) on the bias and window cases, and
 eager RoPE. The full set adds issue 25's bfloat16 cases: training steps ("train-step-...":
 forward + backward through ferrocupy.torch.attention against SDPA through autograd), an additive
-bias [1, H, S, S] ("bias-...": the same tensor as ferrocupy's mask, SDPA's attn_mask and
-FlexAttention's score_mod) and a sliding window beside the same call without it ("window-...":
-ferrocupy's rule |i - j| < window as SDPA's boolean mask and FlexAttention's mask_mod; TFLOP/s
-over visible keys). After the tables come issue 27's RoPE gate and issue 25's gate (against
-sdpa-default), PASS/FAIL per line, for the cases that ran:
+bias [1, H, S, S] ("bias-fwd-...", "bias-bwd-...": the same tensor as ferrocupy's mask, SDPA's
+attn_mask and FlexAttention's score_mod; the backward reported, not gated), and the option cases,
+each beside the same call without its option (TFLOP/s over visible keys; harness's docstring
+has the shapes and why): a sliding window ("window-...-w4096" beside "-w0": ferrocupy's rule
+|i - j| < window as SDPA's boolean mask and FlexAttention's mask_mod), dropout p=0.1 forward and
+backward ("dropout-...-p0.1" beside "-p0"), kv_lens ("kvlens-...-kvlen3072" beside "-kvlen0": a
+chunk of queries into a KV cache 3/4 full) and GQA ("gqa-...-h32kv8-..." beside "-h32kv32-"; the
+dropout and kv_lens cases time ferrocupy alone). After the tables come issue 27's RoPE gate and
+issue 25's gate (against sdpa-default; the option cases against their plain calls), PASS/FAIL
+per line, for the cases that ran:
 
-    python benchmarks/compare.py --dtype bf16,fp16 --cases s1024-,s4096-,s16384-,train-,bias-,window-
+    python benchmarks/compare.py --dtype bf16,fp16 \
+        --cases s1024-,s4096-,s16384-,train-,bias-,window-,dropout-,kvlens-,gqa-
 
 Prints a header (date, GPU, driver, CUDA, CuPy, torch, cuDNN), measures the ceilings (device copy
 bandwidth, a large matmul per dtype), then every case: each implementation's first output is
@@ -183,7 +189,8 @@ def main(argv=None) -> int:
     if args.list:
         cases = harness.filter_cases(harness.build_cases(dtypes, args.quick), args.cases)
         for c in cases:
-            mark = "  [issue-3 floor]" if c.floor else "  [issue-27 gate]" if c.gate else ""
+            mark = ("  [issue-3 floor]" if c.floor else "  [issue-27 gate]" if c.gate else
+                    f"  [issue-25 gate: vs {c.plain_call.id}]" if c.plain_call else "")
             print(f"{c.id}{mark}")
         minutes = estimate_seconds(cases, settings) / 60
         print(f"{len(cases)} cases, dtypes {', '.join(dtypes)}, "

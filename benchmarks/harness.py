@@ -3,6 +3,25 @@ case list, FLOP and byte counts, tolerances, the CUDA-event timer, the device ce
 information. `peers.py` holds the implementations timed side by side (ferrocupy, torch SDPA,
 eager RoPE) and the float64 check; `report.py` turns results into the table, JSON and plot.
 
+Issue 25's option gate holds each option case to >= GATE25_OPTION of the TFLOP/s of its plain
+call: the same call (same shape, dtype, direction) without the option, ferrocupy against itself in
+one run, both counted over the keys they see (`Case.plain_call` names the pair). bfloat16, D128:
+- window: B1 S16384 H32/8, causal, window 4096, beside window 0 (`WINDOW_SHAPE`).
+- dropout p=0.1, forward and backward: B4 S4096 H16 D128 causal (the bias case's shape, causal
+  as the window case), beside p=0. Only ferrocupy: no peer draws ferrocupy's Philox mask, so no
+  peer's answer could be checked; ferrocupy's is checked against the float64 reference with the
+  exact mask (SPEC "Dropout") on the sampled heads, so a wrong mask or scale fails the check.
+- kv_lens, forward: a chunk of 1024 queries into a KV cache of capacity 4096 holding 3072 keys in
+  every sequence (B16 H16, causal, bottom-right: causal_offset = Sk - Sq as SPEC's decode step),
+  beside the full cache without kv_lens. The cache slots past kv_lens hold NaN, so an answer that
+  read them fails the check. Only ferrocupy (SDPA and FlexAttention have no causal_offset).
+- GQA, forward and backward: the grid's GQA case (B4 S4096 H32/8 D128 causal) beside the same
+  call with as many KV heads as query heads (H32/32): the same FLOPs and the same query work, so
+  the ratio is what sharing K/V across a group costs or saves.
+The additive bias [1, H, S, S] is gated against SDPA with the same bias (forward); its backward
+(ferrocupy given the forward's lse, SDPA through autograd with the same attn_mask) is reported,
+not gated.
+
 Nothing here imports CuPy or PyTorch at module level: the pure parts (cases, counting, the timing
 logic with injected events) run and are tested on a machine without a GPU.
 """
@@ -15,7 +34,7 @@ import os
 import platform
 import statistics
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -34,17 +53,26 @@ ROPE_FORMS = ("full", "partial", "interleaved", "positions")  # partial: rotary_
 # Issue 25's gate, ferrocupy against torch's default SDPA (no sdpa_kernel context) in one run:
 # the half-precision grid at these head dims and lengths (causal and not), forward each case >=
 # 1.0x and geometric mean >= 1.1x, backward (given lse) >= 0.9x and >= 1.0x; the training step
-# >= 1.0x; the additive bias >= 1.25x SDPA with the same bias; the sliding window >= 0.9x the
-# plain causal call's TFLOP/s, both counted over visible keys.
+# >= 1.0x; the additive bias (forward) >= 1.25x SDPA with the same bias; each option case
+# (window, dropout, kv_lens, GQA) >= 0.9x its plain call's TFLOP/s, both counted over visible
+# keys (see the module docstring). The grid's GQA cases run in every dtype; those in
+# GATE25_GQA_DTYPES have a plain call beside them (issue25_cases) and are gated.
 GATE25_DTYPES, GATE25_DIMS, GATE25_SEQS = ("bfloat16", "float16"), (64, 128), (1024, 4096, 16384)
 GATE25_FWD, GATE25_BWD = (1.0, 1.1), (0.9, 1.0)            # (each case, geometric mean)
-GATE25_TRAIN, GATE25_BIAS, GATE25_WINDOW = 1.0, 1.25, 0.9
+GATE25_TRAIN, GATE25_BIAS, GATE25_OPTION = 1.0, 1.25, 0.9
+GATE25_GQA_DTYPES = ("bfloat16",)
 # Issue 25's cases (bfloat16): training steps (B, S, H, Hkv, D), all causal; the additive bias
-# [1, H, S, S] (B, S, H, D), not causal; the sliding window (B, S, H, Hkv, D, window), causal,
-# beside the same call without the window.
+# [1, H, S, S] (B, S, H, D), not causal, forward and backward; the option cases beside their plain
+# calls: the sliding window (B, S, H, Hkv, D, window), dropout (B, S, H, D), kv_lens (B, Sq, Sk,
+# H, D, kv_lens), all causal; GQA is the grid's GQA_SHAPE beside H KV heads.
 TRAIN_SHAPES = ((4, 4096, 16, 16, 128), (2, 8192, 32, 8, 128), (8, 2048, 16, 4, 64))
 BIAS_SHAPE = (4, 4096, 16, 128)
 WINDOW_SHAPE = (1, 16384, 32, 8, 128, 4096)
+DROPOUT_SHAPE, DROPOUT_P, DROPOUT_SEED = (4, 4096, 16, 128), 0.1, 1234
+KVLENS_SHAPE = (16, 1024, 4096, 16, 128, 3072)
+GQA_SHAPE = (4, 4096, 32, 8, 128)                  # the grid's GQA case (B, S, H, Hkv, D), causal
+# The field each option suite sets (0: its plain call); GQA's plain call has kv_heads = heads.
+OPTION_FIELDS = {"window": "window", "dropout": "dropout", "kvlens": "kv_len"}
 
 # Relative error ||impl - ref|| / ||ref|| against a float64 reference, per dtype: (forward,
 # backward). These guard against timing a wrong answer; precision itself is the tests' business.
@@ -74,9 +102,12 @@ class Case:
     shape: tuple = ()          # RoPE: the tensor's [B, S, H, D]
     rope: str = ""             # RoPE: "" the seed's call (in place), else a ROPE_FORMS entry
     suite: str = "grid"        # "grid", "gqa", "decode", "rope"; issue 25's "train", "bias",
-    #                            "window" (the bias case: an additive [1, H, Sq, Sk] mask)
+    #                            "window", "dropout", "kvlens" (the bias case: an additive
+    #                            [1, H, Sq, Sk] mask)
     floor: bool = False        # one of issue 3's performance-floor cases
     window: int = 0            # attention: key j visible iff |i + causal_offset - j| < window
+    dropout: float = 0.0       # attention: dropout_prob (seed DROPOUT_SEED)
+    kv_len: int = 0            # attention: kv_lens of every batch entry (0: no kv_lens)
 
     @property
     def id(self) -> str:
@@ -87,14 +118,30 @@ class Case:
             return (f"decode-{self.dtype}-b{self.batch}-h{self.heads}kv{self.kv_heads}"
                     f"-d{self.head_dim}-sk{self.seq_k}" + (f"-q{self.seq_q}" if self.seq_q > 1 else ""))
         mask = "causal" if self.causal else "noncausal"
-        if self.suite in ("train", "bias", "window"):  # "step": forward + backward, timed as one
+        if self.suite in ("train", "bias", "window", "dropout", "kvlens"):
+            # direction "step": forward + backward, timed as one; the option last (0: plain)
             heads = f"h{self.heads}" + (f"kv{self.kv_heads}" if self.suite != "bias" else "")
-            last = f"-w{self.window}" if self.suite == "window" else ""
+            seq = f"s{self.seq_q}" + (f"-sk{self.seq_k}" if self.seq_k != self.seq_q else "")
+            last = {"window": f"-w{self.window}", "dropout": f"-p{self.dropout:g}",
+                    "kvlens": f"-kvlen{self.kv_len}"}.get(self.suite, "")
             return (f"{self.suite}-{self.direction}-{self.dtype}-b{self.batch}-{heads}"
-                    f"-d{self.head_dim}-s{self.seq_q}-{mask}{last}")
+                    f"-d{self.head_dim}-{seq}-{mask}{last}")
         heads = f"-h{self.heads}kv{self.kv_heads}" if self.suite == "gqa" else ""
         return (f"{'gqa' if self.suite == 'gqa' else 'attn'}-{self.direction}-{self.dtype}"
                 f"{heads}-d{self.head_dim}-s{self.seq_q}-{mask}")
+
+    @property
+    def plain_call(self) -> "Case | None":
+        """Issue 25's option gate: this case without its option (window 0, dropout 0, no
+        kv_lens, or GQA's kv_heads = heads; the same shape), whose ferrocupy TFLOP/s this case
+        is held to. None for a plain call, any other case, and GQA outside GATE25_GQA_DTYPES."""
+        if self.kind != "attn":
+            return None
+        if self.suite == "gqa":
+            gated = self.kv_heads != self.heads and self.dtype in GATE25_GQA_DTYPES
+            return replace(self, kv_heads=self.heads) if gated else None
+        name = OPTION_FIELDS.get(self.suite)
+        return replace(self, **{name: 0}) if name and getattr(self, name) else None
 
     @property
     def gate(self) -> bool:
@@ -118,9 +165,11 @@ class Case:
     def flops(self) -> int:
         if self.kind == "rope":
             return 0
-        if self.suite == "window":  # the window and its plain call alike: visible pairs
-            pairs = visible_pairs(self.seq_q, self.seq_k, self.causal, self.window,
-                                  self.causal_offset)
+        if self.suite in ("window", "kvlens"):  # the option and its plain call alike: the
+            keys = self.kv_len or self.seq_k      # visible pairs (kv_lens: rows sit kv_len -
+            shift = keys - self.seq_k             # seq_k positions earlier)
+            pairs = visible_pairs(self.seq_q, keys, self.causal, self.window,
+                                  self.causal_offset + shift)
             return attention_flops(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim,
                                    self.causal, self.direction, pairs)
         return attention_flops(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim,
@@ -202,9 +251,10 @@ def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
                                           HIDDEN // d, d, causal, direction=direction,
                                           floor=floor))
         if not quick:
+            b, s, h, kv, d = GQA_SHAPE
             for direction in ("fwd", "bwd"):
-                cases.append(Case("attn", dt, TOKENS // 4096, 4096, 4096, 32, 8, 128, True,
-                                  direction=direction, suite="gqa"))
+                cases.append(Case("attn", dt, b, s, s, h, kv, d, True, direction=direction,
+                                  suite="gqa"))
         for batch, keys in DECODE_SHAPES[:1] if quick else DECODE_SHAPES:  # 1 GiB of f32 K+V
             cases.append(Case("decode", dt, batch, 1, keys, 32, 8, 128, True, keys - 1,
                               suite="decode"))
@@ -222,14 +272,26 @@ def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
 
 
 def issue25_cases(dt: str) -> list[Case]:
-    """The training steps, the additive bias, and the sliding window beside its plain call."""
+    """The training steps, the additive bias (forward, backward), and each option case beside its
+    plain call: the window, dropout (forward, backward), kv_lens, and the plain calls of the
+    grid's GQA cases (which build_cases lists with the grid)."""
     cases = [Case("attn", dt, b, s, s, h, kv, d, True, direction="step", suite="train")
              for b, s, h, kv, d in TRAIN_SHAPES]
     b, s, h, d = BIAS_SHAPE
-    cases.append(Case("attn", dt, b, s, s, h, h, d, False, suite="bias"))
+    cases.extend(Case("attn", dt, b, s, s, h, h, d, False, direction=direction, suite="bias")
+                 for direction in ("fwd", "bwd"))
     b, s, h, kv, d, w = WINDOW_SHAPE
     cases.extend(Case("attn", dt, b, s, s, h, kv, d, True, suite="window", window=win)
                  for win in (w, 0))
+    b, s, h, d = DROPOUT_SHAPE
+    cases.extend(Case("attn", dt, b, s, s, h, h, d, True, direction=direction, suite="dropout",
+                      dropout=p) for direction in ("fwd", "bwd") for p in (DROPOUT_P, 0.0))
+    b, sq, sk, h, d, n = KVLENS_SHAPE
+    cases.extend(Case("attn", dt, b, sq, sk, h, h, d, True, sk - sq, suite="kvlens", kv_len=kv)
+                 for kv in (n, 0))
+    b, s, h, _, d = GQA_SHAPE
+    cases.extend(Case("attn", dt, b, s, s, h, h, d, True, direction=direction, suite="gqa")
+                 for direction in ("fwd", "bwd"))
     return cases
 
 

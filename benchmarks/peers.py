@@ -34,9 +34,12 @@ class WrongAnswer(Exception):
 def implementations(case) -> list[str]:
     if case.kind == "rope":
         return ["ferrocupy", "torch-eager"]
+    if case.suite in ("dropout", "kvlens"):   # no peer draws ferrocupy's dropout mask or takes
+        return ["ferrocupy"]                   # a causal_offset: ferrocupy against its plain call
     torch = [f"torch-{b}" for b in TORCH_BACKENDS]
-    if case.suite in ("train", "bias", "window"):   # no math: it would time a score matrix
-        torch = [n for n in torch if n != "torch-math"]
+    gqa_plain = case.suite == "gqa" and case.kv_heads == case.heads   # issue 25's plain call
+    if case.suite in ("train", "bias", "window") or gqa_plain:   # no math: it would time a
+        torch = [n for n in torch if n != "torch-math"]          # score matrix
     if case.suite in ("bias", "window"):
         torch.append("torch-flex")
     return ["ferrocupy"] + torch
@@ -181,6 +184,10 @@ class CaseRun:
                                             dtype=cp.float32), case.dtype)
             for st in self.sets:
                 st["bias"] = bias
+        if case.kv_len:            # a KV cache: its slots past kv_lens hold NaN, read by no kernel
+            for st in self.sets:
+                for name in ("k", "v"):
+                    st[name][:, case.kv_len:] = float("nan")
         # RoPE's positions form: int64 [B, S] positions (transformers' position_ids), a shuffle
         # of 0 .. 2S per batch entry, shared by the input sets.
         self.positions = rope_positions(case) if case.kind == "rope" else None
@@ -247,7 +254,10 @@ def _samples(case):
 
 def attention_reference(case, s) -> dict:
     """float64 forward (and backward; both for a training step) of the sampled heads, with the
-    case's bias and window; rows in chunks to bound memory."""
+    case's bias, window, kv_lens (the keys past it left out) and dropout (SPEC's Philox mask,
+    ferrocupy.reference's); rows in chunks to bound memory."""
+    from ferrocupy.reference import dropout_keep, dropout_scale
+
     cp = _cp()
     group = case.heads // case.kv_heads
     scale = float(np.float32(1.0) / np.sqrt(np.float32(case.head_dim)))
@@ -255,9 +265,12 @@ def attention_reference(case, s) -> dict:
     names = {"fwd": ("out",), "bwd": ("dq", "dk", "dv"), "step": ("out", "dq", "dk", "dv")}
     res = {n: {} for n in names[case.direction]}
     chunk = max(1, (32 << 20) // max(case.seq_k, 1))
-    cols = cp.arange(case.seq_k)[None, :]
+    n_keys = case.kv_len or case.seq_k          # kv_lens: rows sit kv_len - seq_k earlier
+    offset = case.causal_offset + n_keys - case.seq_k
+    cols = cp.arange(n_keys)[None, :]
+    drop = {"heads": case.heads, "seed": harness.DROPOUT_SEED, "dropout_prob": case.dropout}
     for b, g in _samples(case):
-        k, v = (to_f64(head(s[n], "bshd", b, g)) for n in ("k", "v"))
+        k, v = (to_f64(head(s[n], "bshd", b, g))[:n_keys] for n in ("k", "v"))
         dk, dv = cp.zeros_like(k), cp.zeros_like(v)
         for h in range(g * group, (g + 1) * group):
             q = to_f64(head(s["q"], "bshd", b, h))
@@ -269,7 +282,7 @@ def attention_reference(case, s) -> dict:
                 sc = scale * (qc @ k.T)
                 if bias is not None:
                     sc = sc + bias[i0:i0 + chunk]
-                rows = cp.arange(i0, i0 + qc.shape[0])[:, None] + case.causal_offset
+                rows = cp.arange(i0, i0 + qc.shape[0])[:, None] + offset
                 if case.causal:
                     sc = cp.where(cols <= rows, sc, -cp.inf)
                 if case.window:
@@ -278,14 +291,22 @@ def attention_reference(case, s) -> dict:
                 p = cp.exp(sc - cp.where(cp.isfinite(m), m, 0.0))
                 lsum = p.sum(axis=1, keepdims=True)
                 p = cp.where(lsum > 0, p / cp.where(lsum > 0, lsum, 1.0), 0.0)
-                o = p @ v
+                kept = p                        # P' = P * keep / (1 - p) multiplies V
+                if case.dropout:
+                    keep = dropout_keep(drop, b, h, np.arange(i0, i0 + qc.shape[0]),
+                                        np.arange(n_keys))
+                    factor = cp.asarray(keep) * float(dropout_scale(drop))
+                    kept = p * factor
+                o = kept @ v
                 outs.append(o)
                 if bwd:
                     dc = do[i0:i0 + chunk]
-                    ds = p * ((dc @ v.T) - (dc * o).sum(axis=1, keepdims=True))
+                    dp = dc @ v.T                   # dP', then dP = dP' * keep / (1 - p)
+                    dp = dp * factor if case.dropout else dp
+                    ds = p * (dp - (dc * o).sum(axis=1, keepdims=True))
                     dqs.append(scale * (ds @ k))
                     dk += scale * (ds.T @ qc)
-                    dv += p.T @ dc
+                    dv += kept.T @ dc
             if bwd:
                 res["dq"][(b, h)] = cp.concatenate(dqs)
             if "out" in res:
@@ -386,25 +407,30 @@ def prepare_ferrocupy(case, sets, positions=None) -> Prepared:
             outs.append({"x": (out.buffer(), "bshd")})
     else:
         opts = AttentionOptions(causal=case.causal, causal_offset=case.causal_offset,
-                                window=case.window)
+                                window=case.window, dropout_prob=case.dropout,
+                                seed=harness.DROPOUT_SEED if case.dropout else 0)
+        kv_lens = (t(_cp().full((case.batch,), case.kv_len, dtype=np.int32)) if case.kv_len
+                   else None)
         for st in sets:
             q, k, v = (t(to_cupy(st[n])) for n in ("q", "k", "v"))
             out = t(_empty_like(q.buffer()))
             mask = t(to_cupy(st["bias"])) if "bias" in st else None
             if case.direction == "fwd":
                 runs.append(lambda q=q, k=k, v=v, o=out, m=mask:
-                            eng.flash_attention_v2_with(q, k, v, o, opts, m))
+                            eng.flash_attention_v2_with(q, k, v, o, opts, m, kv_lens=kv_lens))
                 outs.append({"out": (out.buffer(), "bshd")})
                 continue
             # As a training step: the forward writes out and its float32 log-sum-exp, and the
-            # backward is given both (so it does not recompute the LSE). Only the backward is
-            # timed, as with torch, whose autograd graph keeps its forward's LSE.
+            # backward is given both (so it does not recompute the LSE), with the forward's
+            # options and mask. Only the backward is timed, as with torch, whose autograd graph
+            # keeps its forward's LSE.
             lse = t(_cp().empty((case.batch, case.heads, case.seq_q), dtype=np.float32))
-            eng.flash_attention_v2_with(q, k, v, out, opts, lse=lse)
+            eng.flash_attention_v2_with(q, k, v, out, opts, mask, lse=lse)
             do = t(to_cupy(st["do"]))
             g = [t(_empty_like(x.buffer())) for x in (q, k, v)]
-            runs.append(lambda q=q, k=k, v=v, o=out, do=do, g=g, lse=lse:
-                        eng.flash_attention_v2_backward_with(q, k, v, o, do, *g, opts, lse=lse))
+            runs.append(lambda q=q, k=k, v=v, o=out, do=do, g=g, m=mask, lse=lse:
+                        eng.flash_attention_v2_backward_with(q, k, v, o, do, *g, opts, m,
+                                                             lse=lse))
             outs.append({n: (x.buffer(), "bshd") for n, x in zip(("dq", "dk", "dv"), g)})
 
     def check():

@@ -42,7 +42,8 @@ def summarize(case: Case, results: dict, ceilings: dict | None) -> dict:
            "direction": case.direction, "unit": case.unit, "floor": case.floor,
            "gate": case.gate, "batch": case.batch, "heads": case.heads,
            "kv_heads": case.kv_heads, "head_dim": case.head_dim, "seq": case.seq_q,
-           "causal": case.causal, "window": case.window,
+           "causal": case.causal, "window": case.window, "dropout": case.dropout,
+           "kv_len": case.kv_len, "plain": case.plain_call.id if case.plain_call else None,
            "ferro_ms": None, "ferro_thr": None, "ferro_pct": None, "peer": best, "peer_ms": None,
            "peer_thr": None, "peer_pct": None, "ratio": None, "ratios": {}, "note": ""}
     if ferro.get("status") == "ok":
@@ -210,7 +211,9 @@ def gate25_lines(rows: list[dict]) -> list[str]:
     """Issue 25's gate on the rows present (harness.GATE25_*): a heading, one PASS/FAIL line
     each, then how many passed. The grid per case and as a geometric mean per dtype and
     direction (INCOMPLETE where a case of the gate's set has no ratio), the training steps, the
-    bias, the window against its plain call. Empty when no row is one of the gate's."""
+    bias (forward; its backward is in the table, not gated), each option case (window, dropout,
+    kv_lens, GQA: a row whose "plain" names its plain call) against its plain call. Empty when
+    no row is one of the gate's."""
     h = harness
     n_grid = len(h.GATE25_DIMS) * len(h.GATE25_SEQS) * 2
     lines = []
@@ -232,14 +235,12 @@ def gate25_lines(rows: list[dict]) -> list[str]:
     lines += [_vs_default(r, h.GATE25_TRAIN, " (forward + backward)")
               for r in rows if r.get("suite") == "train"]
     lines += [_vs_default(r, h.GATE25_BIAS, " with the same bias")
-              for r in rows if r.get("suite") == "bias"]
+              for r in rows if r.get("suite") == "bias" and r.get("direction") == "fwd"]
+    need = h.GATE25_OPTION
     for r in rows:
-        if r.get("suite") != "window" or not r.get("window"):
+        if not r.get("plain"):
             continue
-        same = ("dtype", "batch", "heads", "kv_heads", "head_dim", "seq", "causal")
-        plain = next((p for p in rows if p.get("suite") == "window" and not p.get("window")
-                      and all(p[k] == r[k] for k in same)), None)
-        need = h.GATE25_WINDOW
+        plain = next((p for p in rows if p["case"] == r["plain"]), None)
         if plain is None or not (r.get("ferro_thr") and plain.get("ferro_thr")):
             lines.append(f"  {r['case']}: no ratio (ferrocupy has no number here or on the "
                          f"plain call), need >= {need:.2f}: FAIL")
@@ -253,7 +254,8 @@ def gate25_lines(rows: list[dict]) -> list[str]:
     head = (f"issue-25 gate (ferrocupy / torch's default SDPA, same run; forward >= "
             f"{h.GATE25_FWD[0]}x each and >= {h.GATE25_FWD[1]}x geometric mean, backward >= "
             f"{h.GATE25_BWD[0]}x and >= {h.GATE25_BWD[1]}x, training step >= {h.GATE25_TRAIN}x, "
-            f"bias >= {h.GATE25_BIAS}x, window >= {h.GATE25_WINDOW}x its plain call):")
+            f"bias >= {h.GATE25_BIAS}x; window, dropout, kv_lens and GQA >= "
+            f"{h.GATE25_OPTION}x their plain calls):")
     return [head] + lines + [f"  {passed} of {len(lines)} lines PASS"]
 
 

@@ -51,7 +51,9 @@ def test_case_counts_and_units():
 def test_case_list_sizes():
     # grid, GQA, decode (3 at one row a head, 1 at four), RoPE (+ the floor) and its 4 forms
     assert len(build_cases(["float32"])) == 48 + 2 + 4 + 2 + 4
-    assert len(build_cases(harness.DTYPES)) == 3 * (48 + 2 + 4 + 1 + 4) + 1 + 6  # issue 25: bf16
+    # issue 25's bfloat16 cases: 3 training steps, the bias (fwd, bwd), the window and dropout
+    # (fwd, bwd) and kv_lens each beside its plain call, GQA's plain calls (fwd, bwd)
+    assert len(build_cases(harness.DTYPES)) == 3 * (48 + 2 + 4 + 1 + 4) + 1 + 3 + 2 + 2 + 4 + 2 + 2
     assert len(build_cases(["float32"], quick=True)) == 8 + 1 + 2 + 4
     assert len(build_cases(harness.DTYPES, quick=True)) == 3 * (8 + 1 + 1 + 4) + 1
     assert not [c for c in build_cases(["bfloat16", "float16"]) if c.floor]
