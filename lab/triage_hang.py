@@ -175,9 +175,17 @@ def gpu_snapshot() -> str:
                             "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
         p = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                             "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
-        return f"{q.stdout.strip()} | {len(p.stdout.splitlines())} processes"
+        gpu = f"{q.stdout.strip()} | {len(p.stdout.splitlines())} processes"
     except Exception as e:  # noqa: BLE001 - a monitor line, never fatal
-        return f"nvidia-smi: {e}"
+        gpu = f"nvidia-smi: {e}"
+    # The host's side too: a stall from memory pressure or CPU starvation looks like a hang.
+    try:
+        avail = next(line.split()[1] for line in open("/proc/meminfo")
+                     if line.startswith("MemAvailable"))
+        load = open("/proc/loadavg").read().split()[0]
+        return f"{gpu} | host: {int(avail) // 1024} MB available, load {load}"
+    except Exception as e:  # noqa: BLE001
+        return f"{gpu} | host: {e}"
 
 
 def main(argv=None) -> int:
