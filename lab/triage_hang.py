@@ -157,6 +157,15 @@ def start_of(unit: Unit, nodeid: str) -> float:
     return at
 
 
+def timed_out(unit: Unit, nodeid: str) -> bool:
+    """Whether the per-test limit fired in `nodeid` (else the process died another way)."""
+    if not unit.stacks.exists():
+        return False
+    text = unit.stacks.read_text()
+    at = text.rfind(f"==== {nodeid}:")
+    return at >= 0 and "Timeout (" in text[at:]
+
+
 def stack_head(unit: Unit, nodeid: str, lines: int = 16) -> str:
     """The faulthandler dump written for `nodeid` (its first lines: the main thread's stack)."""
     if not unit.stacks.exists():
@@ -166,7 +175,7 @@ def stack_head(unit: Unit, nodeid: str, lines: int = 16) -> str:
     if at < 0:
         return "(no stack dumped: killed at the deadline, not by the per-test timeout)"
     part = text[at:].splitlines()[1:]
-    return "\n".join(part[:lines]) if part else "(the test's timeout had not fired)"
+    return "\n".join(part[:lines]) if part else "(no timeout dump: a fatal error's stack is in the unit log)"
 
 
 def gpu_snapshot() -> str:
@@ -248,7 +257,8 @@ def main(argv=None) -> int:
             left = [i for i in u.ids if i not in set(ended) and i != started]
             if started is not None and rc is not None:
                 hung.append((u, started, time.time() - t0))
-                print(f"[{time.time() - t0:5.0f}s] HUNG {started} ({u.name}, rc {rc})", flush=True)
+                what = "HUNG" if timed_out(u, started) else f"CRASHED (rc {rc}) in"
+                print(f"[{time.time() - t0:5.0f}s] {what} {started} ({u.name})", flush=True)
             elif started is not None:
                 since = time.time() - start_of(u, started)
                 in_flight.append((started, since))
@@ -288,7 +298,8 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 a.kill()
             ended, started, fails = a.outcome()
-            runs[test].append("HANGS alone" if started else
+            runs[test].append(("HANGS alone" if timed_out(a, test) else
+                               f"crashes alone (rc {a.proc.returncode})") if started else
                               ("fails alone: " + fails[test]) if test in fails else
                               ("passes alone" if ended else
                                f"did not start (rc {a.proc.returncode})"))
@@ -296,10 +307,11 @@ def main(argv=None) -> int:
                 for _, test, _ in hung]
 
     lines = [f"{len(ids)} tests, {len(units)} units; parallel phase {par_s:.0f} s, "
-             f"{done} tests ended, {len(hung)} HUNG, {len(failed)} failed, "
+             f"{done} tests ended, {len(hung)} HUNG or crashed, {len(failed)} failed, "
              f"{sum(len(u.ids) for u in unrun)} left unrun"]
     for (u, test, at), (_, runs) in zip(hung, verdicts):
-        lines += [f"\nHUNG {test}", f"  at {at:.0f} s in {u.name} (log {u.log.name}); alone: "
+        what = "HUNG" if timed_out(u, test) else "CRASHED in"
+        lines += [f"\n{what} {test}", f"  at {at:.0f} s in {u.name} (log {u.log.name}); alone: "
                   + "; ".join(runs), "  stack (main thread first):"]
         lines += ["    " + s for s in stack_head(u, test).splitlines()]
     if in_flight:
