@@ -175,7 +175,9 @@ def stack_head(unit: Unit, nodeid: str, lines: int = 16) -> str:
     if at < 0:
         return "(no stack dumped: killed at the deadline, not by the per-test timeout)"
     part = text[at:].splitlines()[1:]
-    return "\n".join(part[:lines]) if part else "(no timeout dump: a fatal error's stack is in the unit log)"
+    if not part:
+        return "(no timeout dump: a fatal error's stack is in the unit log)"
+    return "\n".join(part[:lines])
 
 
 def gpu_snapshot() -> str:
