@@ -37,7 +37,8 @@ def main(argv: list[str]) -> None:
         return UnifiedTensor.from_numpy(a, device=where)
 
     def tensors(dtype, d, sq=SQ, sk=SK):
-        q, k, v = put((B, sq, H, d), dtype), put((B, sk, HKV, d), dtype), put((B, sk, HKV, d), dtype)
+        q = put((B, sq, H, d), dtype)
+        k, v = put((B, sk, HKV, d), dtype), put((B, sk, HKV, d), dtype)
         mask = put((B, 1, sq, sk), dtype)
         out = UnifiedTensor.empty(q.shape, dtype, device=where)
         lse = UnifiedTensor.empty((B, H, sq), np.float32, device=where)

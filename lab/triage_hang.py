@@ -103,16 +103,17 @@ class Unit:
 
     def launch(self, test_timeout: float) -> None:
         self.select.write_text("\n".join(self.ids) + "\n")
+        path = os.pathsep.join([str(LAB), str(ROOT), os.environ.get("PYTHONPATH", "")])
         env = dict(os.environ, FERRO_TRIAGE_SELECT=str(self.select),
                    FERRO_TRIAGE_PROGRESS=str(self.progress), FERRO_TRIAGE_STACKS=str(self.stacks),
                    FERRO_TRIAGE_TEST_TIMEOUT=str(test_timeout), PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(LAB), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "triage_plugin",
-               "-W", "ignore::RuntimeWarning", *self.files]
+                   PYTHONPATH=path)
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+               "-p", "triage_plugin", "-W", "ignore::RuntimeWarning", *self.files]
         self.start = time.time()
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -25,7 +25,7 @@ start=$SECONDS
 left() { echo $((TOTAL_S - (SECONDS - start))); }
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import cupy, torch, pytest; print('cupy', cupy.__version__, 'torch', torch.__version__, 'pytest', pytest.__version__)"
+  python3 -c "import cupy, torch, pytest; print(cupy.__version__, torch.__version__, pytest.__version__)"
   git log --oneline -1 2>/dev/null; } 2>&1 | tee "$W/gpu.txt"
 
 if [ -z "${SKIP_PRECOMPILE:-}" ]; then
