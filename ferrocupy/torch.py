@@ -37,9 +37,22 @@ __all__ = ["attention", "rope", "rope_"]
 _REFERENCE = ComputeEngine("reference", quiet=True)  # every CPU tensor
 _CUDA: dict[int, ComputeEngine] = {}  # one per GPU, created at first use
 _CUDA_LOCK = threading.Lock()
+# torch.device -> its engine, for devices that name one engine for good (CPU, a CUDA device with
+# its index, as every CUDA tensor's is): one hashed lookup a call instead of reading the
+# device's type (a fresh string each time) twice.
+_BY_DEVICE: dict = {}
 
 
 def _engine(device: torch.device) -> ComputeEngine:
+    engine = _BY_DEVICE.get(device)
+    if engine is None:
+        engine = _engine_of(device)
+        if device.type == "cpu" or device.index is not None:
+            _BY_DEVICE[device] = engine
+    return engine
+
+
+def _engine_of(device: torch.device) -> ComputeEngine:
     if device.type == "cpu":
         return _REFERENCE
     if device.type != "cuda":
