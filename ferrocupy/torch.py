@@ -106,29 +106,38 @@ def _wrap(t: Optional[Tensor]) -> Optional[UnifiedTensor]:
     return None if t is None else UnifiedTensor(t.detach())
 
 
+# torch's current raw stream of a device (a CUDA build of torch has it; else see _stream)
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(device: torch.device) -> int:
     """torch's current stream on `device`, as a CUstream handle."""
-    index = torch.cuda.current_device() if device.index is None else device.index
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _run(plan, named: dict, fresh=()) -> None:
-    """Run an engine plan on torch tensors: CUDA ones through their addresses on torch's current
-    stream, with the workspace (decode splits, backward stats) from torch's allocator (ordered on
-    torch's stream, and kept by a CUDA graph that captures the call); CPU ones on the reference
+    """Run an engine plan on torch tensors (`named`: the plan's argument names, None for an
+    absent one): CUDA ones through their addresses (`_run_cuda`), CPU ones on the reference
     backend."""
     q = named["q"]
     if q.is_cuda:
-        _run_cuda(plan, named, q.device, fresh)
+        _run_cuda(plan, {n: t.data_ptr() for n, t in named.items() if t is not None}, q.device,
+                  fresh)
     else:
         plan.run(**named)
 
 
-def _run_cuda(plan, named: dict, device: torch.device, fresh=()) -> None:
-    """`fresh`: the outputs this module just made with torch.empty (they overlap nothing)."""
-    plan.run_pointers({n: t.data_ptr() for n, t in named.items() if t is not None},
-                      stream=_stream(device),
+def _run_cuda(plan, pointers: dict, device: torch.device, fresh=()) -> None:
+    """Run an engine plan on the CUDA tensors at `pointers` (name -> address) on torch's current
+    stream, with the workspace (decode splits, backward stats) from torch's allocator (ordered on
+    torch's stream, and kept by a CUDA graph that captures the call). `fresh`: the outputs this
+    module just made with torch.empty (they overlap nothing)."""
+    plan.run_pointers(pointers, stream=_stream(device),
                       alloc=lambda shape: torch.empty(shape, dtype=torch.float32, device=device),
                       capturing=torch.cuda.is_current_stream_capturing, fresh=fresh)
 
@@ -422,10 +431,18 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
     q, k, v, attn_mask = _rows(q), _rows(k), _rows(v), _mask(attn_mask)
     lens = None if kv_lens is None else kv_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    plan = _engine(q.device).plan_attention(q, k, v, out, opts, attn_mask, kv_lens=lens)
-    _run(plan, {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "kv_lens": lens},
-         fresh=("out",))
+    device = q.device
+    plan = _engine(device).plan_attention(q, k, v, out, opts, attn_mask, kv_lens=lens)
+    pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "out": out.data_ptr()}
+    if attn_mask is not None:
+        pointers["mask"] = attn_mask.data_ptr()
+    if lens is not None:
+        pointers["kv_lens"] = lens.data_ptr()
+    _run_cuda(plan, pointers, device, _OUT)
     return out
+
+
+_OUT = ("out",)
 
 
 # --- RoPE -------------------------------------------------------------------------------------
