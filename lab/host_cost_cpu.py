@@ -3,10 +3,11 @@ host path (the engine's plan cache, the plan's memory checks, the backend's laun
 packed arguments) on CPU tensors dressed as CUDA ones, with the driver's `cuLaunchKernel` a
 no-op. The decode shape of benchmarks/call_cost.py: B1 Sq1 Sk128 H8 D64, float32.
 
-    python3 lab/host_cost_cpu.py [OLD_TREE] [--profile] [--calls N] [--rounds R]
+    python3 lab/host_cost_cpu.py [OLD_TREE] [--new TREE] [--profile] [--calls N] [--rounds R]
 
 OLD_TREE (a tree whose `ferrocupy/` to compare, e.g. `git archive 40c43ca | tar -x -C /tmp/old`)
-is imported as `ferrocupy_old`, its rounds interleaved with this tree's in one process.
+is imported as `ferrocupy_old`, its rounds interleaved with this tree's (or `--new` TREE's) in
+one process.
 `--profile`: cProfile of each of this tree's calls.
 
 What is faked, in this process only (never in the package):
@@ -32,7 +33,6 @@ import argparse
 import importlib
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +41,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's ferrocupy
 LAUNCHES = [0]
 
 
@@ -153,10 +152,13 @@ def per_call(fn, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("old", nargs="?")
+    ap.add_argument("--new", default=str(Path(__file__).resolve().parents[1]),
+                    help="the tree whose ferrocupy/ is `new` (default: this one)")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--calls", type=int, default=5000)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=25)
     args = ap.parse_args()
+    sys.path.insert(0, args.new)
     install_fake_cupy()
     import torch
 
@@ -179,13 +181,14 @@ def main() -> None:
     tags = list(table)
     print(f"{'call (CPU, launch stubbed)':30s} " + " ".join(f"{t + ' us':>9s}" for t in tags)
           + ("   new/old" if len(tags) == 2 else "")
-          + f"   (median of {args.rounds} interleaved rounds x {args.calls} calls)")
+          + f"   (fastest of {args.rounds} interleaved rounds x {args.calls} calls: the machine's"
+          f" other load only adds)")
     for i, (name, _) in enumerate(table[tags[-1]]):
         ts = {t: [] for t in tags}
         for r in range(args.rounds):
             for t in (tags if r % 2 else tags[::-1]):
                 ts[t].append(per_call(table[t][i][1], args.calls))
-        med = [statistics.median(ts[t]) for t in tags]
+        med = [min(ts[t]) for t in tags]
         print(f"{name:30s} " + " ".join(f"{m:9.2f}" for m in med)
               + (f"   {med[1] / med[0]:7.3f}" if len(med) == 2 else ""))
     if args.profile:
