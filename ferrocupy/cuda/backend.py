@@ -215,7 +215,8 @@ class CudaBackend:
         if plan.counted:
             ptrs = dict(ptrs, tile_counter=address(counter) if counter is not None
                         else self._tile_counter(stream))
-        plan.run(ptrs, stream)
+        for launch in plan.launches:
+            launch.run(ptrs, stream)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
     def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void,
