@@ -155,8 +155,8 @@ def main() -> None:
     ap.add_argument("--new", default=str(Path(__file__).resolve().parents[1]),
                     help="the tree whose ferrocupy/ is `new` (default: this one)")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=101)
     args = ap.parse_args()
     sys.path.insert(0, args.new)
     install_fake_cupy()

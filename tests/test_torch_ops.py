@@ -554,3 +554,18 @@ def test_no_double_backward_in_eager_or_through_the_ops(gen):
     (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         (g.square().sum() + q.sum()).backward()
+
+
+def test_a_devices_engine_is_looked_up_once(monkeypatch):
+    """CPU tensors get the reference engine; a device with its index (every tensor's) finds its
+    engine once, one without (torch.device("cuda"): whichever GPU is current) each time; any
+    other kind of device is refused by name."""
+    assert ft._engine(torch.device("cpu")) is ft._REFERENCE
+    with pytest.raises(ValueError, match="not meta"):
+        ft._engine(torch.device("meta"))
+    asked = []
+    monkeypatch.setattr(ft, "_engine_of", lambda device: asked.append(device) or "engine")
+    monkeypatch.setattr(ft, "_BY_DEVICE", {})
+    for name in ("cuda:1", "cuda:1", "cuda", "cuda"):
+        assert ft._engine(torch.device(name)) == "engine"
+    assert asked == [torch.device(n) for n in ("cuda:1", "cuda", "cuda")]
