@@ -233,8 +233,9 @@ class AttentionPlan:
         if backend.name != "cuda":
             raise ValueError(f"run_pointers needs the CUDA backend; this plan runs on "
                              f"{backend.name}: use run()")
-        if self._outputs:
-            self._check_memory(pointers, fresh)
+        for name, span in self._outputs:
+            if name not in fresh:
+                self._check_output(name, span, pointers)
         if type(stream) is not int:
             stream = backend.current_stream() if stream is None else int(
                 getattr(stream, "ptr", stream))
@@ -263,7 +264,7 @@ class AttentionPlan:
                                  "counter of the call's own)")
             counter = alloc((1,))
             counter.zero_() if hasattr(counter, "zero_") else counter.fill(0)
-        backend.run_plan(launch, pointers, stream, alloc, counter=counter)
+        backend.run_plan(launch, pointers, stream, alloc, counter)
 
     # --- checks on the call's memory ----------------------------------------------------------
     def _check_values(self, read) -> None:
@@ -301,19 +302,20 @@ class AttentionPlan:
             tensors[n] = x
         return tensors
 
-    def _check_memory(self, ptrs: dict, fresh=()) -> None:
-        """No output but the `fresh` ones shares a byte with another argument (`ptrs`: name ->
-        address)."""
+    def _check_memory(self, ptrs: dict) -> None:
+        """No output shares a byte with another argument (`ptrs`: name -> address)."""
         for name, span in self._outputs:
-            if name in fresh:
-                continue
-            lo = ptrs[name]
-            hi = lo + span
-            for other, ospan in self._spans:
-                if other != name and ptrs[other] < hi and lo < ptrs[other] + ospan:
-                    raise ValueError(
-                        f"{name} (shape {self.specs[name].shape}) shares memory with {other} "
-                        f"(shape {self.specs[other].shape}); pass a separate output tensor")
+            self._check_output(name, span, ptrs)
+
+    def _check_output(self, name: str, span: int, ptrs: dict) -> None:
+        """Output `name` (`span` bytes) shares no byte with another argument."""
+        lo = ptrs[name]
+        hi = lo + span
+        for other, ospan in self._spans:
+            if other != name and ptrs[other] < hi and lo < ptrs[other] + ospan:
+                raise ValueError(
+                    f"{name} (shape {self.specs[name].shape}) shares memory with {other} "
+                    f"(shape {self.specs[other].shape}); pass a separate output tensor")
 
 
 # --- the checks that depend on the specs and options alone ---------------------------------------

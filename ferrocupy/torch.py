@@ -37,9 +37,22 @@ __all__ = ["attention", "attention_with_kvcache", "rope", "rope_"]
 _REFERENCE = ComputeEngine("reference", quiet=True)  # every CPU tensor
 _CUDA: dict[int, ComputeEngine] = {}  # one per GPU, created at first use
 _CUDA_LOCK = threading.Lock()
+# torch.device -> its engine, for devices that name one engine for good (CPU, a CUDA device with
+# its index, as every CUDA tensor's is): one hashed lookup a call instead of reading the
+# device's type (a fresh string each time) twice.
+_BY_DEVICE: dict = {}
 
 
 def _engine(device: torch.device) -> ComputeEngine:
+    engine = _BY_DEVICE.get(device)
+    if engine is None:
+        engine = _engine_of(device)
+        if device.type == "cpu" or device.index is not None:
+            _BY_DEVICE[device] = engine
+    return engine
+
+
+def _engine_of(device: torch.device) -> ComputeEngine:
     if device.type == "cpu":
         return _REFERENCE
     if device.type != "cuda":
@@ -88,41 +101,58 @@ def _rows(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.contiguous()
 
 
+def _row_views(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`_rows` of each, with one test for the common case (every last dimension contiguous)."""
+    if q.stride()[-1] == 1 and k.stride()[-1] == 1 and v.stride()[-1] == 1:
+        return q, k, v
+    return _rows(q), _rows(k), _rows(v)
+
+
 def _wrap(t: Optional[Tensor]) -> Optional[UnifiedTensor]:
     # detach(): DLPack refuses a tensor that requires grad, as the op's inputs may (no copy).
     return None if t is None else UnifiedTensor(t.detach())
 
 
+# torch's current raw stream of a device (a CUDA build of torch has it; else see _stream)
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(device: torch.device) -> int:
     """torch's current stream on `device`, as a CUstream handle."""
-    index = torch.cuda.current_device() if device.index is None else device.index
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _run(plan, named: dict, fresh=()) -> None:
-    """Run an engine plan on torch tensors: CUDA ones through their addresses on torch's current
-    stream, with the workspace (decode splits, backward stats) from torch's allocator (ordered on
-    torch's stream, and kept by a CUDA graph that captures the call); CPU ones on the reference
+    """Run an engine plan on torch tensors (`named`: the plan's argument names, None for an
+    absent one): CUDA ones through their addresses (`_run_cuda`), CPU ones on the reference
     backend."""
     q = named["q"]
     if q.is_cuda:
-        _run_cuda(plan, named, q.device, fresh)
+        _run_cuda(plan, {n: t.data_ptr() for n, t in named.items() if t is not None}, q.device,
+                  fresh)
     else:
         plan.run(**named)
 
 
-def _run_cuda(plan, named: dict, device: torch.device, fresh=()) -> None:
-    """`fresh`: the outputs this module just made with torch.empty (they overlap nothing)."""
-    plan.run_pointers({n: t.data_ptr() for n, t in named.items() if t is not None},
-                      stream=_stream(device),
-                      alloc=lambda shape: torch.empty(shape, dtype=torch.float32, device=device),
+def _run_cuda(plan, pointers: dict, device: torch.device, fresh=()) -> None:
+    """Run an engine plan on the CUDA tensors at `pointers` (name -> address) on torch's current
+    stream, with the workspace (decode splits, backward stats) from torch's allocator (ordered on
+    torch's stream, and kept by a CUDA graph that captures the call). `fresh`: the outputs this
+    module just made with torch.empty (they overlap nothing)."""
+    plan.run_pointers(pointers, stream=_stream(device),
+                      alloc=lambda shape: torch.empty(*shape, dtype=torch.float32, device=device),
                       capturing=torch.cuda.is_current_stream_capturing, fresh=fresh)
 
 
 def _seed_int(seed: Tensor) -> int:
-    """The op's int64 seed tensor as the engine's seed in [0, 2**64)."""
-    return int(seed) % 2**64
+    """The op's int64 seed tensor as the engine's seed in [0, 2**64) (the shared zero seed of
+    an eager call without dropout: 0, without reading a tensor's value, ~0.4 us)."""
+    return 0 if seed is _ZERO_SEED else int(seed) % 2**64
 
 
 def _options(causal, causal_offset, window, dropout_p, seed: Tensor, scale, window_left=None,
@@ -151,13 +181,18 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], caus
               block_table: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, H, D] in q's dtype, lse float32 [B, H, Sq]; varlen: out [total_q, H, D],
     lse [H, total_q]): the forward op's body."""
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v = _row_views(q, k, v)
     mask = _mask(attn_mask)
     lens = None if kv_lens is None else kv_lens.contiguous()
     opts = _options(causal, causal_offset, window, dropout_p, seed, scale, window_left,
                     window_right, softcap)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32, device=q.device)
+    if cu_seqlens_q is None:
+        B, Sq, H, _ = q.shape
+        # (sizes as separate arguments: torch parses them ~0.7 us faster than a tuple)
+        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32, device=q.device)
     index = _index_tensors(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                            block_table=block_table)
     named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens,
@@ -206,7 +241,7 @@ def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
               max_seqlen_k: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_q, grad_k, grad_v, grad_sinks), given the forward's `out` and `lse` (never
     recomputed): the backward op's body. grad_sinks is float32 `[H]` with sinks, else empty."""
-    q, k, v, out = _rows(q), _rows(k), _rows(v), _rows(out)
+    (q, k, v), out = _row_views(q, k, v), _rows(out)
     lse = lse.contiguous()
     grad_out = _rows(grad_out.to(q.dtype))
     mask = _mask(attn_mask)
@@ -399,13 +434,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
         raise ValueError("ferrocupy.torch.attention has no backward with kv_lens or block_table "
                          "(a KV cache is for inference): call it under torch.no_grad() or "
                          "with inputs that do not require grad")
-    windows = (window_left, window_right, float(softcap))
     packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     tail = () if all(x is None for x in packed) else packed  # the op's arguments after sinks
     if (not return_lse and alibi_slopes is None and sinks is None and not tail
             and _eager_inference(q, k, v, attn_mask, kv_lens)):
         return _forward_now(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
-                            seed, None if scale is None else float(scale), kv_lens, *windows)
+                            seed, None if scale is None else float(scale), kv_lens, window_left,
+                            window_right, float(softcap))
+    windows = (window_left, window_right, float(softcap))
     eager = _plain_eager(q, k, v, attn_mask, kv_lens) and all(
         x is None or type(x) is Tensor for x in (alibi_slopes, sinks, cu_seqlens_q,
                                                  cu_seqlens_k, block_table))
@@ -459,13 +495,23 @@ def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, s
                        window_right, softcap)
     # (A tensor on another device than q's fails the engine's checks, which name it: the first
     # call of a combination, devices included, goes through them.)
-    q, k, v, attn_mask = _rows(q), _rows(k), _rows(v), _mask(attn_mask)
+    q, k, v = _row_views(q, k, v)
+    if attn_mask is not None:
+        attn_mask = _mask(attn_mask)
     lens = None if kv_lens is None else kv_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    plan = _engine(q.device).plan_attention(q, k, v, out, opts, attn_mask, kv_lens=lens)
-    _run(plan, {"q": q, "k": k, "v": v, "out": out, "mask": attn_mask, "kv_lens": lens},
-         fresh=("out",))
+    device = q.device
+    plan = _engine(device).plan_attention(q, k, v, out, opts, attn_mask, kv_lens=lens)
+    pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "out": out.data_ptr()}
+    if attn_mask is not None:
+        pointers["mask"] = attn_mask.data_ptr()
+    if lens is not None:
+        pointers["kv_lens"] = lens.data_ptr()
+    _run_cuda(plan, pointers, device, _OUT)
     return out
+
+
+_OUT = ("out",)
 
 
 # --- KV-cache append -------------------------------------------------------------------------

@@ -33,3 +33,27 @@ def test_every_argument_is_packed_at_its_own_address():
     assert launch._addr == launch._addrs.ctypes.data
     as_array = PackedLaunch(None, 1, 32, 0, (np.array(params),))  # a 0-d array: the same bytes
     assert arg_bytes(as_array, 0, 80) == params.tobytes()
+
+
+def test_run_writes_each_slots_address_into_its_argument(monkeypatch):
+    """run() fills every Slot from the call's pointers (each at its own argument's address),
+    leaves the other arguments as packed, and launches with the packed array."""
+    from types import SimpleNamespace
+
+    from ferrocupy.cuda import launch as launch_module
+
+    launched = []
+    monkeypatch.setattr(launch_module, "driver", SimpleNamespace(
+        launchKernel=lambda *a: launched.append(a)))
+    fn = SimpleNamespace(kernel=SimpleNamespace(ptr=0x77))
+    launch = PackedLaunch(fn, 3, 128, 0, (Slot("q"), NULL, np.uint32(7), Slot("out"),
+                                          Slot("k")))
+    launch._function = fn.kernel.ptr  # (the first run would import CuPy's driver)
+    for q, out, k in ((0x1000, 0x2000, 0x3000), (0x1100, 0x2100, 0x3100)):
+        launch.run({"q": q, "out": out, "k": k, "v": 0x9000}, stream=5)
+        assert [arg_bytes(launch, i, 8) for i in (0, 3, 4)] == [
+            x.to_bytes(8, "little") for x in (q, out, k)]
+        assert arg_bytes(launch, 1, 8) == bytes(8) and arg_bytes(launch, 2, 4) == (7).to_bytes(
+            4, "little")
+    assert [a[0] for a in launched] == [0x77, 0x77] and launched[-1][8] == 5
+    assert launched[-1][9] == launch._addr

@@ -460,7 +460,8 @@ def test_cuda_tensors_run_a_kept_plan_from_their_addresses(gen, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
         plan = engine.plan_attention(*(named[n] for n in ("q", "k", "v", "out")), opts,
                                      named["mask"], lse=named["lse"], kv_lens=named["kv_lens"])
-        ft._run_cuda(plan, named, torch.device("cpu"))
+        ft._run_cuda(plan, {n: t.data_ptr() for n, t in named.items() if t is not None},
+                     torch.device("cpu"))
         return plan
 
     opts = AttentionOptions(causal=True, causal_offset=8)
@@ -501,15 +502,14 @@ def test_eager_inference_runs_the_ops_body_without_the_op(gen, monkeypatch):
     than a decode step's kernel) but not the checks: `_forward_now` plans with a fresh `out`, no
     lse, and the op's seed. Everything else takes the op."""
     calls = []
-    monkeypatch.setattr(ft, "_run", lambda plan, named, fresh: calls.append(
-        (plan, {n: t is not None for n, t in named.items()}, fresh)))
+    monkeypatch.setattr(ft, "_run_cuda", lambda plan, pointers, device, fresh: calls.append(
+        (plan, set(pointers), fresh)))
     q, k, v = _qkv(gen, B=1, Sq=2, Sk=5)
     out = ft._forward_now(q, k, v, None, True, 3, 0, 0.0, None, None, None)
     assert out.shape == q.shape and out.dtype == q.dtype
     plan, present, fresh = calls[-1]
     assert plan.op == "forward" and fresh == ("out",)
-    assert present == {"q": True, "k": True, "v": True, "out": True, "mask": False,
-                       "kv_lens": False}
+    assert present == {"q", "k", "v", "out"}  # (no mask, no kv_lens)
     assert plan.specs["lse"] is None
     assert plan.options == AttentionOptions(causal=True, causal_offset=3)
     torch.manual_seed(5)
@@ -556,3 +556,18 @@ def test_no_double_backward_in_eager_or_through_the_ops(gen):
     (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         (g.square().sum() + q.sum()).backward()
+
+
+def test_a_devices_engine_is_looked_up_once(monkeypatch):
+    """CPU tensors get the reference engine; a device with its index (every tensor's) finds its
+    engine once, one without (torch.device("cuda"): whichever GPU is current) each time; any
+    other kind of device is refused by name."""
+    assert ft._engine(torch.device("cpu")) is ft._REFERENCE
+    with pytest.raises(ValueError, match="not meta"):
+        ft._engine(torch.device("meta"))
+    asked = []
+    monkeypatch.setattr(ft, "_engine_of", lambda device: asked.append(device) or "engine")
+    monkeypatch.setattr(ft, "_BY_DEVICE", {})
+    for name in ("cuda:1", "cuda:1", "cuda", "cuda"):
+        assert ft._engine(torch.device(name)) == "engine"
+    assert asked == [torch.device(n) for n in ("cuda:1", "cuda", "cuda")]

@@ -187,11 +187,7 @@ class CudaBackend:
         instead of the stream's (a launch captured in a CUDA graph takes one of its own)."""
         if self.xp.cuda.runtime.getDevice() != self._id:
             with self.xp.cuda.Device(self._id):
-                return self._run_plan(plan, ptrs, stream, alloc, counter)
-        self._run_plan(plan, ptrs, stream, alloc, counter)
-
-    def _run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc, counter=None) -> None:
-        """`run_plan` with this backend's device current."""
+                return self.run_plan(plan, ptrs, stream, alloc, counter)
         keep = None
         if plan.workspace:
             ptrs = dict(ptrs)
@@ -215,7 +211,8 @@ class CudaBackend:
         if plan.counted:
             ptrs = dict(ptrs, tile_counter=address(counter) if counter is not None
                         else self._tile_counter(stream))
-        plan.run(ptrs, stream)
+        for launch in plan.launches:
+            launch.run(ptrs, stream)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
     def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void,
@@ -299,7 +296,7 @@ class CudaBackend:
         combined = splits > 1 or combine_launch
         # The workspace: per split, each row's unnormalised O and (max, sum); none when the one
         # split writes out itself; with the split merged in the kernel, a ticket per pair (zero
-        # before the launch: see _run_plan), each a Slot filled in on each run.
+        # before the launch: see run_plan), each a Slot filled in on each run.
         workspace = {"part_o": (splits, rows, v.head_dim), "part_ml": (splits, rows, 2)} \
             if combined else {}
         if combined and not combine_launch:

@@ -22,17 +22,22 @@ class PackedLaunch:
     the plan owns (workspace: its address is fixed), NULL, or a NumPy scalar (np.uint32, or the
     packed parameter struct as a structured scalar), each stored once at its own alignment."""
 
-    __slots__ = ("fn", "blocks", "threads", "smem", "args", "_values", "_slots", "_addr", "_addrs",
-                 "_function")
+    __slots__ = ("fn", "blocks", "threads", "smem", "args", "_values", "_slots", "_slot_view",
+                 "_addr", "_addrs", "_function")
 
     def __init__(self, fn, blocks: int, threads: int, smem: int, args):
         self.fn, self.blocks, self.threads, self.smem = fn, int(blocks), int(threads), int(smem)
         self.args = tuple(args)
+        # Every Slot's address lives in one array, written through a memoryview on each run (a
+        # memoryview item write is cheaper than a NumPy one); `_slots`: (index, name).
+        slot_cells = np.zeros(max(1, sum(isinstance(a, Slot) for a in args)), np.uint64)
+        self._slot_view = memoryview(slot_cells).cast("B").cast("Q")
         self._values, self._slots, self._function = [], [], None
         for a in args:
             if isinstance(a, Slot):
-                cell = np.zeros(1, np.uint64)
-                self._slots.append((a.name, cell))
+                i = len(self._slots)
+                cell = slot_cells[i:i + 1]
+                self._slots.append((i, a.name))
             elif isinstance(a, np.generic):  # np.uint32, np.uint64, the struct (np.void)
                 cell = np.array([a])
             elif isinstance(a, np.ndarray) and a.ndim == 0:  # a struct as a 0-d array
@@ -45,12 +50,13 @@ class PackedLaunch:
 
     @property
     def slot_names(self) -> tuple:
-        return tuple(name for name, _ in self._slots)
+        return tuple(name for _, name in self._slots)
 
     def run(self, pointers: dict, stream: int) -> None:
         """Write this call's buffer addresses, then launch on `stream` (a CUstream handle)."""
-        for name, cell in self._slots:
-            cell[0] = pointers[name]
+        view = self._slot_view
+        for i, name in self._slots:
+            view[i] = pointers[name]
         if self._function is None:
             self._function = self.fn.kernel.ptr  # the cupy.RawKernel's CUfunction
             global driver
