@@ -22,8 +22,8 @@ sequence sits at `a = i + causal_offset` and sees key `j` iff (`not causal` or `
 (`window == 0` or `|a - j| < window`). It depends only on `d = a - j`, so every (query chunk,
 key chunk) pair is one band `lo <= d <= hi`: the pair is skipped when no query sees a key of it,
 trimmed to the rows and keys that take part, and run as one call with the band moved into the
-call's own coordinates (`causal` with `causal_offset`, or `window_left`/`window_right`); a pair
-every query sees whole runs with no mask at all.
+call's own coordinates (`causal` with a non-negative `causal_offset`, and a symmetric `window`
+where the band is bounded on both sides); a pair every query sees whole runs with no mask.
 """
 
 from __future__ import annotations
@@ -109,15 +109,18 @@ class _Band:
 
     def options(self) -> Optional[dict]:
         """The keywords of `attention` that make this band (on the call's `i - j`), or None
-        where none can (a bound on the wrong side of 0)."""
+        where none can. A bounded band `[lo, hi]` with `lo <= 0` is `causal` with
+        `causal_offset = -lo` (cuts below `lo`) and a symmetric window of `hi - lo + 1` about
+        that offset (cuts above `hi`): one form for every band, with an offset that is never
+        negative (the GPU kernels' rule) and no asymmetric window (which they lack)."""
         lo, hi = self.lo, self.hi
-        if (lo is not None and lo > 0) or (hi is not None and hi < 0):
-            return None
         if lo is None and hi is None:
             return {}
+        if lo is None or lo > 0 or (hi is not None and hi < lo):
+            return None
         if hi is None:
             return {"causal": True, "causal_offset": -lo}
-        return {"window_left": hi, "window_right": -1 if lo is None else -lo}
+        return {"causal": True, "causal_offset": -lo, "window": hi - lo + 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,11 +306,10 @@ def _block_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     """The engine's backward of one block given the merged out and the final lse: this block's
     share of dQ, and its dK, dV (the op `ferrocupy::attention_bwd`, which ferrocupy.torch
     registers; the forward imported it)."""
-    options = {"causal": False, "causal_offset": 0, "window_left": None, "window_right": None,
-               **options}
+    options = {"causal": False, "causal_offset": 0, "window": 0, **options}
     grad_q, grad_k, grad_v, _ = torch.ops.ferrocupy.attention_bwd(
-        grad_out=grad_out, q=q, k=k, v=v, out=out, lse=lse, attn_mask=None, window=0,
-        dropout_p=0.0, seed=_NO_SEED, scale=scale, **options)
+        grad_out=grad_out, q=q, k=k, v=v, out=out, lse=lse, attn_mask=None, dropout_p=0.0,
+        seed=_NO_SEED, scale=scale, **options)
     return grad_q, grad_k, grad_v
 
 

@@ -153,17 +153,19 @@ def _visible(geometry, causal: bool, window: int, rank: int, source: int) -> tor
 
 
 def _covered(blocks: list, sq: int, sk: int) -> torch.Tensor:
-    """[Sq_local, Sk_local] int: how many blocks make each (row, key) visible."""
+    """[Sq_local, Sk_local] int: how many blocks make each (row, key) visible, by SPEC's rule
+    applied to the options each block passes to `attention`."""
     count = torch.zeros(sq, sk, dtype=torch.int64)
     for block in blocks:
         opts = block.options()
         assert opts is not None, block
-        band = block.band
-        for i in range(block.rows.start, block.rows.stop):
-            for j in range(block.keys.start, block.keys.stop):
-                d = (i - block.rows.start) - (j - block.keys.start)
-                if (band.lo is None or d >= band.lo) and (band.hi is None or d <= band.hi):
-                    count[i, j] += 1
+        causal, offset, window = (opts.get("causal", False), opts.get("causal_offset", 0),
+                                  opts.get("window", 0))
+        for i in range(block.rows.stop - block.rows.start):
+            a = i + offset
+            for j in range(block.keys.stop - block.keys.start):
+                if (not causal or j <= a) and (window == 0 or abs(a - j) < window):
+                    count[block.rows.start + i, block.keys.start + j] += 1
     return count
 
 
@@ -182,9 +184,10 @@ def test_blocks_cover_exactly_the_visible_pairs_once(world, layout, half_q, half
     count = _covered(blocks, sq, sk)
     assert count.max() <= 1, blocks
     assert torch.equal(count.bool(), want), blocks
-    # a call's options place its band with a non-negative causal_offset (the GPU kernels'
-    # rule), and a step whose keys no query sees runs nothing
+    # a call's options are ones the GPU kernels take (a non-negative causal_offset, a
+    # symmetric window), and a step whose keys no query sees runs nothing
     for block in blocks:
+        assert set(block.options()) <= {"causal", "causal_offset", "window"}
         assert block.options().get("causal_offset", 0) >= 0
         assert block.rows.stop > block.rows.start and block.keys.stop > block.keys.start
     if not want.any():
