@@ -221,12 +221,11 @@ def _torch_cp_call(args, case, shards, torch, dist):
     set_rotate_method(args.torch_rotate)
     mesh = init_device_mesh(args.device, (case.world,))
     q, k, v, grad_out = (x.transpose(1, 2).contiguous() for x in shards)
-    # context_parallel shards its buffers itself: hand it the whole-length placeholders it
-    # expects and put our shards in afterwards
-    holders = [torch.empty(x.shape[0], x.shape[1], case.seq, x.shape[3], dtype=x.dtype,
-                           device=x.device) for x in (q, k, v)]
-    context = context_parallel(mesh, buffers=holders, buffer_seq_dims=[2, 2, 2],
-                               no_restore_buffers=set(holders))
+    # context_parallel shards its buffers itself and sizes its load balancer by the first
+    # one's length: hand it one tiny whole-length placeholder; the shards are already ours
+    holder = torch.empty(1, 1, case.seq, 1, dtype=q.dtype, device=q.device)
+    context = context_parallel(mesh, buffers=[holder], buffer_seq_dims=[2],
+                               no_restore_buffers={holder})
     context.__enter__()
     leaves = [x.detach().requires_grad_(case.direction == "step") for x in (q, k, v)]
     gqa = args.heads != args.kv_heads

@@ -29,6 +29,7 @@ where the band is bounded on both sides); a pair every query sees whole runs wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -206,7 +207,8 @@ def _diffs(q_chunk: tuple, k_chunk: tuple) -> tuple:
     return (q_chunk[0] - (k_chunk[0] + k_chunk[2] - 1), q_chunk[0] + q_chunk[2] - 1 - k_chunk[0])
 
 
-def _step_blocks(geometry: "_Geometry", rank: int, source: int) -> list:
+@functools.lru_cache(maxsize=1024)  # the same few (geometry, rank, source) every call
+def _step_blocks(geometry: "_Geometry", rank: int, source: int) -> tuple:
     """The calls of the step where `rank`'s queries meet `source`'s keys."""
     g = geometry
     q_chunks = _chunks(rank, g.world, g.sq, g.layout)
@@ -217,8 +219,8 @@ def _step_blocks(geometry: "_Geometry", rank: int, source: int) -> list:
     if len(blocks) > 1:
         whole = _whole_block(g.band, q_chunks, k_chunks, g.causal_offset, g.sq, g.sk)
         if whole is not None:
-            return [whole]
-    return blocks
+            return (whole,)
+    return tuple(blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,16 +263,15 @@ def _wait(requests) -> None:
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """Fold one block's (out, lse) into the running float32 (out, lse) of the same rows, in
-    place: the softmax over the union of their keys. Rows that neither saw stay out 0,
-    lse -inf."""
-    top = torch.maximum(lse, block_lse)
-    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
-    w_old, w_new = torch.exp(lse - top), torch.exp(block_lse - top)
-    total = w_old + w_new
-    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    out.mul_((w_old * inv).transpose(1, 2).unsqueeze(-1))
-    out.add_(block_out.float() * (w_new * inv).transpose(1, 2).unsqueeze(-1))
-    lse.copy_(top + torch.log(total))
+    place: the softmax over the union of their keys. The weights are computed on the small
+    lse tensors; `out` is read and written twice (a scale, then a fused multiply-add). Rows
+    that neither saw stay out 0, lse -inf."""
+    new_lse = torch.logaddexp(lse, block_lse)  # -inf where both are
+    safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)  # [B, rows, H, 1]
+    w_new = torch.exp(block_lse - safe).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).addcmul_(block_out, w_new)
+    lse.copy_(new_lse)
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, geometry: _Geometry,

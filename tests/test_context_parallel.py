@@ -191,7 +191,7 @@ def test_blocks_cover_exactly_the_visible_pairs_once(world, layout, half_q, half
         assert block.options().get("causal_offset", 0) >= 0
         assert block.rows.stop > block.rows.start and block.keys.stop > block.keys.start
     if not want.any():
-        assert blocks == []
+        assert blocks == ()
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -214,8 +214,8 @@ def test_zigzag_causal_is_one_call_a_step_and_skips_nothing_it_needs(world):
 
 def test_contiguous_causal_skips_later_shards():
     geometry = cp._Geometry(4, 8, 8, "contiguous", cp._Band.of(True, 0), 0)
-    assert cp._step_blocks(geometry, 1, 2) == []
-    assert cp._step_blocks(geometry, 1, 3) == []
+    assert cp._step_blocks(geometry, 1, 2) == ()
+    assert cp._step_blocks(geometry, 1, 3) == ()
     assert cp._step_blocks(geometry, 2, 0)[0].options() == {}
 
 
