@@ -63,15 +63,39 @@ def _options(case: tuple, world: int) -> dict:
     return dict(causal=causal, causal_offset=_offset(case, world), window=window, scale=scale)
 
 
+# a 4-rank group also runs one case on two rings of non-adjacent ranks (subgroups: their ranks
+# are not the global ones)
+SUBGROUPS = ((0, 2), (1, 3))
+SUBGROUP_CASE = "zigzag-causal-gqa"
+
+
 def _inputs(seed: int, world: int) -> dict:
-    """name: (q, k, v, grad_out) over whole sequences, float32."""
+    """name: (q, k, v, grad_out) over whole sequences, float32 (and "subgroup": the subgroup
+    case's, for a 4-rank group)."""
     gen = torch.Generator().manual_seed(seed)
+    sizes = [(name, world) for name in CASES]
+    if world == 4:
+        sizes.append((SUBGROUP_CASE, len(SUBGROUPS[0])))
     inputs = {}
-    for name, (layout, causal, offset, window, H, Hkv, scale, sq, sk) in CASES.items():
+    for name, ranks in sizes:
+        layout, causal, offset, window, H, Hkv, scale, sq, sk = CASES[name]
         shapes = ((sq, H), (sk, Hkv), (sk, Hkv), (sq, H))
-        inputs[name] = tuple(torch.randn(BATCH, s * world, h, HEAD_DIM, generator=gen)
-                             for s, h in shapes)
+        key = name if ranks == world else "subgroup"
+        inputs[key] = tuple(torch.randn(BATCH, s * ranks, h, HEAD_DIM, generator=gen)
+                            for s, h in shapes)
     return inputs
+
+
+def _through_ring(tensors: tuple, name: str, rank: int, world: int, group=None) -> tuple:
+    """This rank's shards of (out, dq, dk, dv) for one case."""
+    q, k, v, grad_out = tensors
+    case = CASES[name]
+    layout = case[0]
+    q, k, v = (cp.shard_sequence(x, rank, world, layout).requires_grad_() for x in (q, k, v))
+    out = ft.context_parallel_attention(q, k, v, layout=layout, group=group,
+                                        **_options(case, world))
+    out.backward(cp.shard_sequence(grad_out, rank, world, layout))
+    return out.detach(), q.grad, k.grad, v.grad
 
 
 def _rank_main(rank: int, world: int, directory: str, inputs: dict) -> None:
@@ -80,28 +104,34 @@ def _rank_main(rank: int, world: int, directory: str, inputs: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        results = {}
-        for name, (q, k, v, grad_out) in inputs.items():
-            case = CASES[name]
-            layout = case[0]
-            q, k, v = (cp.shard_sequence(x, rank, world, layout).requires_grad_()
-                       for x in (q, k, v))
-            out = ft.context_parallel_attention(q, k, v, layout=layout, **_options(case, world))
-            out.backward(cp.shard_sequence(grad_out, rank, world, layout))
-            results[name] = (out.detach(), q.grad, k.grad, v.grad)
+        results = {name: _through_ring(inputs[name], name, rank, world) for name in CASES}
+        if world == 4:
+            groups = [dist.new_group(list(ranks)) for ranks in SUBGROUPS]  # every rank makes all
+            (mine,) = [i for i, ranks in enumerate(SUBGROUPS) if rank in ranks]
+            results["subgroup"] = _through_ring(inputs["subgroup"], SUBGROUP_CASE,
+                                                SUBGROUPS[mine].index(rank),
+                                                len(SUBGROUPS[mine]), groups[mine])
         torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def _gather(per_rank: list, key: str, layout: str) -> tuple:
+    return tuple(cp.unshard_sequence([p[key][i] for p in per_rank], layout) for i in range(4))
+
+
 def _run_group(world: int, directory: str, inputs: dict) -> dict:
-    """name: (out, dq, dk, dv) over whole sequences, gathered from every rank's shards."""
+    """name: (out, dq, dk, dv) over whole sequences, gathered from every rank's shards (and
+    "subgroup0", "subgroup1" for a 4-rank group)."""
     tmp.start_processes(_rank_main, args=(world, directory, inputs), nprocs=world,
                         start_method="fork")
     per_rank = [torch.load(os.path.join(directory, f"rank{r}.pt")) for r in range(world)]
-    return {name: tuple(cp.unshard_sequence([p[name][i] for p in per_rank], CASES[name][0])
-                        for i in range(4))
-            for name in CASES}
+    results = {name: _gather(per_rank, name, CASES[name][0]) for name in CASES}
+    if world == 4:
+        for i, ranks in enumerate(SUBGROUPS):
+            results[f"subgroup{i}"] = _gather([per_rank[r] for r in ranks], "subgroup",
+                                              CASES[SUBGROUP_CASE][0])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -128,14 +158,24 @@ def _unsharded(q, k, v, grad_out, **options) -> tuple:
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _assert_equal_to_unsharded(got: tuple, want: tuple) -> None:
+    for what, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, (1e-5, 1e-4, 1e-4, 1e-4)):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("world", WORLDS)
 def test_ring_equals_unsharded_attention(ring_runs, world, name):
     inputs, results = ring_runs(world)
     want = _unsharded(*inputs[name], **_options(CASES[name], world))
-    got = results[name]
-    for what, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, (1e-5, 1e-4, 1e-4, 1e-4)):
-        torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+    _assert_equal_to_unsharded(results[name], want)
+
+
+@pytest.mark.parametrize("index", range(len(SUBGROUPS)))
+def test_a_subgroup_of_non_adjacent_ranks_is_its_own_ring(ring_runs, index):
+    inputs, results = ring_runs(4)
+    want = _unsharded(*inputs["subgroup"], **_options(CASES[SUBGROUP_CASE], 2))
+    _assert_equal_to_unsharded(results[f"subgroup{index}"], want)
 
 
 # --- the block geometry -------------------------------------------------------------------------
