@@ -8,7 +8,8 @@ and the single-GPU attention on each rank's local work. Run with torchrun, one p
 - weak scaling: fixed tokens per GPU (`--tokens-per-gpu`, default 16384 and 65536), so the
   sequence is that times the world size;
 - strong scaling: fixed sequences (`--seq`, default 131072, 262144 and 1048576) over the world.
-Defaults: bfloat16, B1, H16 (as many KV heads: `--kv-heads` for GQA), D128, causal, zigzag, forward and forward+backward.
+Defaults: bfloat16, B1, H16 (as many KV heads: `--kv-heads` for GQA), D128, causal, zigzag,
+forward and forward+backward.
 Each case reports the TFLOP/s per GPU, counted as FlashAttention counts the unsharded call
 (4·B·H·S²·D / 2 causal; the backward 2.5×) divided by the world size, timed with CUDA events
 as the slowest rank's mean over `--repeats` calls after `--warmup`. Beside it:
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass
