@@ -21,6 +21,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+import multiprocessing  # noqa: E402
+
 import hypothesis.strategies as st  # noqa: E402
 import torch.multiprocessing as tmp  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
@@ -137,6 +139,8 @@ def _run_group(world: int, directory: str, inputs: dict) -> dict:
 @pytest.fixture(scope="module")
 def ring_runs(tmp_path_factory):
     """world: (inputs, results), each group run once, on first use."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("the groups are forked (a child imports nothing); this platform cannot fork")
     seed = int(os.environ.get("FERROCUPY_TEST_SEED") or secrets.randbits(63))
     runs = {}
 
