@@ -717,3 +717,4 @@ def rope_(x: Tensor, head_dim: int, pos: int = 0, theta: float = 10000.0, *,
             f"call rope_ under torch.no_grad()")
     _rope_(x, head_dim, pos, float(theta), positions, rotary_dim, interleaved)
     return x
+from .context_parallel import context_parallel_attention  # noqa: E402,F401 - ring attention

@@ -172,7 +172,8 @@ def test_there_are_lab_scripts_to_check():
     assert len(LAB_FILES) >= 5, LAB_FILES
 
 
-@pytest.mark.parametrize("module", ["torch.py", "transformers.py", "flash_attn.py"])
+@pytest.mark.parametrize("module", ["torch.py", "transformers.py", "flash_attn.py",
+                                    "context_parallel.py"])
 def test_framework_modules_use_public_names_only(module):
     path = PACKAGE / module
     uses = private_uses(path.read_text(), in_package=True)
