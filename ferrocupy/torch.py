@@ -31,7 +31,7 @@ from torch import Tensor
 from .engine import AttentionOptions, ComputeEngine
 from .tensor import UnifiedTensor
 
-__all__ = ["attention", "attention_with_kvcache", "rope", "rope_"]
+__all__ = ["attention", "attention_with_kvcache", "context_parallel_attention", "rope", "rope_"]
 
 
 _REFERENCE = ComputeEngine("reference", quiet=True)  # every CPU tensor
@@ -717,4 +717,7 @@ def rope_(x: Tensor, head_dim: int, pos: int = 0, theta: float = 10000.0, *,
             f"call rope_ under torch.no_grad()")
     _rope_(x, head_dim, pos, float(theta), positions, rotary_dim, interleaved)
     return x
-from .context_parallel import context_parallel_attention  # noqa: E402,F401 - ring attention
+
+
+# Ring attention (issue 28) lives in its own module, which imports this one inside its calls.
+from .context_parallel import context_parallel_attention  # noqa: E402 - after what it uses
