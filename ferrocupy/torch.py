@@ -193,8 +193,9 @@ def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], caus
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     else:
         lse = torch.empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32, device=q.device)
-    index = _index_tensors(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           block_table=block_table)
+    index = (_NO_INDEX if cu_seqlens_q is None and cu_seqlens_k is None and block_table is None
+             else _index_tensors(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 block_table=block_table))
     named = {"q": q, "k": k, "v": v, "out": out, "mask": mask, "lse": lse, "kv_lens": lens,
              "alibi_slopes": alibi_slopes, "sinks": sinks, **index}
     _run(_engine(q.device).plan_attention(q, k, v, out, opts, mask, lse=lse, kv_lens=lens,
@@ -211,6 +212,9 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
         return (q.shape[-2], q.shape[0])
     B, Sq, H, _ = q.shape
     return (B, H, Sq)
+
+
+_NO_INDEX: dict = {}  # a call without index tensors (never written)
 
 
 def _index_tensors(**named: Optional[Tensor]) -> dict:
@@ -250,7 +254,8 @@ def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     gq, gk, gv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     gs = _grad_sinks_like(q, sinks)
     has_gs = sinks is not None
-    index = _index_tensors(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    index = (_NO_INDEX if cu_seqlens_q is None and cu_seqlens_k is None
+             else _index_tensors(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
     plan = _engine(q.device).plan_attention_backward(
         q, k, v, out, grad_out, gq, gk, gv, opts, mask, lse=lse, alibi_slopes=alibi_slopes,
         sinks=sinks, grad_sinks=gs if has_gs else None, max_seqlen_q=max_seqlen_q,
@@ -434,8 +439,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
         raise ValueError("ferrocupy.torch.attention has no backward with kv_lens or block_table "
                          "(a KV cache is for inference): call it under torch.no_grad() or "
                          "with inputs that do not require grad")
-    packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    tail = () if all(x is None for x in packed) else packed  # the op's arguments after sinks
+    # the op's arguments after sinks (none in the common call: tested one by one, the cheapest)
+    if (cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None
+            and max_seqlen_k is None and block_table is None):
+        tail = ()
+    else:
+        tail = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     if (not return_lse and alibi_slopes is None and sinks is None and not tail
             and _eager_inference(q, k, v, attn_mask, kv_lens)):
         return _forward_now(q, k, v, attn_mask, causal, causal_offset, window, float(dropout_p),
