@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 timeout "${GATE_S:-300}" python3 benchmarks/compare.py --dtype bfloat16,float16 \
   --cases "${CASES:-s1024-,s4096-,s16384-,train-,bias-,window-,dropout-,kvlens-,gqa-}" \
   --json "$OUT/gate.json" > "$OUT/gate.txt" 2>&1
-echo "gate rc=$? at $((SECONDS - start)) s"; grep -iE "gate|geomean|FAIL|PASS" "$OUT/gate.txt" | tail -40
+echo "gate rc=$? at $((SECONDS - start)) s"; tail -45 "$OUT/gate.txt" | cut -c1-150
 timeout 90 python3 lab/pad_probe.py 2>&1 | tee "$OUT/pad_probe.txt" | cut -c1-90
 echo "pad probe done at $((SECONDS - start)) s"
 left=$(( ${END_S:-585} - (SECONDS - start) ))
