@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import rope_args
+from .params import check_seed
 from .plan import (ARGS, BACKWARD, FORWARD, AttentionPlan, PlanScalars, TensorSpec,
                    check_device, check_dtypes)
 from .tensor import UnifiedTensor, cuda_available
@@ -40,14 +41,15 @@ class AttentionOptions:
     window_left: int | None = None
     window_right: int | None = None
     softcap: float = 0.0
-    # The values with their types (True == 1 == 1.0, but not all are valid), hashable: what a
-    # plan is kept by. None when a value is unhashable (validate() then says why).
+    # The values but the seed, with their types (True == 1 == 1.0, but not all are valid),
+    # hashable: what a plan is kept by (the seed is a value of each run: dropout with a fresh seed
+    # per step reuses the step's plans). None when a value is unhashable (validate() says why).
     key: "_Key | None" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         values = tuple((type(x), x) for x in (self.causal, self.causal_offset, self.window,
-                                              self.dropout_prob, self.seed, self.scale,
-                                              self.window_left, self.window_right, self.softcap))
+                                              self.dropout_prob, self.scale, self.window_left,
+                                              self.window_right, self.softcap))
         try:
             key = _Key(values)
         except TypeError:
@@ -80,9 +82,7 @@ class AttentionOptions:
             raise TypeError(f"dropout_prob must be a number, got {p!r}")
         if not 0.0 <= float(p) < 1.0 or not 0.0 <= float(np.float32(p)) < 1.0:
             raise ValueError(f"dropout_prob must lie in [0, 1), got {self.dropout_prob}")
-        if (isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer))
-                or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        check_seed(self.seed)
         if self.scale is not None:
             _check_float("scale", self.scale, lambda c: c > 0, "finite and > 0", " or None")
 
@@ -451,6 +451,8 @@ class ComputeEngine:
                 if len(self._plans) >= _PLANS_MAX:
                     self._plans.clear()
                 self._plans[key] = plan
+        elif plan.options.seed != opts.seed or type(plan.options.seed) is not type(opts.seed):
+            plan = plan.reseeded(opts)
         return plan, ptrs
 
     def _spec(self, name: str, x) -> TensorSpec:

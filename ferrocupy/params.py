@@ -90,6 +90,13 @@ EXTRAS_ROTARY = 64  # the append rotates q and k_new by rotary_cos/rotary_sin ta
 EXTRAS_ROTARY_INTERLEAVED = 128  # ... pairing (x[2i], x[2i+1]) (else rotate-half)
 
 
+def check_seed(seed) -> None:
+    """Dropout's seed is an int in [0, 2**64)."""
+    if (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer))
+            or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+
+
 def extras_params(opts, alibi_slopes=None, sinks=None, *, varlen: bool = False,
                   page_size: int = 0, new_keys: int | None = None, rotary_dim: int = 0,
                   rotary_interleaved: bool = False) -> np.void:

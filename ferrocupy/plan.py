@@ -23,12 +23,13 @@ shape, and nothing is written.
 from __future__ import annotations
 
 import math
+import struct
 from typing import NamedTuple
 
 import numpy as np
 
 from . import dtypes as _dt
-from .params import (LAYOUT_TENSORS, MAX_HEAD_DIM, AttentionDims, extras_params,
+from .params import (LAYOUT_TENSORS, MAX_HEAD_DIM, AttentionDims, check_seed, extras_params,
                      layout_params)
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -168,6 +169,24 @@ class AttentionPlan:
         self._indexed = any(self.specs.get(n) is not None for n in _INDEX)
         self._rows = [n for n, s in self.specs.items() if s is not None and n in LAYOUT_TENSORS]
         self._launches: dict = {}  # the CUDA backend's plans, by (its table, rows' alignment)
+        # Dropout's seed, written into the kernels' packed params on each run: plans of one call
+        # shape that differ only in their seed share the backend's launch plans (`reseeded`).
+        self._seed = int(self.params["seed"]) if opts.dropout_prob else None
+
+    def reseeded(self, opts) -> "AttentionPlan":
+        """This plan for options `opts` that differ from its own in the seed alone (only the
+        seed is checked): every check and the backend's launch plans are shared."""
+        check_seed(opts.seed)
+        plan = object.__new__(AttentionPlan)
+        plan.__dict__.update(self.__dict__)
+        plan.options = opts
+        seed = int(opts.seed) & 0xFFFFFFFF  # the kernels use the low 32 bits
+        raw = bytearray(self.params.tobytes())  # (a copy this way is ~8x cheaper than .copy())
+        struct.pack_into("<I", raw, self.params.dtype.fields["seed"][1], seed)
+        plan.params = np.frombuffer(raw, self.params.dtype)[0]
+        if plan._seed is not None:
+            plan._seed = seed
+        return plan
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{n}={tuple(s.shape)}" for n, s in self.specs.items() if s)
@@ -264,7 +283,7 @@ class AttentionPlan:
                                  "counter of the call's own)")
             counter = alloc((1,))
             counter.zero_() if hasattr(counter, "zero_") else counter.fill(0)
-        backend.run_plan(launch, pointers, stream, alloc, counter)
+        backend.run_plan(launch, pointers, stream, alloc, counter, seed=self._seed)
 
     # --- checks on the call's memory ----------------------------------------------------------
     def _check_values(self, read) -> None:

@@ -27,7 +27,8 @@ def padded_table(dtype, dp: int) -> dict:
     table = dict(configs.TABLE)
     for op in (configs.FORWARD, configs.BACKWARD_DQ, configs.BACKWARD_DKDV):
         key = (op, dtype, dp)
-        table[key] = tuple(configs._wgmma(op, dtype, kd)) + tuple(table[key])
+        wgmma = tuple(v for v in configs.TABLE[(op, dtype, kd)] if v.isa == configs.WGMMA)
+        table[key] = wgmma + tuple(table[key])
     return table
 
 

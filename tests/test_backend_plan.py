@@ -224,7 +224,7 @@ def recorded(monkeypatch, *fields):
     runs = []
     get = {"ptrs": lambda self, ptrs, stream: dict(ptrs), "stream": lambda self, ptrs, s: s,
            "args": lambda self, ptrs, stream: self.args}
-    monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream: runs.append(
+    monkeypatch.setattr(launch.PackedLaunch, "run", lambda self, ptrs, stream, seed=None: runs.append(
         (self.fn.name, *(get[f](self, ptrs, stream) for f in fields))))
     return runs
 
@@ -321,3 +321,37 @@ def test_backward_plan_owns_its_stats(monkeypatch):
     runs.clear()  # given the forward's lse, dQ on the warpgroup tensor cores too
     backward(dict(bufs, lse=buf((1, 8, 256), FLOAT32)), p)
     assert [r[0] for r in runs] == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"]
+
+
+def test_a_run_writes_its_dropout_seed_into_every_launch(monkeypatch):
+    """What the driver receives: each launch's packed struct, read back through the kernel
+    argument array, carries the seed of the run that launched it (a plan is shared by calls
+    that differ in their seed alone), and the plan's own where a run names none."""
+    import ctypes
+
+    from ferrocupy.cuda import launch
+
+    seen = []  # per launch: the seed word of its params struct, as the kernel would read it
+
+    def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+        packed = plan.launches[fn - 1]
+        addrs = (ctypes.c_uint64 * len(packed.args)).from_address(args)
+        at = len(packed.args) - 1  # the struct is the last argument
+        word = packed.args[at].dtype.fields["seed"][1]
+        seen.append(ctypes.c_uint32.from_address(addrs[at] + word).value)
+
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(launchKernel=launch_kernel))
+    b = backend()
+    q, k = (1, 256, 8, 64), (1, 256, 4, 64)
+    bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
+                grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16))
+    bufs.pop("kv_lens")
+    p = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
+        AttentionOptions(causal=True, dropout_prob=0.1, seed=11))
+    plan = make_plan(b, "backward", bufs, p)
+    assert len(plan.launches) == 2
+    for i, x in enumerate(plan.launches):
+        x._function = i + 1  # (a compiled kernel's handle: the fake loader compiles nothing)
+    for seed in (None, 5, 2**32 - 1, None):
+        b.run_plan(plan, ptrs(bufs), 7, seed=seed)
+    assert seen == [11, 11, 5, 5, 2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1]

@@ -43,6 +43,32 @@ def test_one_plan_per_call_shape(eng, rng):
     np.testing.assert_array_equal(out, want)
 
 
+def test_dropout_plans_differ_in_their_seed_alone(eng, rng):
+    """The seed is a value of each run: a call with a new seed reuses the checks and launch plans
+    of its call shape (a training step draws a fresh seed every time) but runs with its own
+    seed, every time, whichever seed ran before it."""
+    q, k, v, _ = _qkvo(rng, sq=6, sk=9)
+    opts = {s: AttentionOptions(causal=True, dropout_prob=0.5, seed=s) for s in (1, 2, 2**40 + 3)}
+    want = {}
+    for s, o in opts.items():  # each seed on a fresh engine: its answer alone
+        want[s] = np.full((2, 6, 4, 8), np.nan, np.float32)
+        ComputeEngine("reference", quiet=True).flash_attention_v2_with(q, k, v, want[s], o)
+    assert not np.array_equal(want[1], want[2])
+    first = eng.plan_attention(q, k, v, want[1], opts[1])
+    for s in (2, 1, 2**40 + 3, 2, 1):
+        out = np.full_like(want[1], np.nan)
+        eng.flash_attention_v2_with(q, k, v, out, opts[s])
+        np.testing.assert_array_equal(out, want[s])
+        plan = eng.plan_attention(q, k, v, out, opts[s])
+        assert plan.options is opts[s] and int(plan.params["seed"]) == s & 0xFFFFFFFF
+        assert (plan is first) == (s == 1) and plan.dims is first.dims  # checks shared
+    assert int(first.params["seed"]) == 1  # a reseeded plan leaves its origin's params alone
+    for bad in (True, -1, 2**64, 1.0):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(dropout_prob=0.5,
+                                                                        causal=True, seed=bad))
+
+
 def test_a_plan_made_from_specs_runs_on_tensors(eng, rng):
     q, k, v, out = _qkvo(rng)
     spec = lambda a: TensorSpec.contiguous(a.shape, a.dtype, "cpu")  # noqa: E731

@@ -428,7 +428,7 @@ class _CudaRecorder:
     dtypes = ComputeEngine("reference", quiet=True).backend.dtypes
 
     def __init__(self, counted=True):
-        self.plans, self.launches, self.counted = [], [], counted
+        self.plans, self.launches, self.seeds, self.counted = [], [], [], counted
 
     def plan(self, op, buffers, params, layout, ptrs):
         self.plans.append((op, {n: b and b.dtype for n, b in buffers.items()}))
@@ -442,9 +442,10 @@ class _CudaRecorder:
     def read_int32(self, ptr, n, stream):  # "device" memory is host memory here
         return np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(ptr)).copy()
 
-    def run_plan(self, plan, ptrs, stream, alloc, counter=None):
+    def run_plan(self, plan, ptrs, stream, alloc, counter=None, seed=None):
         work = alloc((3, 2))
         self.launches.append((plan, dict(ptrs), stream, work.dtype, tuple(work.shape), counter))
+        self.seeds.append(seed)
 
 
 def test_cuda_tensors_run_a_kept_plan_from_their_addresses(gen, monkeypatch):
@@ -495,6 +496,25 @@ def test_cuda_tensors_run_a_kept_plan_from_their_addresses(gen, monkeypatch):
     with pytest.raises(ValueError, match="lse .* shares memory with q"):  # checked every call
         run(dict(named, lse=q.view(-1)[:8].view(2, 4, 1)))
     assert len(rec.launches) == 2
+
+
+def test_dropout_with_a_fresh_seed_each_step_plans_once(gen, monkeypatch):
+    """A training step draws a new dropout seed every time: its calls reuse one backend plan
+    (the checks and launches of the call shape), each run carrying its own seed."""
+    engine = ComputeEngine("reference", quiet=True)
+    engine.backend = rec = _CudaRecorder()
+    monkeypatch.setattr(ft, "_engine", lambda device: engine)
+    monkeypatch.setattr(ft, "_stream", lambda device: 77)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q, k, v = _qkv(gen, B=1, Sq=4, Sk=6)
+    seeds = []
+    for step in range(4):
+        torch.manual_seed(step)
+        seeds.append(ft._seed_int(ft._seed_tensor(None, 0.2)))
+        torch.manual_seed(step)
+        ft._forward_now(q, k, v, None, True, 2, 0, 0.2, None, None, None)
+    assert len(set(seeds)) == 4 and len(rec.plans) == 1
+    assert rec.seeds == [s & 0xFFFFFFFF for s in seeds]
 
 
 def test_eager_inference_runs_the_ops_body_without_the_op(gen, monkeypatch):

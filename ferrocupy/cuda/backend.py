@@ -180,14 +180,16 @@ class CudaBackend:
             xp.ndarray(tuple(shape), dtype, mem,
                        tuple(st * dtype.itemsize for st in strides)).fill(0)
 
-    def run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc=None, counter=None) -> None:
+    def run_plan(self, plan: Plan, ptrs: dict, stream: int, alloc=None, counter=None,
+                 seed: int | None = None) -> None:
         """Launch `plan` on `stream` with these buffer addresses (name -> int, 0 for an absent
         one). Its workspace comes from `alloc`, or else is the plan's own for this stream.
         `counter`: a zeroed uint32 (array or tensor) for a persistent launch to claim tiles from
-        instead of the stream's (a launch captured in a CUDA graph takes one of its own)."""
+        instead of the stream's (a launch captured in a CUDA graph takes one of its own).
+        `seed`: dropout's seed word for this run (None: the one the plan was packed with)."""
         if self.xp.cuda.runtime.getDevice() != self._id:
             with self.xp.cuda.Device(self._id):
-                return self.run_plan(plan, ptrs, stream, alloc, counter)
+                return self.run_plan(plan, ptrs, stream, alloc, counter, seed)
         keep = None
         if plan.workspace:
             ptrs = dict(ptrs)
@@ -212,7 +214,7 @@ class CudaBackend:
             ptrs = dict(ptrs, tile_counter=address(counter) if counter is not None
                         else self._tile_counter(stream))
         for launch in plan.launches:
-            launch.run(ptrs, stream)
+            launch.run(ptrs, stream, seed)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
     def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void,

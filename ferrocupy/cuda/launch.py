@@ -23,7 +23,7 @@ class PackedLaunch:
     packed parameter struct as a structured scalar), each stored once at its own alignment."""
 
     __slots__ = ("fn", "blocks", "threads", "smem", "args", "_values", "_slots", "_slot_view",
-                 "_addr", "_addrs", "_function")
+                 "_addr", "_addrs", "_function", "_seed_words")
 
     def __init__(self, fn, blocks: int, threads: int, smem: int, args):
         self.fn, self.blocks, self.threads, self.smem = fn, int(blocks), int(threads), int(smem)
@@ -33,6 +33,9 @@ class PackedLaunch:
         slot_cells = np.zeros(max(1, sum(isinstance(a, Slot) for a in args)), np.uint64)
         self._slot_view = memoryview(slot_cells).cast("B").cast("Q")
         self._values, self._slots, self._function = [], [], None
+        # (a uint32 view of a struct's cell, the index of its `seed` word): where a run writes
+        # dropout's seed (the struct is copied by the driver at each launch)
+        self._seed_words = []
         for a in args:
             if isinstance(a, Slot):
                 i = len(self._slots)
@@ -45,6 +48,10 @@ class PackedLaunch:
             else:  # an array the plan owns: its address
                 cell = np.array([address(a)], np.uint64)
             self._values.append(cell)
+            fields = cell.dtype.fields
+            if fields and "seed" in fields:
+                self._seed_words.append((memoryview(cell.view(np.uint8)).cast("I"),
+                                         fields["seed"][1] // 4))
         self._addrs = np.array([c.ctypes.data for c in self._values], np.uint64)
         self._addr = int(self._addrs.ctypes.data)
 
@@ -52,11 +59,15 @@ class PackedLaunch:
     def slot_names(self) -> tuple:
         return tuple(name for _, name in self._slots)
 
-    def run(self, pointers: dict, stream: int) -> None:
-        """Write this call's buffer addresses, then launch on `stream` (a CUstream handle)."""
+    def run(self, pointers: dict, stream: int, seed: int | None = None) -> None:
+        """Write this call's buffer addresses (and dropout's `seed` word, unless None), then
+        launch on `stream` (a CUstream handle)."""
         view = self._slot_view
         for i, name in self._slots:
             view[i] = pointers[name]
+        if seed is not None:
+            for words, at in self._seed_words:
+                words[at] = seed
         if self._function is None:
             self._function = self.fn.kernel.ptr  # the cupy.RawKernel's CUfunction
             global driver
@@ -92,9 +103,9 @@ class Plan:
         # it must be zero before the launch, and the launch leaves it so)
         self.counted = any(TILE_COUNTER in x.slot_names for x in self.launches)
 
-    def run(self, pointers: dict, stream: int) -> None:
+    def run(self, pointers: dict, stream: int, seed: int | None = None) -> None:
         for launch in self.launches:
-            launch.run(pointers, stream)
+            launch.run(pointers, stream, seed)
 
 
 def address(a) -> int:
