@@ -25,7 +25,14 @@ echo "rope done at $((SECONDS - start)) s"
 wait $pre_pid; tail -1 "$OUT/precompile.log"; echo "precompiled at $((SECONDS - start)) s"
 ( timeout 200 compute-sanitizer --tool memcheck python3 lab/sanitize_rope.py 2>&1 | tail -4 \
     > "$OUT/sanitize_rope.txt" ) &
-SKIP_PRECOMPILE=1 TOTAL_S=$(( ${END_S:-570} - (SECONDS - start) )) bash lab/triage_hang.sh 2>&1 | tail -45
+# the triage's suite (suspects first), then issue 27's GPU files, then model coverage's
+FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
+  tests/test_cuda_attention.py tests/test_cuda_decode.py tests/test_cuda_reach.py
+  tests/test_cuda_plans.py tests/test_cuda_rope.py tests/test_cuda_torch_rope.py
+  tests/test_cuda_torch.py tests/test_layouts.py tests/test_cuda_flash_attn.py
+  tests/test_model_options.py tests/test_transformers_backend.py tests/test_context_parallel.py"}
+SKIP_PRECOMPILE=1 TOTAL_S=$(( ${END_S:-570} - (SECONDS - start) )) bash lab/triage_hang.sh $FILES 2>&1 \
+  | tail -45
 wait
 echo "== memcheck on RoPE"; cat "$OUT/sanitize_rope.txt"
 echo "round done at $((SECONDS - start)) s"
