@@ -25,10 +25,13 @@ echo "rope done at $((SECONDS - start)) s"
 wait $pre_pid; tail -1 "$OUT/precompile.log"; echo "precompiled at $((SECONDS - start)) s"
 ( timeout 200 compute-sanitizer --tool memcheck python3 lab/sanitize_rope.py 2>&1 | tail -4 \
     > "$OUT/sanitize_rope.txt" ) &
-# the triage's suite (suspects first), then issue 27's GPU files, then model coverage's
+# issue 27's RoPE and front-door GPU tests, then the triage: its suspects first, then the rest
+FERRO_FAILURE_LOG="$OUT/failures27.txt" timeout "${T27_S:-110}" python3 -m pytest -q -n 15 \
+  -p no:cacheprovider tests/test_cuda_rope.py tests/test_cuda_torch_rope.py tests/test_cuda_plans.py \
+  2>&1 | tee "$OUT/suite27.txt" | tail -3
+head -c 2000 "$OUT/failures27.txt" 2>/dev/null; echo "issue 27 tests done at $((SECONDS - start)) s"
 FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
   tests/test_cuda_attention.py tests/test_cuda_decode.py tests/test_cuda_reach.py
-  tests/test_cuda_plans.py tests/test_cuda_rope.py tests/test_cuda_torch_rope.py
   tests/test_cuda_torch.py tests/test_layouts.py tests/test_cuda_flash_attn.py
   tests/test_model_options.py tests/test_transformers_backend.py tests/test_context_parallel.py"}
 SKIP_PRECOMPILE=1 TOTAL_S=$(( ${END_S:-570} - (SECONDS - start) )) bash lab/triage_hang.sh $FILES 2>&1 \
