@@ -1,41 +1,37 @@
 #!/usr/bin/env bash
-# A session's first device call (~590 s), from the repository root with carry ["_seam", "_old"]:
-# issue 27's figures on the candidate tree _seam/ (main + lab/seam patches) -- host cost per call
-# against the tree before issue 27 (_old/, git archive 40c43ca) beside torch SDPA, the RoPE
-# bandwidth gate in every dtype, memcheck on every RoPE variant -- then the seam's hang triage
-# (lab/triage_hang.sh) for the rest of the call. The host cost runs first, on an idle host; every
-# variant is compiled during the RoPE gate. Logs under $OUT; the triage's summary names what it
-# left unrun. END_S: the call's length (default 570 s).
+# A session's first device call, from the repository root with carry ["_seam", "_old"]: issue 27's
+# figures on this tree -- host cost per call against the tree before issue 27 (_old/, git archive
+# 40c43ca) beside torch SDPA, the RoPE bandwidth gate in every dtype, the RoPE and front-door GPU
+# tests, memcheck on every RoPE variant -- then the seam's hang triage (lab/triage_hang.sh) on the
+# candidate tree _seam/ (main + lab/seam patches) for the rest of the call. The host cost runs
+# first, on an idle host. Logs under $OUT; the triage's summary names what it left unrun.
+# END_S: the call's length (default 570 s).
 set -o pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 start=$SECONDS
-cd _seam || exit 2
-export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 110 python3 lab/call_cost_ab.py ../_old 2>&1 | tee "$OUT/cost_ab.txt"
+timeout 110 python3 lab/call_cost_ab.py _old 2>&1 | tee "$OUT/cost_ab.txt"
 echo "cost done at $((SECONDS - start)) s"
-# every variant compiled while the RoPE gate runs (its timing is the GPU's, not the host's)
-( timeout 170 python3 -m ferrocupy.cuda.precompile > "$OUT/precompile.log" 2>&1
-  echo "precompile rc=$? $(tail -1 "$OUT/precompile.log")" >> "$OUT/precompile.log" ) &
-pre_pid=$!
 timeout 110 python3 benchmarks/compare.py --cases rope --json "$OUT/rope.json" 2>&1 \
   | tee "$OUT/rope.txt" | tail -30
 echo "rope done at $((SECONDS - start)) s"
-wait $pre_pid; tail -1 "$OUT/precompile.log"; echo "precompiled at $((SECONDS - start)) s"
 ( timeout 200 compute-sanitizer --tool memcheck python3 lab/sanitize_rope.py 2>&1 | tail -4 \
     > "$OUT/sanitize_rope.txt" ) &
-# issue 27's RoPE and front-door GPU tests, then the triage: its suspects first, then the rest
 FERRO_FAILURE_LOG="$OUT/failures27.txt" timeout "${T27_S:-110}" python3 -m pytest -q -n 15 \
   -p no:cacheprovider tests/test_cuda_rope.py tests/test_cuda_torch_rope.py tests/test_cuda_plans.py \
   2>&1 | tee "$OUT/suite27.txt" | tail -3
 head -c 2000 "$OUT/failures27.txt" 2>/dev/null; echo "issue 27 tests done at $((SECONDS - start)) s"
-FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
-  tests/test_cuda_attention.py tests/test_cuda_decode.py tests/test_cuda_reach.py
-  tests/test_cuda_torch.py tests/test_layouts.py tests/test_cuda_flash_attn.py
-  tests/test_model_options.py tests/test_transformers_backend.py tests/test_context_parallel.py"}
-SKIP_PRECOMPILE=1 TOTAL_S=$(( ${END_S:-570} - (SECONDS - start) )) bash lab/triage_hang.sh $FILES 2>&1 \
-  | tail -45
+left=$(( ${END_S:-570} - (SECONDS - start) ))
+if [ "$left" -gt 60 ] && [ -d _seam ]; then
+  cd _seam && export PYTHONPATH=$PWD
+  FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
+    tests/test_cuda_attention.py tests/test_cuda_decode.py tests/test_cuda_reach.py
+    tests/test_cuda_torch.py tests/test_layouts.py tests/test_cuda_flash_attn.py
+    tests/test_model_options.py tests/test_transformers_backend.py tests/test_context_parallel.py"}
+  SKIP_PRECOMPILE=${SKIP_PRECOMPILE:-1} TOTAL_S=$left bash lab/triage_hang.sh $FILES 2>&1 | tail -45
+  cd ..
+fi
 wait
 echo "== memcheck on RoPE"; cat "$OUT/sanitize_rope.txt"
 echo "round done at $((SECONDS - start)) s"
