@@ -2,7 +2,7 @@
 # A session's first device call, from the repository root with carry ["_seam", "_old"]: issue 27's
 # figures on this tree -- host cost per call against the tree before issue 27 (_old/, git archive
 # 40c43ca) beside torch SDPA, the RoPE bandwidth gate in every dtype, the RoPE and front-door GPU
-# tests, memcheck on every RoPE variant -- then the seam's hang triage (lab/triage_hang.sh) on the
+# tests (and issue 28's one-GPU NCCL run), memcheck on every RoPE variant -- then the seam's hang triage (lab/triage_hang.sh) on the
 # candidate tree _seam/ (main + lab/seam patches) for the rest of the call. The host cost runs
 # first, on an idle host. Logs under $OUT; the triage's summary names what it left unrun.
 # END_S: the call's length (default 570 s).
@@ -20,6 +20,7 @@ echo "rope done at $((SECONDS - start)) s"
     > "$OUT/sanitize_rope.txt" ) &
 FERRO_FAILURE_LOG="$OUT/failures27.txt" timeout "${T27_S:-110}" python3 -m pytest -q -n 15 \
   -p no:cacheprovider tests/test_cuda_rope.py tests/test_cuda_torch_rope.py tests/test_cuda_plans.py \
+  tests/test_context_parallel.py \
   2>&1 | tee "$OUT/suite27.txt" | tail -3
 head -c 2000 "$OUT/failures27.txt" 2>/dev/null; echo "issue 27 tests done at $((SECONDS - start)) s"
 left=$(( ${END_S:-570} - (SECONDS - start) ))
