@@ -16,8 +16,9 @@ echo "cost done at $((SECONDS - start)) s"
 timeout 110 python3 benchmarks/compare.py --cases rope --json "$OUT/rope.json" 2>&1 \
   | tee "$OUT/rope.txt" | tail -30
 echo "rope done at $((SECONDS - start)) s"
-( timeout 200 compute-sanitizer --tool memcheck python3 lab/sanitize_rope.py 2>&1 | tail -4 \
-    > "$OUT/sanitize_rope.txt" ) &
+tm=$(( ${END_S:-570} - (SECONDS - start) - 10 )); [ "$tm" -gt 200 ] && tm=200
+[ "$tm" -gt 15 ] && ( timeout "$tm" compute-sanitizer --tool memcheck python3 lab/sanitize_rope.py \
+    2>&1 | tail -4 > "$OUT/sanitize_rope.txt" ) &
 t27=$(( ${END_S:-570} - (SECONDS - start) - 5 )); [ "$t27" -gt "${T27_S:-110}" ] && t27=${T27_S:-110}
 [ "$t27" -gt 20 ] && FERRO_FAILURE_LOG="$OUT/failures27.txt" timeout "$t27" python3 -m pytest -q -n 15 \
   -p no:cacheprovider tests/test_cuda_rope.py tests/test_cuda_torch_rope.py tests/test_cuda_plans.py \
