@@ -356,3 +356,45 @@ def test_a_run_writes_its_dropout_seed_into_every_launch(monkeypatch):
     for seed in (None, 5, 2**32 - 1, None):
         b.run_plan(plan, ptrs(bufs), 7, seed=seed)
     assert seen == [11, 11, 5, 5, 2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1]
+
+
+def test_threads_running_one_plan_launch_with_their_own_tensors(monkeypatch):
+    """Two threads running the same plan (one call shape) at once: each launch gets the
+    addresses of its own run, never the other thread's (a run writes them into the launch's one
+    argument array, then launches)."""
+    import ctypes
+    import sys
+    import threading
+
+    from ferrocupy.cuda import launch
+
+    b = backend()
+    q, k = (1, 256, 8, 64), (1, 256, 4, 64)
+    bufs = forward_buffers(q, k, BFLOAT16)
+    plan = make_plan(b, "forward", bufs, params(q, k, causal=True))
+    packed = plan.launches[0]
+    packed._function = 1  # (a compiled kernel's handle: the fake loader compiles nothing)
+    at = next(i for i, a in enumerate(packed.args) if isinstance(a, launch.Slot) and a.name == "q")
+    wrong = []
+
+    def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+        addrs = (ctypes.c_uint64 * len(packed.args)).from_address(args)
+        if ctypes.c_uint64.from_address(addrs[at]).value != stream:  # each thread: q = stream
+            wrong.append(stream)
+
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(launchKernel=launch_kernel))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        def run(tag):
+            for _ in range(10000):
+                b.run_plan(plan, dict(ptrs(bufs), q=tag), tag)
+
+        threads = [threading.Thread(target=run, args=(tag,)) for tag in (1 << 20, 2 << 20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, f"{len(wrong)} of 20000 launches had another thread's q"

@@ -9,6 +9,8 @@ was made. Running a plan is one driver call per kernel, no argument conversion, 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .configs import TILE_COUNTER
@@ -23,7 +25,7 @@ class PackedLaunch:
     packed parameter struct as a structured scalar), each stored once at its own alignment."""
 
     __slots__ = ("fn", "blocks", "threads", "smem", "args", "_values", "_slots", "_slot_view",
-                 "_addr", "_addrs", "_function", "_seed_words")
+                 "_addr", "_addrs", "_function", "_seed_words", "_lock")
 
     def __init__(self, fn, blocks: int, threads: int, smem: int, args):
         self.fn, self.blocks, self.threads, self.smem = fn, int(blocks), int(threads), int(smem)
@@ -33,6 +35,10 @@ class PackedLaunch:
         slot_cells = np.zeros(max(1, sum(isinstance(a, Slot) for a in args)), np.uint64)
         self._slot_view = memoryview(slot_cells).cast("B").cast("Q")
         self._values, self._slots, self._function = [], [], None
+        # A run writes its addresses into the one argument array, then launches: two threads
+        # running one launch (one call shape) must not interleave there, or one launches with
+        # the other's tensors.
+        self._lock = threading.Lock()
         # (a uint32 view of a struct's cell, the index of its `seed` word): where a run writes
         # dropout's seed (the struct is copied by the driver at each launch)
         self._seed_words = []
@@ -63,17 +69,18 @@ class PackedLaunch:
         """Write this call's buffer addresses (and dropout's `seed` word, unless None), then
         launch on `stream` (a CUstream handle)."""
         view = self._slot_view
-        for i, name in self._slots:
-            view[i] = pointers[name]
-        if seed is not None:
-            for words, at in self._seed_words:
-                words[at] = seed
         if self._function is None:
             self._function = self.fn.kernel.ptr  # the cupy.RawKernel's CUfunction
             global driver
             from cupy.cuda import driver
-        driver.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1, self.smem,
-                            stream, self._addr, 0)
+        with self._lock:
+            for i, name in self._slots:
+                view[i] = pointers[name]
+            if seed is not None:
+                for words, at in self._seed_words:
+                    words[at] = seed
+            driver.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1,
+                                self.smem, stream, self._addr, 0)
 
 
 class Slot:
