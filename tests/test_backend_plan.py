@@ -359,9 +359,11 @@ def test_a_run_writes_its_dropout_seed_into_every_launch(monkeypatch):
 
 
 def test_threads_running_one_plan_launch_with_their_own_tensors(monkeypatch):
-    """Two threads running the same plan (one call shape) at once: each launch gets the
-    addresses of its own run, never the other thread's (a run writes them into the launch's one
-    argument array, then launches)."""
+    """Two threads running the same backward plan (one call shape) at once on one stream: each
+    launch gets the addresses of its own run, never the other thread's (a run writes them into
+    the launch's one argument array, then launches), and a run's two kernels are queued
+    together (they share the stream's statistics workspace: dK/dV must read what its own dQ
+    wrote)."""
     import ctypes
     import sys
     import threading
@@ -370,31 +372,40 @@ def test_threads_running_one_plan_launch_with_their_own_tensors(monkeypatch):
 
     b = backend()
     q, k = (1, 256, 8, 64), (1, 256, 4, 64)
-    bufs = forward_buffers(q, k, BFLOAT16)
-    plan = make_plan(b, "forward", bufs, params(q, k, causal=True))
-    packed = plan.launches[0]
-    packed._function = 1  # (a compiled kernel's handle: the fake loader compiles nothing)
-    at = next(i for i, a in enumerate(packed.args) if isinstance(a, launch.Slot) and a.name == "q")
-    wrong = []
+    bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
+                grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16))
+    bufs.pop("kv_lens")
+    plan = make_plan(b, "backward", bufs, AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
+        AttentionOptions(causal=True)))
+    assert len(plan.launches) == 2 and "stats" in plan.workspace
+    for i, x in enumerate(plan.launches):
+        x._function = i  # (a compiled kernel's handle: the fake loader compiles nothing)
+    at = [next(i for i, a in enumerate(x.args) if isinstance(a, launch.Slot) and a.name == "q")
+          for x in plan.launches]
+    queued = []  # (the q each launch got, which kernel)
 
     def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
-        addrs = (ctypes.c_uint64 * len(packed.args)).from_address(args)
-        if ctypes.c_uint64.from_address(addrs[at]).value != stream:  # each thread: q = stream
-            wrong.append(stream)
+        addrs = (ctypes.c_uint64 * len(plan.launches[fn].args)).from_address(args)
+        queued.append((ctypes.c_uint64.from_address(addrs[at[fn]]).value, fn,
+                       int(threading.current_thread().name)))
 
     monkeypatch.setattr(launch, "driver", SimpleNamespace(launchKernel=launch_kernel))
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
     try:
         def run(tag):
-            for _ in range(10000):
-                b.run_plan(plan, dict(ptrs(bufs), q=tag), tag)
+            for _ in range(5000):
+                b.run_plan(plan, dict(ptrs(bufs), q=tag), 7)
 
-        threads = [threading.Thread(target=run, args=(tag,)) for tag in (1 << 20, 2 << 20)]
+        threads = [threading.Thread(target=run, args=(tag,), name=str(tag))
+                   for tag in (1 << 20, 2 << 20)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     finally:
         sys.setswitchinterval(interval)
-    assert not wrong, f"{len(wrong)} of 20000 launches had another thread's q"
+    # each launch with its own thread's q, and each run's dQ followed by its own dK/dV
+    wrong = sum((q, fn) != (tag, i % 2) or tag != queued[i - i % 2][2]
+                for i, (q, fn, tag) in enumerate(queued))
+    assert len(queued) == 20000 and not wrong, f"{wrong} of 20000 launches out of their run"

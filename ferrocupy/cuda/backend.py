@@ -190,31 +190,32 @@ class CudaBackend:
         if self.xp.cuda.runtime.getDevice() != self._id:
             with self.xp.cuda.Device(self._id):
                 return self.run_plan(plan, ptrs, stream, alloc, counter, seed)
-        keep = None
-        if plan.workspace:
-            ptrs = dict(ptrs)
-            if alloc is not None:
-                keep = [alloc(shape) for shape in plan.workspace.values()]
-                for n, x in zip(plan.workspace, keep):
-                    if n == configs.TICKETS:  # zero before the launch (queued on the stream)
-                        x.zero_() if hasattr(x, "zero_") else x.fill(0)
-                ptrs.update(zip(plan.workspace, (address(x) for x in keep)))
-            else:
-                owned = plan.owned.get(stream)
-                if owned is None:
-                    # Zeroed once: the tickets must start at zero, and each launch leaves them so
-                    # (the stream orders the launches that share them).
-                    with self.xp.cuda.ExternalStream(stream, self._id):
-                        owned = plan.owned[stream] = {
-                            n: (self.xp.zeros if n == configs.TICKETS else self.xp.empty)(
-                                shape, dtype=np.float32)
-                            for n, shape in plan.workspace.items()}
-                ptrs.update((n, address(a)) for n, a in owned.items())
-        if plan.counted:
-            ptrs = dict(ptrs, tile_counter=address(counter) if counter is not None
-                        else self._tile_counter(stream))
-        for launch in plan.launches:
-            launch.run(ptrs, stream, seed)
+        with plan.lock:  # (see Plan.lock: one run at a time, its workspace to its launches)
+            keep = None
+            if plan.workspace:
+                ptrs = dict(ptrs)
+                if alloc is not None:
+                    keep = [alloc(shape) for shape in plan.workspace.values()]
+                    for n, x in zip(plan.workspace, keep):
+                        if n == configs.TICKETS:  # zero before the launch (queued on the stream)
+                            x.zero_() if hasattr(x, "zero_") else x.fill(0)
+                    ptrs.update(zip(plan.workspace, (address(x) for x in keep)))
+                else:
+                    owned = plan.owned.get(stream)
+                    if owned is None:
+                        # Zeroed once: the tickets must start at zero, and each launch leaves
+                        # them so (the stream orders the launches that share them).
+                        with self.xp.cuda.ExternalStream(stream, self._id):
+                            owned = plan.owned[stream] = {
+                                n: (self.xp.zeros if n == configs.TICKETS else self.xp.empty)(
+                                    shape, dtype=np.float32)
+                                for n, shape in plan.workspace.items()}
+                    ptrs.update((n, address(a)) for n, a in owned.items())
+            if plan.counted:
+                ptrs = dict(ptrs, tile_counter=address(counter) if counter is not None
+                            else self._tile_counter(stream))
+            for launch in plan.launches:
+                launch.run(ptrs, stream, seed)
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
     def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void,

@@ -25,7 +25,7 @@ class PackedLaunch:
     packed parameter struct as a structured scalar), each stored once at its own alignment."""
 
     __slots__ = ("fn", "blocks", "threads", "smem", "args", "_values", "_slots", "_slot_view",
-                 "_addr", "_addrs", "_function", "_seed_words", "_lock")
+                 "_addr", "_addrs", "_function", "_seed_words")
 
     def __init__(self, fn, blocks: int, threads: int, smem: int, args):
         self.fn, self.blocks, self.threads, self.smem = fn, int(blocks), int(threads), int(smem)
@@ -35,10 +35,6 @@ class PackedLaunch:
         slot_cells = np.zeros(max(1, sum(isinstance(a, Slot) for a in args)), np.uint64)
         self._slot_view = memoryview(slot_cells).cast("B").cast("Q")
         self._values, self._slots, self._function = [], [], None
-        # A run writes its addresses into the one argument array, then launches: two threads
-        # running one launch (one call shape) must not interleave there, or one launches with
-        # the other's tensors.
-        self._lock = threading.Lock()
         # (a uint32 view of a struct's cell, the index of its `seed` word): where a run writes
         # dropout's seed (the struct is copied by the driver at each launch)
         self._seed_words = []
@@ -67,20 +63,20 @@ class PackedLaunch:
 
     def run(self, pointers: dict, stream: int, seed: int | None = None) -> None:
         """Write this call's buffer addresses (and dropout's `seed` word, unless None), then
-        launch on `stream` (a CUstream handle)."""
+        launch on `stream` (a CUstream handle). Not for two threads at once: they would write
+        one argument array (`Plan.lock`)."""
         view = self._slot_view
         if self._function is None:
             self._function = self.fn.kernel.ptr  # the cupy.RawKernel's CUfunction
             global driver
             from cupy.cuda import driver
-        with self._lock:
-            for i, name in self._slots:
-                view[i] = pointers[name]
-            if seed is not None:
-                for words, at in self._seed_words:
-                    words[at] = seed
-            driver.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1,
-                                self.smem, stream, self._addr, 0)
+        for i, name in self._slots:
+            view[i] = pointers[name]
+        if seed is not None:
+            for words, at in self._seed_words:
+                words[at] = seed
+        driver.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1, self.smem,
+                            stream, self._addr, 0)
 
 
 class Slot:
@@ -100,7 +96,7 @@ class Plan:
     slots filled on each run like the buffers'); the workspace the backend made for it, by stream
     (when the caller supplies none); whether a launch takes the stream's tile counter."""
 
-    __slots__ = ("launches", "workspace", "owned", "counted")
+    __slots__ = ("launches", "workspace", "owned", "counted", "lock")
 
     def __init__(self, launches, workspace=None):
         self.launches = [x for x in launches if x.blocks]  # an empty grid launches nothing
@@ -109,10 +105,16 @@ class Plan:
         # A launch claims its tiles from the stream's tile counter (the backend's, not workspace:
         # it must be zero before the launch, and the launch leaves it so)
         self.counted = any(TILE_COUNTER in x.slot_names for x in self.launches)
+        # Held by a run from its workspace to its last launch: a run writes its addresses into
+        # each launch's one argument array, and its launches share the stream's workspace, so
+        # two threads running the plan at once must not interleave (one would launch with the
+        # other's tensors, or read the statistics the other's first kernel wrote).
+        self.lock = threading.Lock()
 
     def run(self, pointers: dict, stream: int, seed: int | None = None) -> None:
-        for launch in self.launches:
-            launch.run(pointers, stream, seed)
+        with self.lock:
+            for launch in self.launches:
+                launch.run(pointers, stream, seed)
 
 
 def address(a) -> int:
