@@ -451,8 +451,8 @@ class ComputeEngine:
                 if len(self._plans) >= _PLANS_MAX:
                     self._plans.clear()
                 self._plans[key] = plan
-        elif plan.options.seed != opts.seed or type(plan.options.seed) is not type(opts.seed):
-            plan = plan.reseeded(opts)
+        elif type(plan.options.seed) is not type(opts.seed) or plan.options.seed != opts.seed:
+            plan = plan.reseeded(opts)  # (the type first: a seed of another type is checked)
         return plan, ptrs
 
     def _spec(self, name: str, x) -> TensorSpec:

@@ -63,7 +63,7 @@ def test_dropout_plans_differ_in_their_seed_alone(eng, rng):
         assert plan.options is opts[s] and int(plan.params["seed"]) == s & 0xFFFFFFFF
         assert (plan is first) == (s == 1) and plan.dims is first.dims  # checks shared
     assert int(first.params["seed"]) == 1  # a reseeded plan leaves its origin's params alone
-    for bad in (True, -1, 2**64, 1.0):
+    for bad in (True, -1, 2**64, 1.0, np.array([1, 2]), "1"):
         with pytest.raises(ValueError, match="seed must be an int"):
             eng.flash_attention_v2_with(q, k, v, out, AttentionOptions(dropout_prob=0.5,
                                                                         causal=True, seed=bad))
