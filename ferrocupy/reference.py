@@ -569,7 +569,9 @@ def flash_attn_v2_bw_dq(q, k, v, out, grad_out, grad_q, mask, stats, p, lse=None
                     dprob = _apply(do @ vh[keys].T, _dropout_factor(pb, b, h, rows, cols))
                     ds = _apply(prob * (dprob - delta[:, None]), dcap)
                     if sink is not None:
-                        d_sinks[h] -= np.sum(np.exp(sink - row_lse) * delta)
+                        # A row with LSE -inf (no key, sink -inf) has no sink share: 0, not NaN.
+                        share = np.where(row_lse == -np.inf, 0.0, np.exp(sink - row_lse))
+                        d_sinks[h] -= np.sum(share * delta)
                     stb[h, rows, 0] = delta
                     stb[h, rows, 1] = row_lse
                     dqb[rows, h] = scale * _masked_matmul(ds, kh[keys], live)

@@ -219,6 +219,21 @@ def test_dead_rows_give_zeros_and_their_lse(rng, sinks):
     check_call(t, opts, rng=rng)
 
 
+def test_minus_inf_sink_on_dead_rows_gives_zero_gradient(rng):
+    """A sink of -inf is no sink: where a row also sees no key its LSE is -inf, and its share of
+    grad_sinks is 0 (exp(sink - LSE) is taken as 0 there, never -inf - -inf = NaN)."""
+    t = _case(rng, 1, 6, 4, 2, 1, 8, sinks=True, mask=True)
+    t["sinks"][0] = -np.inf
+    t["mask"][0, :, 5] = -np.inf
+    opts = AttentionOptions(causal=True, causal_offset=-2)
+    eng = _eng()
+    out, lse = _forward(eng, t, opts)
+    assert np.all(lse[0][0, [0, 1, 5]] == -np.inf)
+    go = rng.standard_normal(out.shape).astype(np.float32)
+    gs = _backward(eng, t, opts, out, go)[3]
+    assert gs[0] == 0 and np.isfinite(gs[1])
+
+
 def test_every_row_dead(rng):
     """Sq rows all below position 0: out 0, lse -inf, every gradient 0 (written over NaN)."""
     t = _case(rng, 2, 3, 5, 2, 2, 4, alibi="h")
