@@ -311,6 +311,142 @@ def _cache_seqlens(cache_seqlens, batch: int, capacity: int, device) -> Optional
     return cache_seqlens.to(device=device, dtype=torch.int32)
 
 
+def _attend_cache(q, k_cache, v_cache, k, v, lens, block_table, rotary_cos, rotary_sin,
+                  interleaved: bool, opts: dict, sides, capacity: int, return_lse: bool):
+    """The cache call on ferrocupy.torch: `attention` with kv_lens when nothing is appended to a
+    contiguous cache (every backend runs it), else `attention_with_kvcache`."""
+    if k is None and block_table is None:
+        offset = capacity - q.shape[1] if _aligned(opts) else 0
+        return ferro.attention(q, k_cache, v_cache, kv_lens=lens, causal_offset=offset,
+                               return_lse=return_lse, **opts)
+    _require("flash_attn_with_kvcache with k/v to append, block_table or rotary",
+             hasattr(ferro, "attention_with_kvcache"))
+    if lens is None:
+        lens = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
+    return ferro.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=interleaved,
+        causal=opts["causal"], window_left=sides[0], window_right=sides[1],
+        softcap=opts["softcap"], alibi_slopes=opts["alibi_slopes"], scale=opts["scale"],
+        return_lse=return_lse)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """flash-attn's rotary embedding of `x` `[B, S, H, D]` at int64 `positions` `[B, S]` from its
+    tables `[S_ro, rotary_dim / 2]`, in float32 and rounded to x's dtype, as its kernels do;
+    features past rotary_dim pass through."""
+    rd = 2 * cos.shape[1]
+    c = cos.float()[positions][:, :, None]
+    s = sin.float()[positions][:, :, None]
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0:rd:2], xf[..., 1:rd:2]
+        rot = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf[..., :rd // 2], xf[..., rd // 2:rd]
+        rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+class _CacheRows:
+    """flash-attn's `cache_batch_idx` and `cache_leftpad` over a contiguous cache `[B_cache,
+    S_cache, Hkv, D]`, as a paged view of the same memory: pages of `g` rows (`g` divides
+    S_cache and every left pad), sequence b's table starting at page `(idx[b] * S_cache +
+    leftpad[b]) / g`, its cache length `cache_seqlens[b] - leftpad[b]`. The values are read on
+    the host and checked here, before anything is written: an append past S_cache would run into
+    the next cache row, so it is refused by name (flash-attn does not check)."""
+
+    def __init__(self, q, k_cache, v_cache, k, lens, batch_idx, leftpad, block_table):
+        B, cap = q.shape[0], k_cache.shape[1]
+        for name, arg in (("cache_batch_idx", batch_idx), ("cache_leftpad", leftpad)):
+            if arg is None:
+                continue
+            if block_table is not None:
+                raise NotImplementedError(
+                    f"flash_attn_with_kvcache: {name} with block_table (shape "
+                    f"{tuple(block_table.shape)}): a paged cache takes neither, as in flash-attn")
+            if arg.dim() != 1 or arg.shape[0] != B or arg.is_floating_point():
+                raise ValueError(f"flash_attn_with_kvcache: {name} must be an integer tensor "
+                                 f"[batch] = [{B}], got {arg.dtype} shape {tuple(arg.shape)}")
+        n_rows = k_cache.shape[0]
+        idx = list(range(B)) if batch_idx is None else [int(i) for i in batch_idx.tolist()]
+        pad = [0] * B if leftpad is None else [int(i) for i in leftpad.tolist()]
+        have = [int(i) for i in lens.tolist()]
+        new = 0 if k is None else int(k.shape[1])
+        for b in range(B):
+            if not 0 <= idx[b] < n_rows:
+                raise ValueError(f"flash_attn_with_kvcache: cache_batch_idx[{b}] = {idx[b]} is "
+                                 f"outside the cache's {n_rows} rows (k_cache shape "
+                                 f"{tuple(k_cache.shape)})")
+            if not 0 <= pad[b] <= have[b]:
+                raise ValueError(f"flash_attn_with_kvcache: cache_leftpad[{b}] = {pad[b]} must "
+                                 f"be in 0 ..= cache_seqlens[{b}] = {have[b]}")
+            if have[b] + new > cap:
+                raise ValueError(f"flash_attn_with_kvcache: cache_seqlens[{b}] = {have[b]} plus "
+                                 f"{new} new keys pass the cache's capacity {cap} (k_cache "
+                                 f"shape {tuple(k_cache.shape)})")
+        self.pad = pad
+        self.g = math.gcd(cap, *pad)
+        per = cap // self.g
+        width = max(cap - p for p in pad) // self.g if B else 1
+        table = [[(idx[b] * cap + pad[b]) // self.g + j for j in range(width)] for b in range(B)]
+        total = n_rows * per
+        self.table = torch.tensor([[t if t < total else 0 for t in row] for row in table],
+                                  dtype=torch.int32, device=q.device).reshape(B, max(width, 1))
+        self.lens = torch.tensor([h - p for h, p in zip(have, pad)], dtype=torch.int32,
+                                 device=q.device)
+        self.abs_lens, self.k_cache, self.v_cache = lens, k_cache, v_cache
+        self.idx = torch.tensor(idx, dtype=torch.long, device=q.device)
+
+    def attend(self, q, k, v, cos, sin, interleaved: bool, opts: dict, sides, return_lse: bool):
+        if k is None:
+            # Nothing written: each sequence's rows gathered into a contiguous cache (a copy,
+            # which every backend runs), its keys from its left pad on.
+            return _attend_cache(q, self.gather(self.k_cache), self.gather(self.v_cache), None,
+                                 None, self.lens, None, None, None, interleaved, opts, sides,
+                                 self.k_cache.shape[1], return_lse)
+        if cos is not None and any(self.pad):
+            # flash-attn rotates at the cache's own positions, not the left-padded ones: rotate
+            # here and pass no tables.
+            new = k.shape[1]
+            base = self.abs_lens.long()[:, None]
+            pos = base + torch.arange(new, device=q.device)[None]
+            local = opts["causal"] or sides != (-1, -1)
+            q_pos = base + torch.arange(q.shape[1], device=q.device)[None] if local else \
+                base.expand(q.shape[0], q.shape[1])
+            q, k = _rotate(q, cos, sin, q_pos, interleaved), _rotate(k, cos, sin, pos, interleaved)
+            cos = sin = None
+        _require("flash_attn_with_kvcache with cache_batch_idx or cache_leftpad",
+                 hasattr(ferro, "attention_with_kvcache"))
+        return ferro.attention_with_kvcache(
+            q, _pages(self.k_cache, self.g, "k_cache"), _pages(self.v_cache, self.g, "v_cache"),
+            k, v, cache_seqlens=self.lens, block_table=self.table,
+            rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+            causal=opts["causal"], window_left=sides[0], window_right=sides[1],
+            softcap=opts["softcap"], alibi_slopes=opts["alibi_slopes"], scale=opts["scale"],
+            return_lse=return_lse)
+
+
+    def gather(self, cache: Tensor) -> Tensor:
+        """`[B, S_cache, Hkv, D]`: row j of sequence b is cache row `leftpad[b] + j` of
+        `cache[idx[b]]` (past the cache's end: its last row, which no length reaches)."""
+        cap = cache.shape[1]
+        pad = torch.tensor(self.pad, dtype=torch.long, device=cache.device)
+        rows = (pad[:, None] + torch.arange(cap, device=cache.device)[None]).clamp(max=cap - 1)
+        return cache[self.idx[:, None], rows]
+
+
+def _pages(cache: Tensor, g: int, name: str) -> Tensor:
+    """`cache` `[B_cache, S_cache, Hkv, D]` viewed (never copied: appends write through it) as
+    pages `[B_cache * S_cache / g, g, Hkv, D]`."""
+    try:
+        return cache.view(-1, g, *cache.shape[2:])
+    except RuntimeError as err:
+        raise ValueError(f"flash_attn_with_kvcache: {name} (shape {tuple(cache.shape)}, stride "
+                         f"{cache.stride()}) must have its batch and sequence dimensions "
+                         f"contiguous for cache_batch_idx / cache_leftpad") from err
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None,
                             cache_seqlens: Optional[Union[int, Tensor]] = None,
@@ -326,10 +462,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     `v` (`[B, Sn, Hkv, D]`) those are first written into the cache at `cache_seqlens[b]`, rotated
     by `rotary_cos`/`rotary_sin` (`[S_ro, rotary_dim / 2]`) when given, as is q. Returns out, or
     `(out, softmax_lse [B, H, Sq])` with `return_softmax_lse`. `num_splits` is a performance hint
-    of flash-attn's kernel and changes nothing here."""
-    for name, arg in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-        if arg is not None:
-            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported")
+    of flash-attn's kernel and changes nothing here.
+
+    A contiguous cache also takes flash-attn's `cache_batch_idx` (int `[B]`: sequence b lives in
+    cache row `cache_batch_idx[b]`) and `cache_leftpad` (int `[B]`: sequence b's keys start at
+    `cache_leftpad[b]`; the keys before it are not attended, positions for the mask and ALiBi
+    count from it, rotary positions stay the cache's own). Neither goes with `block_table`, as in
+    flash-attn."""
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: give both k and v (the new keys and values) "
                          "or neither")
@@ -343,24 +482,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     lens = _cache_seqlens(cache_seqlens, q.shape[0], capacity, q.device)
     opts = _options(causal, window_size, softcap, alibi_slopes, softmax_scale, capacity)
-    with torch.no_grad():
-        if k is None and block_table is None:
-            offset = capacity - q.shape[1] if _aligned(opts) else 0
-            res = ferro.attention(q, k_cache, v_cache, kv_lens=lens, causal_offset=offset,
-                                  return_lse=bool(return_softmax_lse), **opts)
-        else:
-            _require("flash_attn_with_kvcache with k/v to append, block_table or rotary",
-                     hasattr(ferro, "attention_with_kvcache"))
-            if lens is None:
-                lens = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
-            left, right = _window(window_size, capacity)
-            res = ferro.attention_with_kvcache(
-                q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table,
-                rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                rotary_interleaved=bool(rotary_interleaved), causal=opts["causal"],
-                window_left=left, window_right=right, softcap=opts["softcap"],
-                alibi_slopes=alibi_slopes, scale=opts["scale"],
-                return_lse=bool(return_softmax_lse))
+    if cache_batch_idx is not None or cache_leftpad is not None:
+        if lens is None:
+            lens = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
+        rows = _CacheRows(q, k_cache, v_cache, k, lens, cache_batch_idx, cache_leftpad,
+                          block_table)
+        with torch.no_grad():
+            res = rows.attend(q, k, v, rotary_cos, rotary_sin, bool(rotary_interleaved), opts,
+                              _window(window_size, capacity), bool(return_softmax_lse))
+    else:
+        with torch.no_grad():
+            res = _attend_cache(q, k_cache, v_cache, k, v, lens, block_table, rotary_cos,
+                                rotary_sin, bool(rotary_interleaved), opts,
+                                _window(window_size, capacity), capacity,
+                                bool(return_softmax_lse))
     if not return_softmax_lse:
         return res
     out, lse = res

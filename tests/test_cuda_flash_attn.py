@@ -145,6 +145,34 @@ def test_kvcache_read_cuda_against_cpu_and_the_half_rule(cuda, gen, dtype, sq, o
         check_rule(f"{label} lse", _np(lse), _np(x64[1]), _np(plain[1]))
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kvcache_rows_and_left_pads_on_cuda(cuda, gen, dtype):
+    """cache_batch_idx and cache_leftpad without appending: each sequence's rows gathered on the
+    GPU, then the kv_lens decode kernels; slots before each pad and past each length NaN."""
+    B, Bc, cap, H, Hkv, D = 3, 4, 300, 8, 2, 64
+    q = torch.randn(B, 1, H, D, generator=gen).to(dtype)
+    kc, vc = (torch.randn(Bc, cap, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    idx = torch.tensor([3, 0, 2], dtype=torch.int32)
+    pad = torch.tensor([5, 0, 150], dtype=torch.int32)
+    lens = torch.tensor([7, 300, 290], dtype=torch.int32)
+    for b in range(B):
+        for c in (kc, vc):
+            c[int(idx[b]), :int(pad[b])] = float("nan")
+            c[int(idx[b]), int(lens[b]):] = float("nan")
+    out, lse = fa.flash_attn_with_kvcache(q.to(cuda), kc.to(cuda), vc.to(cuda),
+                                          cache_seqlens=lens.to(cuda),
+                                          cache_batch_idx=idx.to(cuda), cache_leftpad=pad.to(cuda),
+                                          causal=True, return_softmax_lse=True)
+    rows = [kc[int(idx[b])].roll(-int(pad[b]), 0) for b in range(B)]
+    vrows = [vc[int(idx[b])].roll(-int(pad[b]), 0) for b in range(B)]
+    k_seq, v_seq, seen = torch.stack(rows), torch.stack(vrows), lens - pad
+    x64 = oracle.kvcache(q, k_seq, v_seq, seen, causal=True)
+    plain = oracle.kvcache(q.to(cuda), k_seq.to(cuda), v_seq.to(cuda), seen, dtype=dtype,
+                           causal=True)
+    check_rule("out", _np(out), _np(x64[0]), _np(plain[0]))
+    check_rule("lse", _np(lse), _np(x64[1]), _np(plain[1]))
+
 needs_varlen = pytest.mark.skipif(
     "cu_seqlens_q" not in inspect.signature(ft.attention).parameters,
     reason="ferrocupy.torch.attention has no varlen keywords in this tree")

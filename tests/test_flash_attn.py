@@ -333,14 +333,6 @@ def test_all_lists_the_seven_functions():
     assert sorted(fa.__all__) == sorted(FLASH_ATTN_2_SIGNATURES)
 
 
-@pytest.mark.parametrize("name", ["cache_batch_idx", "cache_leftpad"])
-def test_kvcache_refuses_what_it_cannot_honour(gen, name):
-    q, k, v = _qkv(gen, 2, 1, 4, 2, 2, 8)
-    with pytest.raises(NotImplementedError, match=name):
-        fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=2,
-                                   **{name: torch.zeros(2, dtype=torch.int32)})
-
-
 def test_kvcache_append_needs_the_new_interface(gen, monkeypatch):
     """Appending (and paging, rotary) runs on ferrocupy.torch.attention_with_kvcache; without it
     the call is refused by name, before anything is written."""

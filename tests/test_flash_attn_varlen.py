@@ -258,3 +258,90 @@ def test_kvcache_paged_read_only(gen):
     out = fa.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
                                      causal=True)
     _close("out", out, oracle.kvcache(q, k_cache, v_cache, lens, causal=True)[0])
+
+
+# --- flash_attn_with_kvcache: cache_batch_idx and cache_leftpad ------------------------------------
+def _shifted(cache, pad):
+    """Each sequence's cache from its left pad on (flash-attn's keys of a left-padded cache)."""
+    out = torch.zeros_like(cache)
+    for b, p in enumerate(pad):
+        out[b, :cache.shape[1] - p] = cache[b, p:]
+    return out
+
+
+@needs_kvcache
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)),
+                                            (False, (3, 1))])
+@pytest.mark.parametrize("rotary, append", [(None, False), (None, True), ("half", True),
+                                            ("interleaved", True)])
+@pytest.mark.parametrize("rows", ["batch_idx", "leftpad", "both"])
+def test_kvcache_batch_idx_and_leftpad(gen, causal, window, rotary, rows, append):
+    """Sequence b lives in cache row cache_batch_idx[b]; its keys start at cache_leftpad[b]
+    (positions for the mask and ALiBi count from there; rotary positions are the cache's own,
+    as flash-attn's kernel and test reference have it). Appends land in the chosen rows only."""
+    B, Bc, cap, H, Hkv, D, Sn = 3, 5, 12, 4, 2, 16, 3
+    sq = Sn if append else 2
+    q = torch.randn(B, sq, H, D, generator=gen)
+    k_new = torch.randn(B, Sn, Hkv, D, generator=gen) if append else None
+    v_new = torch.randn(B, Sn, Hkv, D, generator=gen) if append else None
+    k_cache = torch.randn(Bc, cap, Hkv, D, generator=gen)
+    v_cache = torch.randn(Bc, cap, Hkv, D, generator=gen)
+    lens = torch.tensor([2, 9, 6], dtype=torch.int32)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32) if rows != "leftpad" else None
+    pad = torch.tensor([1, 6, 0], dtype=torch.int32) if rows != "batch_idx" else None
+    alibi = torch.rand(B, H, generator=gen) * 0.3
+    cos = sin = None
+    if rotary is not None:
+        cos, sin = _rotary_tables(gen, cap, 8)
+    chosen = idx.long() if idx is not None else torch.arange(B)
+    if append:
+        qr, want_k, want_v = oracle.append(q, k_cache[chosen], v_cache[chosen], k_new, v_new,
+                                           lens, cos=cos, sin=sin,
+                                           interleaved=rotary == "interleaved", causal=causal,
+                                           window=window)
+    else:
+        qr, want_k, want_v = q.double(), k_cache[chosen].double(), v_cache[chosen].double()
+    p = [0] * B if pad is None else pad.tolist()
+    seen = lens + (Sn if append else 0) - torch.tensor(p, dtype=torch.int32)
+    want_out, want_lse = oracle.kvcache(qr, _shifted(want_k, p), _shifted(want_v, p), seen,
+                                        causal=causal, window=window, alibi=alibi)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = fa.flash_attn_with_kvcache(
+        q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+        cache_batch_idx=idx, cache_leftpad=pad, causal=causal, window_size=window,
+        alibi_slopes=alibi, rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    _close("out", out, want_out, tol=1e-4)
+    _close("softmax_lse", lse, want_lse, tol=1e-4)
+    _close("k_cache", kc[chosen], want_k, tol=1e-5)
+    _close("v_cache", vc[chosen], want_v, tol=1e-5)
+    others = [r for r in range(Bc) if r not in chosen.tolist()]
+    assert torch.equal(kc[others], k_cache[others]) and torch.equal(vc[others], v_cache[others])
+
+
+@needs_kvcache
+@pytest.mark.parametrize("bad, match", [
+    (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), r"cache_batch_idx\[1\] = 5"),
+    (dict(cache_batch_idx=torch.tensor([0], dtype=torch.int32)), r"cache_batch_idx must be"),
+    (dict(cache_batch_idx=torch.zeros(2)), r"cache_batch_idx must be an integer"),
+    (dict(cache_leftpad=torch.tensor([0, 4], dtype=torch.int32)), r"cache_leftpad\[1\] = 4"),
+    (dict(cache_leftpad=torch.tensor([-1, 0], dtype=torch.int32)), r"cache_leftpad\[0\] = -1"),
+    (dict(cache_seqlens=torch.tensor([2, 6], dtype=torch.int32),
+          cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), r"cache_seqlens\[1\] = 6"),
+    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32),
+          block_table=torch.zeros(2, 1, dtype=torch.int32)), r"cache_leftpad with block_table"),
+])
+def test_kvcache_batch_idx_and_leftpad_refusals(gen, bad, match):
+    """Bad rows, pads and appends past a row's end: the named error, nothing written."""
+    q, kc, vc = _qkv_cache(gen)
+    before_k, before_v = kc.clone(), vc.clone()
+    kw = dict(cache_seqlens=torch.tensor([2, 3], dtype=torch.int32))
+    kw.update(bad)
+    kn, vn = torch.randn(2, 2, 2, 8, generator=gen), torch.randn(2, 2, 2, 8, generator=gen)
+    with pytest.raises((ValueError, NotImplementedError), match=match):
+        fa.flash_attn_with_kvcache(q, kc, vc, kn, vn, **kw)
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
+
+
+def _qkv_cache(gen):
+    return (torch.randn(2, 2, 4, 8, generator=gen), torch.randn(3, 7, 2, 8, generator=gen),
+            torch.randn(3, 7, 2, 8, generator=gen))
