@@ -227,6 +227,36 @@ def _index_in_sequence(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
     return seq.where(inside, 0), (tok - cu[seq]).where(inside, -1)
 
 
+def _unpaged(cache: Tensor, name: str, block_table: Tensor, cu_seqlens_k: Tensor) -> Tensor:
+    """A paged cache `[num_blocks, page_size, Hkv, D]` read through `block_table` `[N,
+    max_blocks]` as packed keys `[total_k, Hkv, D]`: key j of sequence n is row `j % page_size`
+    of block `block_table[n, j // page_size]` (a gather: a copy, differentiable). The table and
+    the lengths are checked here, by name, before anything runs."""
+    _rank(f"{name} (paged, with block_table)", cache, 4, "[num_blocks, page_size, Hkv, D]")
+    lens, page = _lengths(cu_seqlens_k), cache.shape[1]
+    if block_table.dim() != 2 or block_table.shape[0] != len(lens) or \
+            block_table.is_floating_point():
+        raise ValueError(f"block_table must be an integer tensor [N, max_blocks] with N = "
+                         f"{len(lens)} sequences (cu_seqlens_k shape "
+                         f"{tuple(cu_seqlens_k.shape)}), got {block_table.dtype} shape "
+                         f"{tuple(block_table.shape)}")
+    reach = block_table.shape[1] * page
+    for n, length in enumerate(lens):
+        if length > reach:
+            raise ValueError(f"sequence {n} has {length} keys (cu_seqlens_k) but block_table "
+                             f"(shape {tuple(block_table.shape)}) reaches {reach} with pages of "
+                             f"{page}")
+    seq, idx = _index_in_sequence(cu_seqlens_k, int(cu_seqlens_k[-1]))
+    table = block_table.to(device=cache.device, dtype=torch.long)
+    used = table[seq.to(cache.device), (idx // page).to(cache.device)]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache.shape[0]):
+        raise ValueError(f"block_table (shape {tuple(block_table.shape)}) names block "
+                         f"{int(used.min()) if int(used.min()) < 0 else int(used.max())}, outside "
+                         f"the {cache.shape[0]} blocks of {name} (shape {tuple(cache.shape)})")
+    rows = used * page + (idx % page).to(cache.device)
+    return cache.reshape(-1, *cache.shape[2:])[rows]
+
+
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
             block_table=None):
@@ -241,9 +271,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                 max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
                 causal_offset=int(max_seqlen_k) - int(max_seqlen_q))
     if block_table is not None:
-        raise NotImplementedError(f"flash_attn_varlen_func: block_table (shape "
-                                  f"{tuple(block_table.shape)}): ferrocupy has a paged KV cache "
-                                  f"for batched calls (flash_attn_with_kvcache), not under varlen")
+        k, v = (_unpaged(x, name, block_table, cu_seqlens_k) for x, name in ((k, "k"), (v, "v")))
     seed = _dropout_seed(dropout_p)
     res = ferro.attention(q, k, v, dropout_p=float(dropout_p), seed=seed,
                           return_lse=bool(return_attn_probs), **opts)

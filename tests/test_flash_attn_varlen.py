@@ -155,20 +155,45 @@ def _paged(gen, cache, page, n_blocks):
 
 
 @needs_varlen
-def test_varlen_paged_keys_are_refused_by_name(gen):
-    """A paged cache under varlen (flash-attn's varlen `block_table`) is not built yet: the
-    engine has paged KV for batched calls only. NotImplementedError naming it, not a ValueError
-    from deeper down."""
-    lens_q, lens_k, page = [2, 3], [5, 8], 4
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (2, 1))])
+def test_varlen_paged_keys(gen, causal, window):
+    """flash-attn's varlen block_table: sequence n's keys live in its own shuffled pages of a
+    shared cache; the answer is the packed call's, S_dmask included; unused pages are NaN."""
+    lens_q, lens_k, page = [2, 3, 0], [5, 8, 3], 4
     H, Hkv, D = 4, 2, 8
     q = torch.randn(sum(lens_q), H, D, generator=gen)
-    k_pages = torch.randn(7, page, Hkv, D, generator=gen)
-    table = torch.arange(4, dtype=torch.int32).reshape(2, 2)
+    k = torch.randn(sum(lens_k), Hkv, D, generator=gen)
+    v = torch.randn(sum(lens_k), Hkv, D, generator=gen)
+    order = torch.randperm(11, generator=gen)
+    table = order[:6].reshape(3, 2).to(torch.int32)
+    pages = [torch.full((11, page, Hkv, D), math.nan) for _ in range(2)]
+    start = 0
+    for n, length in enumerate(lens_k):
+        for j in range(length):
+            for cache, x in zip(pages, (k, v)):
+                cache[int(table[n, j // page]), j % page] = x[start + j]
+        start += length
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
-    for probs in (False, True):
-        with pytest.raises(NotImplementedError, match="block_table"):
-            fa.flash_attn_varlen_func(q, k_pages, k_pages, cu_q, cu_k, 3, 8, causal=True,
-                                      block_table=table, return_attn_probs=probs)
+    kw = dict(causal=causal, window_size=window, return_attn_probs=True)
+    got = fa.flash_attn_varlen_func(q, pages[0], pages[1], cu_q, cu_k, 3, 8, block_table=table,
+                                    **kw)
+    want = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 8, **kw)
+    for name, g, w in zip(("out", "softmax_lse", "S_dmask"), got, want):
+        assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("table, match", [
+    (torch.zeros(2, 2, dtype=torch.int32), r"N = 3 sequences"),
+    (torch.zeros(3, 1, dtype=torch.int32), r"sequence 0 has 5 keys .* reaches 4"),
+    (torch.full((3, 2), 7, dtype=torch.int32), r"names block 7, outside the 7 blocks of k"),
+    (torch.zeros(3, 2), r"integer tensor"),
+])
+def test_varlen_paged_refusals(gen, table, match):
+    q = torch.randn(5, 4, 8, generator=gen)
+    pages = torch.randn(7, 4, 2, 8, generator=gen)
+    with pytest.raises(ValueError, match=match):
+        fa.flash_attn_varlen_func(q, pages, pages, _cu([2, 3, 0]), _cu([5, 8, 3]), 3, 8,
+                                  block_table=table)
 
 
 @needs_varlen
