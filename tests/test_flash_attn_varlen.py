@@ -370,3 +370,53 @@ def test_kvcache_batch_idx_and_leftpad_refusals(gen, bad, match):
 def _qkv_cache(gen):
     return (torch.randn(2, 2, 4, 8, generator=gen), torch.randn(3, 7, 2, 8, generator=gen),
             torch.randn(3, 7, 2, 8, generator=gen))
+
+
+@needs_kvcache
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_kvcache_rows_and_pads_randomized(data):
+    """Random cache rows, left pads, lengths, appends and options against the oracle."""
+    B = data.draw(st.integers(1, 3))
+    Bc = B + data.draw(st.integers(0, 2))
+    cap, Hkv, group, D = data.draw(st.integers(2, 9)), data.draw(st.sampled_from([1, 2])), \
+        data.draw(st.sampled_from([1, 2])), 8
+    Sn = data.draw(st.integers(0, 2))
+    lens = [data.draw(st.integers(0, cap - Sn)) for _ in range(B)]
+    pads = [data.draw(st.integers(0, n)) for n in lens]
+    idx = data.draw(st.permutations(range(Bc)))[:B]
+    causal = data.draw(st.booleans())
+    window = data.draw(st.sampled_from([(-1, -1), (1, 0), (2, 3)]))
+    rotary = data.draw(st.sampled_from([None, "half", "interleaved"])) if Sn else None
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    sq = Sn if Sn else data.draw(st.integers(1, 2))
+    q = torch.randn(B, sq, Hkv * group, D, generator=gen)
+    k_new = torch.randn(B, Sn, Hkv, D, generator=gen) if Sn else None
+    v_new = torch.randn(B, Sn, Hkv, D, generator=gen) if Sn else None
+    k_cache = torch.randn(Bc, cap, Hkv, D, generator=gen)
+    v_cache = torch.randn(Bc, cap, Hkv, D, generator=gen)
+    cos = sin = None
+    if rotary is not None:
+        cos, sin = _rotary_tables(gen, cap, 4)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    chosen = torch.tensor(idx, dtype=torch.long)
+    if Sn:
+        qr, want_k, want_v = oracle.append(q, k_cache[chosen], v_cache[chosen], k_new, v_new,
+                                           lens_t, cos=cos, sin=sin,
+                                           interleaved=rotary == "interleaved", causal=causal,
+                                           window=window)
+    else:
+        qr, want_k, want_v = q.double(), k_cache[chosen].double(), v_cache[chosen].double()
+    seen = lens_t + Sn - torch.tensor(pads, dtype=torch.int32)
+    want_out, want_lse = oracle.kvcache(qr, _shifted(want_k, pads), _shifted(want_v, pads), seen,
+                                        causal=causal, window=window)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = fa.flash_attn_with_kvcache(
+        q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens_t,
+        cache_batch_idx=torch.tensor(idx, dtype=torch.int32),
+        cache_leftpad=torch.tensor(pads, dtype=torch.int32), causal=causal, window_size=window,
+        rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    _close("out", out, want_out, tol=1e-4)
+    _close("softmax_lse", lse, want_lse, tol=1e-4)
+    _close("k_cache", kc[chosen], want_k, tol=1e-5)
+    _close("v_cache", vc[chosen], want_v, tol=1e-5)
