@@ -3,7 +3,8 @@
 # figures on this tree -- host cost per call against the tree before issue 27 (_old/, git archive
 # 40c43ca) beside torch SDPA, the RoPE bandwidth gate in every dtype, the RoPE and front-door GPU
 # tests (and issue 28's one-GPU NCCL run), memcheck on every RoPE variant -- then the seam's hang triage (lab/triage_hang.sh) on the
-# candidate tree _seam/ (main + lab/seam patches) for the rest of the call. The host cost runs
+# candidate tree $TREE (default _seam/: main + lab/seam patches; or main + every lab/ stack, whose
+# later GPU test files are then added last) for the rest of the call. The host cost runs
 # first, on an idle host. Logs under $OUT; the triage's summary names what it left unrun.
 # END_S: the call's length (default 570 s).
 set -o pipefail
@@ -26,12 +27,19 @@ t27=$(( ${END_S:-570} - (SECONDS - start) - 5 )); [ "$t27" -gt "${T27_S:-110}" ]
   2>&1 | tee "$OUT/suite27.txt" | tail -3
 head -c 2000 "$OUT/failures27.txt" 2>/dev/null; echo "issue 27 tests done at $((SECONDS - start)) s"
 left=$(( ${END_S:-570} - (SECONDS - start) ))
-if [ "$left" -gt 60 ] && [ -d _seam ]; then
-  cd _seam && export PYTHONPATH=$PWD
+TREE=${TREE:-_seam}
+if [ "$left" -gt 60 ] && [ -d "$TREE" ]; then
+  cd "$TREE" && export PYTHONPATH=$PWD
+  extra=""  # the later stacks' GPU tests, where the tree has them (a full stack in $TREE)
+  for f in tests/test_cuda_model_options.py tests/test_cuda_visibility.py \
+           tests/test_cuda_head_dims.py tests/test_cuda_fused_backward.py; do
+    [ -f "$f" ] && extra="$extra $f"
+  done
   FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
     tests/test_cuda_attention.py tests/test_cuda_decode.py tests/test_cuda_reach.py
     tests/test_cuda_torch.py tests/test_layouts.py tests/test_cuda_flash_attn.py
-    tests/test_model_options.py tests/test_transformers_backend.py tests/test_context_parallel.py"}
+    tests/test_model_options.py tests/test_transformers_backend.py tests/test_context_parallel.py
+    $extra"}
   SKIP_PRECOMPILE=${SKIP_PRECOMPILE:-1} TOTAL_S=$left bash lab/triage_hang.sh $FILES 2>&1 | tail -45
   cd ..
 fi
