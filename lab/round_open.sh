@@ -32,7 +32,8 @@ if [ "$left" -gt 60 ] && [ -d "$TREE" ]; then
   cd "$TREE" && export PYTHONPATH=$PWD
   extra=""  # the later stacks' GPU tests, where the tree has them (a full stack in $TREE)
   for f in tests/test_cuda_model_options.py tests/test_cuda_visibility.py \
-           tests/test_cuda_head_dims.py tests/test_cuda_fused_backward.py; do
+           tests/test_cuda_head_dims.py tests/test_cuda_fused_backward.py \
+           tests/test_cuda_paged.py tests/test_cuda_append.py; do
     [ -f "$f" ] && extra="$extra $f"
   done
   FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
