@@ -416,11 +416,11 @@ class _CacheRows:
         self.pad = pad
         self.g = math.gcd(cap, *pad)
         per = cap // self.g
-        width = max(cap - p for p in pad) // self.g if B else 1
+        width = max([1] + [(cap - p) // self.g for p in pad])  # a pad of S_cache: no key
         table = [[(idx[b] * cap + pad[b]) // self.g + j for j in range(width)] for b in range(B)]
         total = n_rows * per
         self.table = torch.tensor([[t if t < total else 0 for t in row] for row in table],
-                                  dtype=torch.int32, device=q.device).reshape(B, max(width, 1))
+                                  dtype=torch.int32, device=q.device).reshape(B, width)
         self.lens = torch.tensor([h - p for h, p in zip(have, pad)], dtype=torch.int32,
                                  device=q.device)
         self.abs_lens, self.k_cache, self.v_cache = lens, k_cache, v_cache

@@ -420,3 +420,16 @@ def test_kvcache_rows_and_pads_randomized(data):
     _close("softmax_lse", lse, want_lse, tol=1e-4)
     _close("k_cache", kc[chosen], want_k, tol=1e-5)
     _close("v_cache", vc[chosen], want_v, tol=1e-5)
+
+
+@needs_kvcache
+def test_kvcache_left_pad_of_the_whole_cache_sees_no_key(gen):
+    """A pad equal to cache_seqlens = S_cache leaves the sequence no key: out 0, lse +inf
+    (found by the randomized test: the paged view had no page then)."""
+    q, kc, vc = (torch.randn(1, 1, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen),
+                 torch.randn(1, 2, 1, 8, generator=gen))
+    lens = torch.tensor([2], dtype=torch.int32)
+    out, lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens,
+                                          return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, torch.full_like(lse, math.inf))
