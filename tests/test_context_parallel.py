@@ -126,7 +126,7 @@ def _run_group(world: int, directory: str, inputs: dict) -> dict:
     """name: (out, dq, dk, dv) over whole sequences, gathered from every rank's shards (and
     "subgroup0", "subgroup1" for a 4-rank group)."""
     tmp.start_processes(_rank_main, args=(world, directory, inputs), nprocs=world,
-                        start_method="fork")
+                        start_method=_start_method())
     per_rank = [torch.load(os.path.join(directory, f"rank{r}.pt")) for r in range(world)]
     results = {name: _gather(per_rank, name, CASES[name][0]) for name in CASES}
     if world == 4:
@@ -136,11 +136,24 @@ def _run_group(world: int, directory: str, inputs: dict) -> dict:
     return results
 
 
+def _start_method() -> str:
+    """"fork" (a child imports nothing: fast), unless this process has used CUDA: then autograd
+    runs device threads, which a forked child cannot use ("Unable to handle autograd's threading
+    in combination with fork-based multiprocessing", seen on the H100 after the NCCL tests), so
+    the ranks are spawned (each imports this module through the parent's sys.path).
+    FERROCUPY_RING_START picks one."""
+    forced = os.environ.get("FERROCUPY_RING_START")
+    if forced:
+        return forced
+    cuda_used = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda_used or "fork" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    return "fork"
+
+
 @pytest.fixture(scope="module")
 def ring_runs(tmp_path_factory):
     """world: (inputs, results), each group run once, on first use."""
-    if "fork" not in multiprocessing.get_all_start_methods():
-        pytest.skip("the groups are forked (a child imports nothing); this platform cannot fork")
     seed = int(os.environ.get("FERROCUPY_TEST_SEED") or secrets.randbits(63))
     runs = {}
 
