@@ -415,16 +415,22 @@ class _CacheRows:
                                  f"shape {tuple(k_cache.shape)})")
         self.pad = pad
         self.g = math.gcd(cap, *pad)
-        per = cap // self.g
-        width = max([1] + [(cap - p) // self.g for p in pad])  # a pad of S_cache: no key
-        table = [[(idx[b] * cap + pad[b]) // self.g + j for j in range(width)] for b in range(B)]
-        total = n_rows * per
-        self.table = torch.tensor([[t if t < total else 0 for t in row] for row in table],
-                                  dtype=torch.int32, device=q.device).reshape(B, width)
+        self.pages_total = n_rows * (cap // self.g)
         self.lens = torch.tensor([h - p for h, p in zip(have, pad)], dtype=torch.int32,
                                  device=q.device)
         self.abs_lens, self.k_cache, self.v_cache = lens, k_cache, v_cache
         self.idx = torch.tensor(idx, dtype=torch.long, device=q.device)
+
+    def table(self) -> Tensor:
+        """The paged view's block_table, int32 `[B, width]`: sequence b's pages from `(idx[b] *
+        S_cache + pad[b]) / g` on; entries past the cache's last page (never read: each
+        sequence's keys end inside its own row) are 0."""
+        cap, dev = self.k_cache.shape[1], self.idx.device
+        pad = torch.tensor(self.pad, dtype=torch.long, device=dev)
+        width = max([1] + [(cap - p) // self.g for p in self.pad])  # a pad of S_cache: no key
+        first = (self.idx * cap + pad) // self.g
+        pages = first[:, None] + torch.arange(width, device=dev)[None]
+        return pages.masked_fill(pages >= self.pages_total, 0).to(torch.int32)
 
     def attend(self, q, k, v, cos, sin, interleaved: bool, opts: dict, sides, return_lse: bool):
         if k is None:
@@ -448,7 +454,7 @@ class _CacheRows:
                  hasattr(ferro, "attention_with_kvcache"))
         return ferro.attention_with_kvcache(
             q, _pages(self.k_cache, self.g, "k_cache"), _pages(self.v_cache, self.g, "v_cache"),
-            k, v, cache_seqlens=self.lens, block_table=self.table,
+            k, v, cache_seqlens=self.lens, block_table=self.table(),
             rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
             causal=opts["causal"], window_left=sides[0], window_right=sides[1],
             softcap=opts["softcap"], alibi_slopes=opts["alibi_slopes"], scale=opts["scale"],

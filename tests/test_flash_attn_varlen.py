@@ -285,7 +285,7 @@ def test_kvcache_paged_read_only(gen):
     _close("out", out, oracle.kvcache(q, k_cache, v_cache, lens, causal=True)[0])
 
 
-# --- flash_attn_with_kvcache: cache_batch_idx and cache_leftpad ------------------------------------
+# --- flash_attn_with_kvcache: cache_batch_idx and cache_leftpad ----------------------------------
 def _shifted(cache, pad):
     """Each sequence's cache from its left pad on (flash-attn's keys of a left-padded cache)."""
     out = torch.zeros_like(cache)
@@ -318,8 +318,18 @@ def test_kvcache_batch_idx_and_leftpad(gen, causal, window, rotary, rows, append
     cos = sin = None
     if rotary is not None:
         cos, sin = _rotary_tables(gen, cap, 8)
+    _check_rows_and_pads(q, k_cache, v_cache, k_new, v_new, lens, idx, pad, cos=cos, sin=sin,
+                         rotary=rotary, causal=causal, window=window, alibi=alibi)
+
+
+def _check_rows_and_pads(q, k_cache, v_cache, k_new, v_new, lens, idx, pad, *, cos, sin, rotary,
+                         causal, window, alibi=None):
+    """flash_attn_with_kvcache with cache_batch_idx `idx` and cache_leftpad `pad` (int32 [B] or
+    None) against the oracle: out, lse, the chosen cache rows after the call, the others
+    untouched."""
+    B, sn = q.shape[0], 0 if k_new is None else k_new.shape[1]
     chosen = idx.long() if idx is not None else torch.arange(B)
-    if append:
+    if sn:
         qr, want_k, want_v = oracle.append(q, k_cache[chosen], v_cache[chosen], k_new, v_new,
                                            lens, cos=cos, sin=sin,
                                            interleaved=rotary == "interleaved", causal=causal,
@@ -327,7 +337,7 @@ def test_kvcache_batch_idx_and_leftpad(gen, causal, window, rotary, rows, append
     else:
         qr, want_k, want_v = q.double(), k_cache[chosen].double(), v_cache[chosen].double()
     p = [0] * B if pad is None else pad.tolist()
-    seen = lens + (Sn if append else 0) - torch.tensor(p, dtype=torch.int32)
+    seen = lens + sn - torch.tensor(p, dtype=torch.int32)
     want_out, want_lse = oracle.kvcache(qr, _shifted(want_k, p), _shifted(want_v, p), seen,
                                         causal=causal, window=window, alibi=alibi)
     kc, vc = k_cache.clone(), v_cache.clone()
@@ -339,7 +349,7 @@ def test_kvcache_batch_idx_and_leftpad(gen, causal, window, rotary, rows, append
     _close("softmax_lse", lse, want_lse, tol=1e-4)
     _close("k_cache", kc[chosen], want_k, tol=1e-5)
     _close("v_cache", vc[chosen], want_v, tol=1e-5)
-    others = [r for r in range(Bc) if r not in chosen.tolist()]
+    others = [r for r in range(k_cache.shape[0]) if r not in chosen.tolist()]
     assert torch.equal(kc[others], k_cache[others]) and torch.equal(vc[others], v_cache[others])
 
 
@@ -398,28 +408,10 @@ def test_kvcache_rows_and_pads_randomized(data):
     cos = sin = None
     if rotary is not None:
         cos, sin = _rotary_tables(gen, cap, 4)
-    lens_t = torch.tensor(lens, dtype=torch.int32)
-    chosen = torch.tensor(idx, dtype=torch.long)
-    if Sn:
-        qr, want_k, want_v = oracle.append(q, k_cache[chosen], v_cache[chosen], k_new, v_new,
-                                           lens_t, cos=cos, sin=sin,
-                                           interleaved=rotary == "interleaved", causal=causal,
-                                           window=window)
-    else:
-        qr, want_k, want_v = q.double(), k_cache[chosen].double(), v_cache[chosen].double()
-    seen = lens_t + Sn - torch.tensor(pads, dtype=torch.int32)
-    want_out, want_lse = oracle.kvcache(qr, _shifted(want_k, pads), _shifted(want_v, pads), seen,
-                                        causal=causal, window=window)
-    kc, vc = k_cache.clone(), v_cache.clone()
-    out, lse = fa.flash_attn_with_kvcache(
-        q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens_t,
-        cache_batch_idx=torch.tensor(idx, dtype=torch.int32),
-        cache_leftpad=torch.tensor(pads, dtype=torch.int32), causal=causal, window_size=window,
-        rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
-    _close("out", out, want_out, tol=1e-4)
-    _close("softmax_lse", lse, want_lse, tol=1e-4)
-    _close("k_cache", kc[chosen], want_k, tol=1e-5)
-    _close("v_cache", vc[chosen], want_v, tol=1e-5)
+    _check_rows_and_pads(q, k_cache, v_cache, k_new, v_new, torch.tensor(lens, dtype=torch.int32),
+                         torch.tensor(idx, dtype=torch.int32),
+                         torch.tensor(pads, dtype=torch.int32), cos=cos, sin=sin, rotary=rotary,
+                         causal=causal, window=window)
 
 
 @needs_kvcache
