@@ -70,3 +70,21 @@ qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 for _ in range(300): sdpa()
 print(f"{'torch SDPA (default)':28s} {statistics.median(per_call(sdpa) for _ in range(9)):8.2f}")
+# FERRO_PROFILE=1: where the torch path's host time goes in each tree (cProfile, 3000 calls each;
+# the profiler's own cost inflates small functions, so compare the trees, not absolute figures).
+if os.environ.get("FERRO_PROFILE"):
+    import cProfile
+    import io
+    import pstats
+    for tag, f in (("old", calls["ferrocupy.torch.attention"][0]),
+                   ("new", calls["ferrocupy.torch.attention"][1])):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(3000):
+            f()
+        torch.cuda.synchronize()
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(28)
+        print(f"==== {tag} tree, ferrocupy.torch.attention x 3000, by own time")
+        print("\n".join(line for line in s.getvalue().splitlines()[6:] if line.strip()))

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The full kernel stack's GPU suite across device calls, from the repository root with carry
+# ["_stack"] (main + every lab/ stack, `git am` in lab/README's order, archived into _stack/):
+#   1. the kernel cache in _kcache/ at the root (kept on the machine between calls while it stays
+#      warm: CUPY_CACHE_DIR), filled by ferrocupy.cuda.precompile unless SKIP_PRECOMPILE=1;
+#   2. lab/triage_hang.sh over the suite (the later stacks' GPU files included) for the rest of
+#      the call, skipping the tests listed in $SKIP (an earlier call's ended.txt, put in _stack/).
+# END_S: the call's length (default 570 s). $OUT gets summary.txt, ended.txt, the unit logs.
+set -o pipefail
+# (the kernel cache lives outside the tree: the device mirrors the tree and drops what it lacks)
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
+start=$SECONDS
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+echo "kernel cache: $(ls "$CUPY_CACHE_DIR" | wc -l) files"
+cd _stack && export PYTHONPATH=$PWD
+if [ -z "${SKIP_PRECOMPILE:-}" ]; then
+  timeout "${PRECOMPILE_S:-240}" python3 -m ferrocupy.cuda.precompile > "$OUT/precompile.log" 2>&1
+  echo "precompile rc=$? $(tail -1 "$OUT/precompile.log") at $((SECONDS - start)) s"
+fi
+extra=""
+for f in tests/test_cuda_model_options.py tests/test_cuda_visibility.py \
+         tests/test_cuda_head_dims.py tests/test_cuda_fused_backward.py \
+         tests/test_cuda_paged.py tests/test_cuda_append.py; do
+  [ -f "$f" ] && extra="$extra $f"
+done
+FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
+  tests/test_cuda_attention.py tests/test_cuda_decode.py tests/test_cuda_reach.py
+  tests/test_cuda_torch.py tests/test_layouts.py tests/test_cuda_flash_attn.py
+  tests/test_model_options.py tests/test_transformers_backend.py tests/test_cuda_plans.py
+  tests/test_cuda_rope.py tests/test_cuda_torch_rope.py tests/test_context_parallel.py $extra"}
+left=$(( ${END_S:-570} - (SECONDS - start) ))
+export OUT
+SKIP_PRECOMPILE=1 SKIP_SANITIZE=${SKIP_SANITIZE:-1} TOTAL_S=$left ALONE_S=${ALONE_S:-60} \
+  bash lab/triage_hang.sh ${SKIP:+--skip $SKIP} $FILES 2>&1 | tail -60
+cp /tmp/triage/ended.txt "$OUT/" 2>/dev/null
+echo "kernel cache: $(ls "$CUPY_CACHE_DIR" | wc -l) files; round done at $((SECONDS - start)) s"
