@@ -91,6 +91,12 @@ def calls(draw, op: str | None = None, extras: bool = False):
             pads = (0, 0, 0)  # mask, lse and the per-head tensors: C-contiguous
         strides = _padded_strides(shape, pads)
         how = draw(st.sampled_from(["apart", "near", "interleave"]))
+        if n == "grad_sinks" and draw(st.booleans()):
+            # onto sinks itself (the one input it can meet by length alone), a third of the
+            # time: "near" reaches it too, but rarely among the other tensors' offsets
+            places[n] = (places["sinks"][0] + draw(st.integers(0, shape[0] - 1)), strides)
+            end = max(end, places[n][0] + shape[0])
+            continue
         partners = [m for m in places if len(shapes[m]) == 4 and m != "mask"
                     and shapes[m] == shape and places[m][1][2] >= 2 * d]
         if how == "interleave" and len(shape) == 4 and n != "mask" and partners:
