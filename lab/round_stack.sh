@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The full kernel stack's GPU suite across device calls, from the repository root with carry
 # ["_stack"] (main + every lab/ stack, `git am` in lab/README's order, archived into _stack/):
-#   1. the kernel cache in _kcache/ at the root (kept on the machine between calls while it stays
-#      warm: CUPY_CACHE_DIR), filled by ferrocupy.cuda.precompile unless SKIP_PRECOMPILE=1;
+#   0. with COST=1 (and _old/ carried: `git archive 40c43ca`), issue 27's host cost against the
+#      old tree with cProfile of both (lab/call_cost_ab.py, FERRO_PROFILE=1), ~40 s;
+#   1. the kernel cache in /tmp/ferro_kcache (kept on the machine between calls while it stays
+#      warm: CUPY_CACHE_DIR), filled first (PRECOMPILE=all|select|none, below);
 #   2. lab/triage_hang.sh over the suite (the later stacks' GPU files included) for the rest of
 #      the call, skipping the tests listed in $SKIP (an earlier call's ended.txt, put in _stack/).
 # END_S: the call's length (default 570 s). $OUT gets summary.txt, ended.txt, the unit logs.
@@ -14,10 +16,24 @@ start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "kernel cache: $(ls "$CUPY_CACHE_DIR" | wc -l) files"
 cd _stack && export PYTHONPATH=$PWD
-if [ -z "${SKIP_PRECOMPILE:-}" ]; then
-  timeout "${PRECOMPILE_S:-240}" python3 -m ferrocupy.cuda.precompile > "$OUT/precompile.log" 2>&1
-  echo "precompile rc=$? $(tail -1 "$OUT/precompile.log") at $((SECONDS - start)) s"
+if [ -n "${COST:-}" ] && [ -d ../_old ]; then  # issue 27's host cost first, on an idle host
+  ( cd .. && FERRO_PROFILE=1 PYTHONPATH=$PWD timeout 100 python3 lab/call_cost_ab.py _old ) \
+    > "$OUT/cost_ab.txt" 2>&1
+  head -8 "$OUT/cost_ab.txt"; echo "cost done at $((SECONDS - start)) s"
 fi
+# PRECOMPILE: "all" (every variant this GPU runs: lab/precompile_all.py, ~1260 kernels), the
+# default "select" (what configs.select picks: ferrocupy.cuda.precompile), or "none"
+# (a cache left by an earlier call on this machine: nothing to precompile unless asked)
+[ -z "${PRECOMPILE:-}" ] && [ "$(ls "$CUPY_CACHE_DIR" | wc -l)" -ge 400 ] && PRECOMPILE=none
+rc=skipped
+case "${PRECOMPILE:-select}" in
+  all) timeout "${PRECOMPILE_S:-240}" python3 lab/precompile_all.py > "$OUT/precompile.log" 2>&1
+       rc=$? ;;
+  select) timeout "${PRECOMPILE_S:-240}" python3 -m ferrocupy.cuda.precompile \
+            > "$OUT/precompile.log" 2>&1; rc=$? ;;
+esac
+echo "precompile (${PRECOMPILE:-select}) rc=$rc $(tail -1 "$OUT/precompile.log" 2>/dev/null)" \
+  "at $((SECONDS - start)) s"
 extra=""
 for f in tests/test_cuda_model_options.py tests/test_cuda_visibility.py \
          tests/test_cuda_head_dims.py tests/test_cuda_fused_backward.py \
