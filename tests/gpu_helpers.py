@@ -591,10 +591,10 @@ def keep_mask(case: AttnCase) -> np.ndarray | None:
     b, sq, h, d, sk, hkv = case.dims
     bh = np.arange(b * h, dtype=np.int64).reshape(b, h, 1, 1)
     i = np.arange(sq, dtype=np.int64).reshape(1, 1, sq, 1)
-    j = np.arange(sk, dtype=np.int64).reshape(1, 1, 1, sk)
-    w0, w1, w2, w3 = philox4x32_10((j >> 2, i, bh, 0), (int(case.opts.seed) & 0xFFFFFFFF, 0))
-    lane = np.broadcast_to(j & 3, w0.shape)
-    word = np.select([lane == 0, lane == 1, lane == 2], [w0, w1, w2], w3)
+    # One Philox call per 4 keys (counter j >> 2): its 4 words are keys 4c .. 4c + 3 in order.
+    quads = np.arange((sk + 3) // 4, dtype=np.int64).reshape(1, 1, 1, -1)
+    words = philox4x32_10((quads, i, bh, 0), (int(case.opts.seed) & 0xFFFFFFFF, 0))
+    word = np.stack(words, axis=-1).reshape(b, h, sq, -1)[..., :sk]
     return word >= np.uint32(thr)
 
 
