@@ -125,12 +125,15 @@ def append(q, k_cache, v_cache, k_new, v_new, lens, *, cos=None, sin=None, inter
            causal=False, window=(-1, -1)):
     """flash_attn_with_kvcache's appending in float64: (q, k_cache, v_cache) after it, with the
     new keys (rotated at cache_seqlens[b] + i when tables are given) at cache_seqlens[b] ..< +Sn,
-    and q rotated at cache_seqlens[b] + i when causal or windowed, else at cache_seqlens[b]."""
+    and q rotated at cache_seqlens[b] + i when causal or windowed (the window normalized by the
+    capacity), else at cache_seqlens[b]."""
     b, sn = k_new.shape[:2]
     q, k_new = q.double(), k_new.double()
     if cos is not None:
         pos = lens[:, None].long() + torch.arange(sn)[None]
-        local = causal or tuple(window) != (-1, -1)
+        # windowed as flash-attn's C++ front end decides it: after normalizing the window by
+        # the cache's capacity (a side >= it is unbounded), so (2, 3) over 2 slots is not local
+        local = causal or _sides(window, k_cache.shape[1]) != (-1, -1)
         k_new = rotary(k_new, cos, sin, pos, interleaved)
         q = rotary(q, cos, sin, pos if local else lens[:, None].long().expand(b, q.shape[1]),
                    interleaved)

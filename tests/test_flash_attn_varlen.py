@@ -415,6 +415,23 @@ def test_kvcache_rows_and_pads_randomized(data):
 
 
 @needs_kvcache
+@pytest.mark.parametrize("window", [(2, 3), (5, 0), (0, 2)])
+def test_kvcache_rotary_window_wider_than_the_cache_is_not_local(gen, window):
+    """A window side >= the cache's capacity is unbounded (flash-attn's C++ front end clamps it),
+    so the call is local only through its other side: (2, 3) over 2 slots rotates q at
+    cache_seqlens alone, (5, 0) and (0, 2) at cache_seqlens + i (hypothesis found the first)."""
+    B, cap, sn = 3, 2, 2
+    q = torch.randn(B, sn, 1, 8, generator=gen)
+    k_new, v_new = (torch.randn(B, sn, 1, 8, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(B, cap, 1, 8, generator=gen) for _ in range(2))
+    cos, sin = _rotary_tables(gen, cap, 4)
+    zeros = torch.zeros(B, dtype=torch.int32)
+    _check_rows_and_pads(q, k_cache, v_cache, k_new, v_new, zeros,
+                         torch.arange(B, dtype=torch.int32), zeros, cos=cos, sin=sin,
+                         rotary="half", causal=False, window=window)
+
+
+@needs_kvcache
 def test_kvcache_left_pad_of_the_whole_cache_sees_no_key(gen):
     """A pad equal to cache_seqlens = S_cache leaves the sequence no key: out 0, lse +inf
     (found by the randomized test: the paged view had no page then)."""
