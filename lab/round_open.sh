@@ -30,17 +30,9 @@ left=$(( ${END_S:-570} - (SECONDS - start) ))
 TREE=${TREE:-_seam}
 if [ "$left" -gt 60 ] && [ -d "$TREE" ]; then
   cd "$TREE" && export PYTHONPATH=$PWD
-  extra=""  # the later stacks' GPU tests, where the tree has them (a full stack in $TREE)
-  for f in tests/test_cuda_model_options.py tests/test_cuda_visibility.py \
-           tests/test_cuda_head_dims.py tests/test_cuda_fused_backward.py \
-           tests/test_cuda_paged.py tests/test_cuda_append.py; do
-    [ -f "$f" ] && extra="$extra $f"
-  done
-  FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
-    tests/test_cuda_attention.py tests/test_cuda_decode.py tests/test_cuda_reach.py
-    tests/test_cuda_torch.py tests/test_layouts.py tests/test_cuda_flash_attn.py
-    tests/test_model_options.py tests/test_transformers_backend.py tests/test_context_parallel.py
-    $extra"}
+  # the GPU suite but the files this round ran above
+  FILES=${FILES:-$(bash ../lab/gpu_suite.sh tests/test_cuda_rope.py tests/test_cuda_torch_rope.py \
+                   tests/test_cuda_plans.py)}
   SKIP_PRECOMPILE=${SKIP_PRECOMPILE:-1} TOTAL_S=$left bash lab/triage_hang.sh $FILES 2>&1 | tail -45
   cd ..
 fi

@@ -34,17 +34,7 @@ case "${PRECOMPILE:-select}" in
 esac
 echo "precompile (${PRECOMPILE:-select}) rc=$rc $(tail -1 "$OUT/precompile.log" 2>/dev/null)" \
   "at $((SECONDS - start)) s"
-extra=""
-for f in tests/test_cuda_model_options.py tests/test_cuda_visibility.py \
-         tests/test_cuda_head_dims.py tests/test_cuda_fused_backward.py \
-         tests/test_cuda_paged.py tests/test_cuda_append.py; do
-  [ -f "$f" ] && extra="$extra $f"
-done
-FILES=${FILES:-"tests/test_cuda_half.py tests/test_cuda_wgmma.py tests/test_cuda_backward.py
-  tests/test_cuda_attention.py tests/test_cuda_decode.py tests/test_cuda_reach.py
-  tests/test_cuda_torch.py tests/test_layouts.py tests/test_cuda_flash_attn.py
-  tests/test_model_options.py tests/test_transformers_backend.py tests/test_cuda_plans.py
-  tests/test_cuda_rope.py tests/test_cuda_torch_rope.py tests/test_context_parallel.py $extra"}
+FILES=${FILES:-$(bash lab/gpu_suite.sh)}  # every GPU test file the tree has
 left=$(( ${END_S:-570} - (SECONDS - start) ))
 export OUT
 SKIP_PRECOMPILE=1 SKIP_SANITIZE=${SKIP_SANITIZE:-1} TOTAL_S=$left ALONE_S=${ALONE_S:-60} \
