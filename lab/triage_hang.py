@@ -42,6 +42,8 @@ PRIORITY = [r"test_half_backward_mask_and_dropout", r"test_cuda_half.py::.*backw
             r"test_cuda_half.py::test_half_option_combinations", r"test_cuda_half.py",
             r"test_cuda_wgmma.py", r"test_cuda_backward.py", r"test_cuda_attention.py",
             r"test_cuda_decode.py", r"test_cuda_reach.py"]
+# FIRST (environment, comma-separated patterns): run these before PRIORITY's (a stack's new files)
+PRIORITY = [p for p in os.environ.get("FIRST", "").split(",") if p] + PRIORITY
 
 
 def collect(files: list[str]) -> list[str]:
