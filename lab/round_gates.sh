@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call (~570 s) on the full kernel stack (carry ["_stack"]; chain it within 30 s of a
 # round_stack.sh call so the kernel cache in /tmp/ferro_kcache is still there): issue 25's gate
-# cases of benchmarks/compare.py, the stacks' A/B scripts (fused backward, paged decode, padded
+# cases of benchmarks/compare.py (and issue 26's, with bench-26/ applied), the stacks' A/B scripts (fused backward, paged decode, padded
 # wgmma head_dims), then compute-sanitizer memcheck and racecheck on lab/sanitize_run.py's small
 # run of every kernel family (bfloat16 and float32 only, FERRO_SANITIZE, to fit the call).
 # Each step has its own time limit; everything lands in $OUT.
-#   GATE_S (compare.py, default 230), CASES (its --cases), AB_S (each A/B script, 60),
+#   GATE_S (compare.py, default 300), DTYPES (default bfloat16), CASES (its --cases), AB_S (each A/B script, 60),
 #   SAN_S (each sanitizer tool, 80), SAN (FERRO_SANITIZE, default "bfloat16;float32").
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
@@ -15,8 +15,8 @@ stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "kernel cache: $(ls "$CUPY_CACHE_DIR" | wc -l) files"
 cd _stack && export PYTHONPATH=$PWD
-timeout "${GATE_S:-230}" python3 benchmarks/compare.py --dtype bfloat16,float16 \
-  --cases "${CASES:-s1024-,s4096-,s16384-,train-,bias-,window-,dropout-,kvlens-,gqa-}" \
+timeout "${GATE_S:-300}" python3 benchmarks/compare.py --dtype "${DTYPES:-bfloat16}" \
+  --cases "${CASES:-s1024-,s4096-,s16384-,train-,bias-,window-,dropout-,kvlens-,gqa-,d256-,varlen-,paged-,mods-}" \
   --json "$OUT/gate.json" > "$OUT/gate.txt" 2>&1
 stamp "gate rc=$?"; grep -E "PASS|FAIL|gate|geomean|wrong|refused" "$OUT/gate.txt" | cut -c1-160 | tail -60
 for ab in fused_bwd_ab paged_decode_ab wgmma_dims_ab; do
