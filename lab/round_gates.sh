@@ -6,7 +6,8 @@
 # run of every kernel family (bfloat16 and float32 only, FERRO_SANITIZE, to fit the call).
 # Each step has its own time limit; everything lands in $OUT.
 #   GATE_S (compare.py, default 300), DTYPES (default bfloat16), CASES (its --cases), AB_S (each A/B script, 60),
-#   SAN_S (each sanitizer tool, 80), SAN (FERRO_SANITIZE, default "bfloat16;float32").
+#   SAN_S (each sanitizer tool, 80), SAN (FERRO_SANITIZE, default "bfloat16;float32"),
+#   STEPS (which of "gate ab san" to run, default all three).
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
@@ -15,16 +16,19 @@ stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "kernel cache: $(ls "$CUPY_CACHE_DIR" | wc -l) files"
 cd _stack && export PYTHONPATH=$PWD
+STEPS=" ${STEPS:-gate ab san} "
+if [[ $STEPS == *" gate "* ]]; then
 timeout "${GATE_S:-300}" python3 benchmarks/compare.py --dtype "${DTYPES:-bfloat16}" \
   --cases "${CASES:-s1024-,s4096-,s16384-,train-,bias-,window-,dropout-,kvlens-,gqa-,d256-,varlen-,paged-,mods-}" \
   --json "$OUT/gate.json" > "$OUT/gate.txt" 2>&1
 stamp "gate rc=$?"; grep -E "PASS|FAIL|gate|geomean|wrong|refused" "$OUT/gate.txt" | cut -c1-160 | tail -60
-for ab in fused_bwd_ab paged_decode_ab wgmma_dims_ab; do
+fi
+[[ $STEPS == *" ab "* ]] && for ab in fused_bwd_ab paged_decode_ab wgmma_dims_ab; do
   [ -f "lab/$ab.py" ] || continue
   timeout "${AB_S:-60}" python3 "lab/$ab.py" --quick > "$OUT/$ab.txt" 2>&1
   stamp "$ab rc=$?"; tail -14 "$OUT/$ab.txt" | cut -c1-160
 done
-for tool in memcheck racecheck; do
+[[ $STEPS == *" san "* ]] && for tool in memcheck racecheck; do
   FERRO_SANITIZE=${SAN:-"bfloat16;float32"} timeout "${SAN_S:-80}" compute-sanitizer --tool $tool \
     --print-limit 20 python3 lab/sanitize_run.py > "$OUT/sanitize_$tool.txt" 2>&1
   stamp "$tool rc=$? (124: cut by its limit)"; grep -E "ERROR SUMMARY|Error|error" "$OUT/sanitize_$tool.txt" | head -8
