@@ -8,6 +8,9 @@
 #   2. lab/triage_hang.sh over the suite (the later stacks' GPU files included) for the rest of
 #      the call, skipping the tests listed in $SKIP (an earlier call's ended.txt, put in _stack/).
 # END_S: the call's length (default 570 s). $OUT gets summary.txt, ended.txt, the unit logs.
+# FIRST (patterns run first) and BREADTH (first the first N cases of every test function: a call
+# cut short has touched every function; 2 makes a wave of ~490 of the full stack's 4901 tests)
+# reach lab/triage_hang.py through the environment.
 set -o pipefail
 # (the kernel cache lives outside the tree: the device mirrors the tree and drops what it lacks)
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}

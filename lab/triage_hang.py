@@ -67,9 +67,23 @@ def rank(func: str) -> int:
     return len(PRIORITY)
 
 
-def make_units(ids: list[str], size: int) -> list[list[str]]:
+def make_units(ids: list[str], size: int, breadth: int = 0) -> list[list[str]]:
     """Each test function's cases in slices of at most `size`, the most suspect first (collection
-    order within a rank)."""
+    order within a rank). `breadth` > 0: first a wave of the first `breadth` cases of every
+    function (units of one file each), so that a call cut short has touched every test function
+    (every kernel path the suite reaches) before it goes deep into any; then the rest."""
+    if breadth > 0:
+        seen: dict[str, int] = {}
+        wide, rest = [], []
+        for i in ids:
+            n = seen[function_of(i)] = seen.get(function_of(i), 0) + 1
+            (wide if n <= breadth else rest).append(i)
+        by_file: OrderedDict[str, list[str]] = OrderedDict()
+        for i in sorted(wide, key=lambda i: rank(function_of(i))):
+            by_file.setdefault(i.split("::")[0], []).append(i)
+        first = [cases[k:k + size] for cases in by_file.values()
+                 for k in range(0, len(cases), size)]
+        return first + (make_units(rest, size) if rest else [])
     groups: OrderedDict[str, list[str]] = OrderedDict()
     for i in ids:
         groups.setdefault(function_of(i), []).append(i)
@@ -217,6 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--test-timeout", type=float, default=100.0)
     ap.add_argument("--alone-timeout", type=float, default=50.0)
     ap.add_argument("--unit-size", type=int, default=24)
+    ap.add_argument("--breadth", type=int, default=int(os.environ.get("BREADTH", "0")),
+                    help="first the first N cases of every test function, then the rest "
+                         "(BREADTH in the environment)")
     ap.add_argument("--rope", action="store_true", help="add the RoPE files (last)")
     ap.add_argument("--skip", help="a file of test ids to leave out (an earlier call's "
                     "ended.txt), so a second call runs what the first left unrun")
@@ -230,7 +247,7 @@ def main(argv=None) -> int:
     if args.skip and os.path.exists(args.skip):
         skip = set(Path(args.skip).read_text().splitlines())
         ids = [i for i in ids if i not in skip]
-    units = [Unit(n, u, work) for n, u in enumerate(make_units(ids, args.unit_size))]
+    units = [Unit(n, u, work) for n, u in enumerate(make_units(ids, args.unit_size, args.breadth))]
     print(f"[{time.time() - t0:5.0f}s] {len(ids)} tests in {len(units)} units, "
           f"{args.parallel} at a time", flush=True)
 
