@@ -371,6 +371,16 @@ def main(argv=None) -> int:
         lines += [f"  {t:7.1f}  {k}" for k, t in slow]
     text = "\n".join(lines) + "\n"
     (work / "summary.txt").write_text(text)
+    # every ended test's seconds (wall, under the parallel phase's load), by function too: what
+    # to make cheaper so the suite fits fewer device calls
+    (work / "durations.txt").write_text("".join(
+        f"{t:8.2f}  {k}\n" for k, t in sorted(durations.items(), key=lambda kv: -kv[1])))
+    per_fn: dict[str, list[float]] = {}
+    for k, t in durations.items():
+        per_fn.setdefault(function_of(k), []).append(t)
+    (work / "durations_by_function.txt").write_text("".join(
+        f"{sum(ts):9.1f} s  {len(ts):4d} tests  {f}\n"
+        for f, ts in sorted(per_fn.items(), key=lambda kv: -sum(kv[1]))))
     print(text, flush=True)
     return 1 if hung else 0
 

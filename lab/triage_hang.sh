@@ -60,6 +60,6 @@ if [ -n "$san_pid" ]; then
   echo "== sanitizers"; cat "$W/sanitize.txt"
   cp "$W/sanitize.txt" "$OUT/"
 fi
-cp "$W/summary.txt" "$OUT/" 2>/dev/null
+cp "$W/summary.txt" "$W/durations.txt" "$W/durations_by_function.txt" "$OUT/" 2>/dev/null
 tar czf "$OUT/triage_logs.tgz" -C /tmp triage
 echo "done in $((SECONDS - start)) s"
