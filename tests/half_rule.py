@@ -45,16 +45,21 @@ def _f64(a):
     return None if a is None else np.asarray(a).astype(np.float64)
 
 
-def x64(case: AttnCase, backward: bool = True, out_dtype=None) -> dict:
+def x64(case: AttnCase, backward: bool = True, out_dtype=None,
+        forward: dict | None = None) -> dict:
     """float64 reference outputs on the case's (rounded) inputs: out, lse [B,H,Sq] and, with
     `backward`, the three gradients (given the float64 out, or with `out_dtype` that out rounded
-    to it, as a device's backward is given its stored out)."""
+    to it, as a device's backward is given its stored out). `forward`: an earlier x64 result on
+    this case, whose out and lse are taken instead of running the reference forward again."""
     q, k, v, do, mask = (_f64(x) for x in (case.q, case.k, case.v, case.grad_out, case.mask))
     dims = AttentionDims.new(q, k)
-    p = dims.params(case.opts, mask)
-    out = np.full_like(q, np.nan)
-    lse = np.full((dims.batch, dims.heads, dims.seq_q), np.nan)
-    reference.flash_attn_v2(q, k, v, out, mask, p, lse=lse)
+    if forward is None:
+        p = dims.params(case.opts, mask)
+        out = np.full_like(q, np.nan)
+        lse = np.full((dims.batch, dims.heads, dims.seq_q), np.nan)
+        reference.flash_attn_v2(q, k, v, out, mask, p, lse=lse)
+    else:
+        out, lse = forward["out"], forward["lse"]
     res = {"out": out, "lse": lse}
     if backward:
         pb = dims.params_bwd(case.opts, mask)
@@ -111,7 +116,7 @@ def torch_plain(case: AttnCase, device: str = "cpu", backward: bool = True) -> d
 def inherited_errors(case: AttnCase, want64: dict) -> dict:
     """Per gradient, what the stored out's rounding to the case's dtype alone moves it by (the
     module's `inherited` term): max |backward(out rounded) - backward(out)| in float64."""
-    given = x64(case, backward=True, out_dtype=case.q.dtype)
+    given = x64(case, backward=True, out_dtype=case.q.dtype, forward=want64)
     res = {}
     for n in ("grad_q", "grad_k", "grad_v"):
         fin = np.isfinite(want64[n]) & np.isfinite(given[n])
