@@ -108,13 +108,22 @@ def test_philox_known_answers(counter, key, want):
     assert [int(w) for w in ref.philox4x32_10(counter, key)] == list(want)
 
 
-def test_philox_vectorised_equals_scalar(rng):
-    ctr = [rng.integers(0, 2**32, 50, dtype=np.uint64) for _ in range(4)]
+@pytest.mark.parametrize("chunk", [None, 1, 7], ids=["default-chunk", "chunk1", "chunk7"])
+def test_philox_vectorised_equals_scalar(rng, monkeypatch, chunk):
+    """Broadcast counters (one of them a scalar) across the rounds' chunk boundaries give each
+    element's scalar answer."""
+    if chunk is not None:
+        monkeypatch.setattr(ref, "_PHILOX_CHUNK", chunk)
+    ctr = [rng.integers(0, 2**32, (5, 1), dtype=np.uint64),
+           rng.integers(0, 2**32, (1, 10), dtype=np.uint64),
+           int(rng.integers(0, 2**32)), rng.integers(0, 2**32, (5, 10), dtype=np.uint64)]
     key = [int(x) for x in rng.integers(0, 2**32, 2)]
     vec = np.stack(ref.philox4x32_10(ctr, key))
-    for n in range(0, 50, 7):
-        one = ref.philox4x32_10([c[n] for c in ctr], key)
-        assert [int(w) for w in one] == vec[:, n].tolist()
+    assert vec.shape == (4, 5, 10) and vec.dtype == np.uint32
+    for n in range(0, 50, 3):
+        i, j = divmod(n, 10)
+        one = ref.philox4x32_10([ctr[0][i, 0], ctr[1][0, j], ctr[2], ctr[3][i, j]], key)
+        assert [int(w) for w in one] == vec[:, i, j].tolist()
 
 
 def test_dropout_keep_follows_counter_layout(rng):
