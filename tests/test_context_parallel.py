@@ -137,16 +137,17 @@ def _run_group(world: int, directory: str, inputs: dict) -> dict:
 
 
 def _start_method() -> str:
-    """"fork" (a child imports nothing: fast), unless this process has used CUDA: then autograd
-    runs device threads, which a forked child cannot use ("Unable to handle autograd's threading
-    in combination with fork-based multiprocessing", seen on the H100 after the NCCL tests), so
-    the ranks are spawned (each imports this module through the parent's sys.path).
+    """"fork" (a child imports nothing: fast) on a machine without a GPU; "spawn" (each rank
+    imports this module through the parent's sys.path) where torch sees one. A forked child
+    cannot run a backward once its parent's autograd engine has started its threads ("Unable to
+    handle autograd's threading in combination with fork-based multiprocessing"), and on a GPU
+    machine earlier tests in the process (CUDA or not: 28 ring tests failed so on an H100 where
+    torch had not initialised CUDA) start them; nothing public says whether they have.
     FERROCUPY_RING_START picks one."""
     forced = os.environ.get("FERROCUPY_RING_START")
     if forced:
         return forced
-    cuda_used = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda_used or "fork" not in multiprocessing.get_all_start_methods():
+    if torch.cuda.is_available() or "fork" not in multiprocessing.get_all_start_methods():
         return "spawn"
     return "fork"
 
