@@ -7,7 +7,7 @@
 # tested first unless FROM is set) narrow it. $OUT/bisect.txt: one line a tree, its passes of N.
 set -u
 TEST=${TEST:?name the test(s)}; N=${N:-3}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STACKS=${STACKS:-"seam model-options visibility fused-bwd head-dim-256 paged-append varlen wgmma-dims ci-compile bench-26 suite-size review-fixes paged-prefill"}
+STACKS=${STACKS:-"seam model-options visibility fused-bwd head-dim-256 paged-append varlen wgmma-dims ci-compile bench-26 suite-size review-fixes paged-prefill softmax-bits"}
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache} PYTHONUNBUFFERED=1
 W=/tmp/bisect_tree; rm -rf "$W"; mkdir -p "$W"
 tar -c --exclude=./_stack --exclude=./_old --exclude=./_kcache --exclude=./.git . | tar -x -C "$W"
