@@ -10,30 +10,13 @@
 #include "ferro_softmax.cuh"
 #include "ferro_visibility.cuh"
 
+#include "ferro_convert.cuh"
 #ifdef FERRO_BF16
-#include "ferro_mma_f16.cuh"  // widen, round1
 typedef u16 T;
-__device__ __forceinline__ float to_f(T x) { return widen(x); }
-__device__ __forceinline__ T from_f(float x) { return round1(x); }
-// 16 bytes of shared memory as floats (in registers: no local copy to index).
-__device__ __forceinline__ void load16(const T* src, float (&f)[8]) {
-    const uint4 r = *reinterpret_cast<const uint4*>(src);
-    const u32 w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        f[2 * c] = widen((u16)(w[c] & 0xffffu));
-        f[2 * c + 1] = widen((u16)(w[c] >> 16));
-    }
-}
 #else
 typedef float T;
-__device__ __forceinline__ float to_f(T x) { return x; }
-__device__ __forceinline__ T from_f(float x) { return x; }
-__device__ __forceinline__ void load16(const T* src, float (&f)[4]) {
-    const float4 r = *reinterpret_cast<const float4*>(src);
-    f[0] = r.x, f[1] = r.y, f[2] = r.z, f[3] = r.w;
-}
 #endif
+typedef Elem<T> E;
 
 // A split's keys [j_lo, j_hi): split * split_keys on, clipped to what some row of the call can
 // see and to the reach (past it nothing is read).
@@ -117,7 +100,7 @@ __device__ __forceinline__ void write_row(const AttnShape& s, const AttnLayout& 
     const float keep_scale = s.dropout_prob > 0.f ? 1.f / (1.f - s.dropout_prob) : 1.f;
     const float inv = L == 0.f ? 0.f : keep_scale / L;
     if (d < (int)s.head_dim)
-        out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = from_f(O * inv);
+        out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = E::from_f(O * inv);
     if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
 }
 

@@ -1,6 +1,6 @@
 // float16 / bfloat16 products on tensor cores (sm_80+): mma.sync m16n8k16 with float32
-// accumulators, operands loaded from shared memory by ldmatrix. Elements are handled as raw
-// 16-bit words (u16), so no CUDA half header is needed under NVRTC; FERRO_BF16 picks the type.
+// accumulators, operands loaded from shared memory by ldmatrix. Elements are raw 16-bit words
+// (ferro_convert.cuh); FERRO_BF16 picks the type.
 //
 // Fragments (g = lane/4, t = lane%4; each register holds two consecutive-k elements, low first):
 //   A 16x16: a0 (g, 2t..) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..)
@@ -15,34 +15,19 @@
 // tiles are swizzled instead (`swz_at`, at the end): the padding slowed its copies.
 #pragma once
 #include "ferro_params.cuh"
+#include "ferro_convert.cuh"
 
 #ifndef FERRO_BF16
 #error "FERRO_BF16 (0: float16, 1: bfloat16) comes from ferrocupy/cuda/configs.py"
 #endif
 
-// Two floats rounded (to nearest even) into one register of two 16-bit elements, lo first.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if FERRO_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-__device__ __forceinline__ u16 round1(float x) {
-    return (u16)(pack2(x, 0.f) & 0xffffu);
-}
-
-__device__ __forceinline__ float widen(u16 x) {
-#if FERRO_BF16
-    return __uint_as_float((u32)x << 16);
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-    return f;
-#endif
+// Two n-tiles of an accumulator (16 x 16: columns 0-7 in c0, 8-15 in c1), rounded pairwise to the
+// dtype: the A fragment of the next product (P, dS, P').
+__device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)[4], u32 (&a)[4]) {
+    a[0] = pack2(c0[0], c0[1]);
+    a[1] = pack2(c0[2], c0[3]);
+    a[2] = pack2(c1[0], c1[1]);
+    a[3] = pack2(c1[2], c1[3]);
 }
 
 // D += A B (16x8x16), float32 accumulate.
@@ -134,12 +119,7 @@ __device__ __forceinline__ void gemm_acc_ab(const float (&c)[MT][NT][4], const u
     for (int kk = 0; kk < NT / 2; ++kk) {
         u32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            a[mt][0] = pack2(c[mt][2 * kk][0], c[mt][2 * kk][1]);
-            a[mt][1] = pack2(c[mt][2 * kk][2], c[mt][2 * kk][3]);
-            a[mt][2] = pack2(c[mt][2 * kk + 1][0], c[mt][2 * kk + 1][1]);
-            a[mt][3] = pack2(c[mt][2 * kk + 1][2], c[mt][2 * kk + 1][3]);
-        }
+        for (int mt = 0; mt < MT; ++mt) acc_to_a(c[mt][2 * kk], c[mt][2 * kk + 1], a[mt]);
 #pragma unroll
         for (int dp = 0; dp < DP / 16; ++dp) {
             u32 b[4];
@@ -198,10 +178,7 @@ __device__ __forceinline__ void gemm_acc_ab_swz(const float (&c)[NT][4], const u
 #pragma unroll
     for (int kk = 0; kk < NT / 2; ++kk) {
         u32 a[4];
-        a[0] = pack2(c[2 * kk][0], c[2 * kk][1]);
-        a[1] = pack2(c[2 * kk][2], c[2 * kk][3]);
-        a[2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-        a[3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+        acc_to_a(c[2 * kk], c[2 * kk + 1], a);
 #pragma unroll
         for (int dp = 0; dp < DP / 16; ++dp) {
             u32 b[4];  // rows + 16 kk keep row & 7

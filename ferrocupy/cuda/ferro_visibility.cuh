@@ -2,6 +2,7 @@
 // mask gather: the rules of SPEC "Attention forward", shared by every attention kernel.
 #pragma once
 #include "ferro_params.cuh"
+#include "ferro_convert.cuh"
 
 // Row i sits at a = i + causal_offset; key j is visible iff
 // (!causal || j <= a) && (window == 0 || |a - j| < window).
@@ -72,13 +73,6 @@ __device__ __forceinline__ bool wholly_visible(const AttnShape& s, long long i_l
     const long long a_lo = i_lo + s.offset, a_hi = i_hi + s.offset;
     return i_hi < (long long)s.seq_q && j_hi < s.kv_len && (!s.causal || j_hi <= a_lo) &&
            (!s.window || (a_hi - j_lo < s.window && j_hi - a_lo < s.window));
-}
-
-__device__ __forceinline__ float bf16_to_float(u16 x) { return __uint_as_float((u32)x << 16); }
-__device__ __forceinline__ float f16_to_float(u16 x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-    return f;
 }
 
 // The additive mask at (b, h, i, j) through its broadcast strides, as float32 whatever its type

@@ -59,12 +59,7 @@ __device__ __forceinline__ void fence_proxy_async() {
 template <int NT>
 __device__ __forceinline__ void to_a_fragments(const float (&c)[NT][4], u32 (&a)[NT / 2][4]) {
 #pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) {
-        a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
-        a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
-        a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-        a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < NT / 2; ++kk) acc_to_a(c[2 * kk], c[2 * kk + 1], a[kk]);
 }
 
 // A 128-byte-swizzle descriptor of the tile at shared address `addr`.

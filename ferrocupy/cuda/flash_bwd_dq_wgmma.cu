@@ -99,10 +99,10 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
             const u16* orow = out + T.o.off + (u64)i * T.o.stride;
             const u16* drow = grad_out + rdo.off + (u64)i * rdo.stride;
             for (int d = 2 * L.t; d < D; d += 8) {  // D is a multiple of 8 (16-byte rows)
-                const u32 o2 = *reinterpret_cast<const u32*>(orow + d);
-                const u32 g2 = *reinterpret_cast<const u32*>(drow + d);
-                acc += widen((u16)(g2 & 0xffffu)) * widen((u16)(o2 & 0xffffu)) +
-                       widen((u16)(g2 >> 16)) * widen((u16)(o2 >> 16));
+                float o0, o1, g0, g1;
+                Elem<u16>::widen2(*reinterpret_cast<const u32*>(orow + d), o0, o1);
+                Elem<u16>::widen2(*reinterpret_cast<const u32*>(drow + d), g0, g1);
+                acc += g0 * o0 + g1 * o1;
             }
             lse = lse_in[(u64)T.bh * s.seq_q + i];
         }

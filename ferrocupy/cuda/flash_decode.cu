@@ -65,7 +65,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         float x = 0.f;
         if (r < R && d < D) {
             const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
-            x = to_f(q[(u64)b * lay.q.b + (u64)i * lay.q.s + (u64)h * lay.q.h + d]) * s.scale;
+            x = E::to_f(q[(u64)b * lay.q.b + (u64)i * lay.q.s + (u64)h * lay.q.h + d]) * s.scale;
         }
         sQ[idx] = x;
     }
@@ -112,7 +112,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
                 for (int d = 0; d < DP; d += VEC) {
                     float e[VEC];
-                    load16(kr + d, e);
+                    E::load16(kr + d, e);
 #pragma unroll
                     for (int c = 0; c < VEC; c += 4) {
                         const float4 qv = *reinterpret_cast<const float4*>(qr + d + c);
@@ -170,7 +170,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             const float* pr = sP + r * (BN + 1);
             float acc = o[n] * sA[r];
 #pragma unroll 8
-            for (int kk = 0; kk < BN; ++kk) acc = fmaf(pr[kk], to_f(tV[kk * PITCH + d]), acc);
+            for (int kk = 0; kk < BN; ++kk) acc = fmaf(pr[kk], E::to_f(tV[kk * PITCH + d]), acc);
             o[n] = acc;
         }
         __syncthreads();  // every thread is done with tile t's buffers and with P

@@ -26,6 +26,7 @@
 #include "ferro_philox.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
+#include "ferro_mma_f16.cuh"
 #include "ferro_decode.cuh"
 
 #ifndef FERRO_BF16

@@ -136,7 +136,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
                 const int d = ch * VEC + e;
-                qf[r][cc * VEC + e] = (r < R && ch < ROW_CHUNKS && d < D) ? to_f(qr[d]) * s.scale : 0.f;
+                qf[r][cc * VEC + e] = (r < R && ch < ROW_CHUNKS && d < D) ? E::to_f(qr[d]) * s.scale : 0.f;
             }
         }
     }
@@ -162,7 +162,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 const int ch = x + TX * cc;
                 float f[VEC];
                 if (ch < ROW_CHUNKS) {
-                    load16(reinterpret_cast<const T*>(buf + ((c * KW + g) * ROW_CHUNKS + ch) * 16), f);
+                    E::load16(reinterpret_cast<const T*>(buf + ((c * KW + g) * ROW_CHUNKS + ch) * 16), f);
                 } else {
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) f[e] = 0.f;
@@ -246,7 +246,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 const int ch = x + TX * cc;
                 if (ch >= ROW_CHUNKS) continue;
                 float f[VEC];
-                load16(reinterpret_cast<const T*>(buf + TK * ROW_BYTES +
+                E::load16(reinterpret_cast<const T*>(buf + TK * ROW_BYTES +
                                                   ((c * KW + g) * ROW_CHUNKS + ch) * 16), f);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r)
