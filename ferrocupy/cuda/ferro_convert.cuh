@@ -42,10 +42,6 @@ template <> struct Elem<float> {
     static constexpr int VEC = 4;  // elements in 16 bytes
     static __device__ __forceinline__ float to_f(float x) { return x; }
     static __device__ __forceinline__ float from_f(float x) { return x; }
-    // Columns d, d + 1 of a row at one store (d even, the row 8-byte aligned).
-    static __device__ __forceinline__ void store2(float* at, float x0, float x1) {
-        *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
-    }
     // 16 bytes (of shared memory) as floats, in registers.
     static __device__ __forceinline__ void load16(const float* src, float (&f)[VEC]) {
         const float4 r = *reinterpret_cast<const float4*>(src);

@@ -133,6 +133,24 @@ __device__ __forceinline__ void gemm_acc_ab(const float (&c)[MT][NT][4], const u
     }
 }
 
+// The mma.sync kernels' policy for float16 / bfloat16 (see MmaTf32, ferro_mma_tf32.cuh): tiles
+// row-major with pitch DP + PAD elements.
+struct MmaF16 {
+    typedef u16 T;
+    static constexpr int PAD = 8;
+    static constexpr bool RAW_SCORES = true;  // the forward's common tile skips a multiply
+    template <int MT, int NT, int DP, int PITCH>
+    static __device__ __forceinline__ void gemm_abt(const u16* sA, const u16* sB,
+                                                    float (&acc)[MT][NT][4]) {
+        ::gemm_abt<MT, NT, DP, PITCH>(sA, sB, acc);
+    }
+    template <int MT, int NT, int DP, int PITCH>
+    static __device__ __forceinline__ void gemm_acc_ab(const float (&c)[MT][NT][4], const u16* sB,
+                                                       float (&acc)[MT][DP / 8][4]) {
+        ::gemm_acc_ab<MT, NT, DP, PITCH>(c, sB, acc);
+    }
+};
+
 // Swizzled tiles (the decode kernel's K and V): rows of exactly DP elements (DP a multiple of 64,
 // so a row is whole 128-byte lines), row r's 16-byte chunk c stored at chunk c ^ (r & 7). The 8
 // rows of one ldmatrix phase (8 consecutive rows, one chunk column) then fall in 8 different

@@ -127,3 +127,31 @@ __device__ __forceinline__ void gemm_acc_ab(const float (&a)[NT][4], const float
     }
 }
 
+
+// The mma.sync kernels' policy for float32: their bodies are written once for this and MmaF16
+// (ferro_mma_f16.cuh). Tiles in shared memory are row-major with pitch DP + PAD floats.
+struct MmaTf32 {
+    typedef float T;
+    static constexpr int PAD = 4;
+    // The forward's scores scaled before the softmax, not left raw (ferro_score.cuh raw_scores):
+    // at head_dim 128 its kernel sits at 255 registers, and raw scores spilled there (20 bytes).
+    static constexpr bool RAW_SCORES = false;
+
+    // acc[mt] (16 x 8*NT) = A B^T: A the MT*16 rows at sA, B the 8*NT rows at sB.
+    template <int MT, int NT, int DP, int PITCH>
+    static __device__ __forceinline__ void gemm_abt(const float* sA, const float* sB,
+                                                    float (&acc)[MT][NT][4]) {
+        const Lane L = lane_ids();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            ::gemm_abt<NT, DP / 8, PITCH>(sA + mt * 16 * PITCH, sB, L, acc[mt]);
+    }
+    // acc[mt] (16 x DP) += C[mt] B: C an accumulator tile (16 x 8*NT), B 8*NT x DP at sB.
+    template <int MT, int NT, int DP, int PITCH>
+    static __device__ __forceinline__ void gemm_acc_ab(const float (&c)[MT][NT][4], const float* sB,
+                                                       float (&acc)[MT][DP / 8][4]) {
+        const Lane L = lane_ids();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ::gemm_acc_ab<NT, DP / 8, PITCH>(c[mt], sB, L, acc[mt]);
+    }
+};

@@ -53,6 +53,22 @@ __device__ __forceinline__ float online_softmax(float (&sc)[NT][4], int rr, floa
     return online_softmax_raw<NT>(sc, rr, m_run, l_run, FERRO_LOG2E);
 }
 
+// O's two rows (alpha[0]: c0/c1's, alpha[1]: c2/c3's) times the softmax's rescale factors, only
+// when some row of the warp had its max move (alpha != 1): after the first tiles it rarely does,
+// and the multiply by exactly 1 is skipped, not approximated.
+template <int DT>
+__device__ __forceinline__ void rescale_rows(float (&o)[DT][4], const float (&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int nd = 0; nd < DT; ++nd) {
+            o[nd][0] *= alpha[0];
+            o[nd][1] *= alpha[0];
+            o[nd][2] *= alpha[1];
+            o[nd][3] *= alpha[1];
+        }
+    }
+}
+
 // A finished row's log-sum-exp (natural log) from its running max and quad-summed sum;
 // -inf for a row that saw no key.
 __device__ __forceinline__ float row_lse(float m_run, float l) {

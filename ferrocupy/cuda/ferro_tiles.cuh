@@ -1,5 +1,5 @@
-// Which tile of which (batch, head) a block computes, the key tiles it visits, and the scores of
-// one tile (scale, additive mask, -inf where not visible). Shared by every precision.
+// Which tile of which (batch, head) a block computes and the key tiles it visits (ferro_score.cuh
+// turns a tile's products into scores). Shared by every precision.
 #pragma once
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
@@ -93,80 +93,4 @@ template <int BN>
 __device__ __forceinline__ bool keys_wholly_visible(const AttnShape& s, const QueryTile& t,
                                                     long long j0) {
     return wholly_visible(s, t.m0, t.m_last, j0, j0 + BN - 1);
-}
-
-// The keys one row sees, as columns [lo, hi] counted from some first key (lo > hi: none).
-struct KeySpan {
-    int lo, hi;
-    // The same span counted from `shift` columns further on.
-    __device__ __forceinline__ KeySpan from(int shift) const { return {lo - shift, hi - shift}; }
-    // Whether the row sees every one of columns [0, n).
-    __device__ __forceinline__ bool covers(int n) const { return lo <= 0 && hi >= n - 1; }
-};
-
-// Row i's visible keys among [j0, j0 + n) (visible_cols: causal, window, the keys' end, rows past
-// seq_q see none).
-__device__ __forceinline__ KeySpan key_span(const AttnShape& s, long long i, long long j0, int n) {
-    KeySpan k;
-    visible_cols(s, i, j0, n, k.lo, k.hi);
-    return k;
-}
-
-// The query rows key j sees among [i0, i0 + n), counted from i0: key_span's transpose, for the
-// dK/dV kernels (a = i + offset sees j iff causal allows j <= a and the window |a - j| < w; a key
-// past the keys' end is seen by no row).
-__device__ __forceinline__ KeySpan row_span(const AttnShape& s, long long j, long long i0, int n) {
-    long long lo = 0, hi = (long long)s.seq_q - 1;
-    if (j >= s.kv_len) hi = -1;
-    if (s.causal && j - s.offset > lo) lo = j - s.offset;
-    if (s.window) {
-        const long long w = s.window;
-        if (j - w + 1 - s.offset > lo) lo = j - w + 1 - s.offset;
-        if (j + w - 1 - s.offset < hi) hi = j + w - 1 - s.offset;
-    }
-    lo -= i0;
-    hi -= i0;
-    return {lo < 0 ? 0 : (lo > n ? n : (int)lo), hi < -1 ? -1 : (hi >= n ? n - 1 : (int)hi)};
-}
-
-// -inf outside each row's span, scores left as they are inside: an accumulator tile of 16 rows
-// (span[0]: c0/c1's row, span[1]: c2/c3's) x 8*NT keys, spans counted from the tile's first key.
-template <int NT>
-__device__ __forceinline__ void hide_outside(const KeySpan (&span)[2], Lane L, float (&sc)[NT][4]) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int c = nt * 8 + 2 * L.t + (r & 1);
-            if (c < span[r >> 1].lo || c > span[r >> 1].hi) sc[nt][r] = neg_inf();
-        }
-}
-
-// Scores of 16 rows (i0: c0/c1's row, i1 = c2/c3's) x 8*NT keys from j0: scale, additive mask,
-// -inf where a key is not visible (or a row or key is past the end). `whole`: every key is known
-// visible (keys_wholly_visible).
-template <int NT>
-__device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask, u32 b, u32 h,
-                                           long long i0, long long i1, long long j0, bool whole,
-                                           Lane L, float (&sc)[NT][4]) {
-    if (whole && !s.has_mask) {  // the common case: nothing to test per element
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) sc[nt][r] *= s.scale;
-        return;
-    }
-    // (hide_outside's interval test is cheaper per element, but here it cost the general
-    // kernels registers: the wgmma forward spilled 784 bytes with it, 80 without.)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const long long i = r < 2 ? i0 : i1, j = j0 + nt * 8 + 2 * L.t + (r & 1);
-            const bool ok = i >= 0 && i < s.seq_q && j < s.kv_len &&
-                            (whole || visible(s, i + s.offset, j));
-            float x = sc[nt][r] * s.scale;
-            if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
-            sc[nt][r] = ok ? x : neg_inf();
-        }
 }

@@ -1,35 +1,55 @@
-// Attention backward, second kernel (float32, 3xTF32 tensor-core products): one block = BK keys
-// of one (batch, KV head), 4 warps x 16 keys. Reads [Delta, LSE] from the stats the dq kernel
-// wrote, loops over the query heads of its GQA group and the query tiles that can see its keys,
-// and writes grad_k = scale * sum dS^T q, grad_v = sum P'^T grad_out. No atomics: deterministic.
-// Geometry (FERRO_*; FERRO_BN is BQ here) comes from cuda/configs.py.
+// Attention backward, second kernel, on mma.sync (sm_80+), one body for every dtype (float32 by
+// 3xTF32, float16 / bfloat16 by m16n8k16 with FERRO_BF16 defined; float32 accumulators). One
+// block = BK keys of one (batch, KV head), each warp 16*MT of them. Reads each query row's
+// [Delta, LSE] from the stats the dQ kernel wrote, loops over the query heads of its GQA group
+// and the query tiles (BQ rows) that can see its keys, and writes grad_k = scale * sum dS^T q and
+// grad_v = sum P'^T grad_out, each rounded once. No atomics: deterministic. Geometry (FERRO_*;
+// FERRO_BN is BQ here) comes from cuda/configs.py.
 #include "ferro_params.cuh"
-#include "ferro_visibility.cuh"
-#include "ferro_philox.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
 #include "ferro_tiles.cuh"
+#include "ferro_score.cuh"
+#include "ferro_epilogue.cuh"
+#ifdef FERRO_BF16
+#include "ferro_mma_f16.cuh"
+typedef MmaF16 Mma;
+#else
 #include "ferro_mma_tf32.cuh"
+typedef MmaTf32 Mma;
+#endif
 
 namespace {
-constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, THREADS = 32 * WARPS;
-constexpr int BK = 16 * WARPS, BQ = FERRO_BN, PITCH = DP + 4;
-constexpr int KS = DP / 8, NT = BQ / 8;
-static_assert(DP % 8 == 0 && DP <= 128 && FERRO_MT == 1, "tile geometry");
-static_assert(4 * (2 * BK + 2 * BQ) * PITCH == FERRO_SMEM_BYTES, "shared memory = configs.py's");
-}  // namespace
+typedef Mma::T T;
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, MT = FERRO_MT, BQ = FERRO_BN;
+constexpr int THREADS = 32 * WARPS, BK = 16 * MT * WARPS, PITCH = DP + Mma::PAD;
+constexpr int NT = BQ / 8, DT = DP / 8;
+// Each query row's [Delta, LSE]: float32 rows keep them in sdO's pad columns DP, DP + 1 (never
+// read by the products; the block stays at 99 KB of shared memory, the per-block limit of
+// sm_86/sm_89); 16-bit rows in a [BQ][2] array after sdO.
+constexpr bool STATS_IN_PAD = sizeof(T) == 4;
+static_assert(DP % 16 == 0 && DP <= 256 && BQ % 16 == 0, "tile geometry");
+static_assert(sizeof(T) * (2 * BK + 2 * BQ) * PITCH + (STATS_IN_PAD ? 0 : 8 * BQ) == FERRO_SMEM_BYTES,
+              "shared memory = configs.py's");
 
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
-flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
-                      const float* __restrict__ v, const float* __restrict__ grad_out,
-                      float* __restrict__ grad_k, float* __restrict__ grad_v,
-                      const void* __restrict__ mask, const float* __restrict__ stats,
-                      const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
-    extern __shared__ __align__(16) float smem[];
-    float* sK = smem;               // [BK][PITCH]
-    float* sV = sK + BK * PITCH;    // [BK][PITCH]
-    float* sQ = sV + BK * PITCH;    // [BQ][PITCH]
-    float* sdO = sQ + BQ * PITCH;   // [BQ][PITCH]; columns DP, DP+1 hold the row's Delta, LSE
+template <class OPT>
+__device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* __restrict__ k,
+                                              const T* __restrict__ v,
+                                              const T* __restrict__ grad_out,
+                                              T* __restrict__ grad_k, T* __restrict__ grad_v,
+                                              const void* __restrict__ mask,
+                                              const float* __restrict__ stats, const u32 vec,
+                                              const u32 mask_kind, const AttnLayout lay,
+                                              const FlashBwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);  // [BK][PITCH]
+    T* sV = sK + BK * PITCH;                 // [BK][PITCH]
+    T* sQ = sV + BK * PITCH;                 // [BQ][PITCH]
+    T* sdO = sQ + BQ * PITCH;                // [BQ][PITCH]
+    // Row c's [Delta, LSE] at sSt + c * ST_PITCH.
+    float* sSt = STATS_IN_PAD ? reinterpret_cast<float*>(sdO + DP)
+                              : reinterpret_cast<float*>(sdO + BQ * PITCH);
+    constexpr int ST_PITCH = STATS_IN_PAD ? PITCH : 2;
     const AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
@@ -39,14 +59,14 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
     block_coords(blockIdx.x, k_tiles, s.batch * s.kv_heads, bhk, tile);
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;
-    const long long keys[2] = {k0 + warp * 16 + L.g, k0 + warp * 16 + L.g + 8};
+    const long long key0 = k0 + warp * 16 * MT + L.g;  // + 16 mt + 8 rr
 
     const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
-    const Rows gk_rows = rows_of(lay.grad_k, b, hk), gv_rows = rows_of(lay.grad_v, b, hk);
-    load_tile<float, BK, DP, PITCH, THREADS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D, vec);
-    load_tile<float, BK, DP, PITCH, THREADS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D, vec);
-    const float* sKw = sK + warp * 16 * PITCH;
-    const float* sVw = sV + warp * 16 * PITCH;
+    const Rows gk = rows_of(lay.grad_k, b, hk), gv = rows_of(lay.grad_v, b, hk);
+    load_tile<T, BK, DP, PITCH, THREADS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D, vec);
+    load_tile<T, BK, DP, PITCH, THREADS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D, vec);
+    const T* sKw = sK + warp * 16 * MT * PITCH;
+    const T* sVw = sV + warp * 16 * MT * PITCH;
 
     const long long k_last = min((long long)s.seq_k, k0 + BK) - 1;
     long long q_lo, q_hi;
@@ -54,15 +74,16 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
     const long long i_first = q_lo / BQ * BQ;
     const int n_tiles = q_hi > i_first ? (int)((q_hi - i_first + BQ - 1) / BQ) : 0;
 
-    const bool dropout = s.dropout_prob > 0.f;
-    const u32 thr = dropout_threshold(s.dropout_prob);
-    const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
+    const Dropout<OPT::DROPOUT> drop(s);
+    const float keep_scale = drop.keep_scale();
 
-    float dk[KS][4], dv[KS][4];
+    float dk[MT][DT][4], dv[MT][DT][4];
 #pragma unroll
-    for (int nd = 0; nd < KS; ++nd)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) dk[nd][r] = dv[nd][r] = 0.f;
+        for (int nd = 0; nd < DT; ++nd)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) dk[mt][nd][r] = dv[mt][nd][r] = 0.f;
 
     // Steps t = (query head of the group, query tile). Q_{t+1} loads while dV uses dO_t;
     // dO_{t+1} and its stats load while S^T uses Q_{t+1}.
@@ -71,19 +92,18 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
         const Rows rq = rows_of(lay.q, b, h);
-        load_tile<float, BQ, DP, PITCH, THREADS>(sQ, q + rq.off, rq.stride, i0, s.seq_q, D, vec);
+        load_tile<T, BQ, DP, PITCH, THREADS>(sQ, q + rq.off, rq.stride, i0, s.seq_q, D, vec);
     };
     auto load_do = [&](int t) {
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
         const Rows rdo = rows_of(lay.grad_out, b, h);
-        load_tile<float, BQ, DP, PITCH, THREADS>(sdO, grad_out + rdo.off, rdo.stride, i0, s.seq_q, D, vec);
+        load_tile<T, BQ, DP, PITCH, THREADS>(sdO, grad_out + rdo.off, rdo.stride, i0, s.seq_q, D, vec);
         const float* st = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
         for (int idx = threadIdx.x; idx < 2 * BQ; idx += THREADS) {
             const bool ok = i0 + idx / 2 < s.seq_q;  // rows past the end: never visible
-            // Into sdO's pad columns (never read by the products): the block stays at
-            // 99 KB of shared memory, the per-block limit of sm_86/sm_89.
-            cp_async<4>(sdO + (idx / 2) * PITCH + DP + (idx & 1), ok ? st + (i0 * 2 + idx) : st, ok);
+            cp_async<4>(sSt + (STATS_IN_PAD ? (idx / 2) * PITCH + (idx & 1) : idx),
+                        ok ? st + (i0 * 2 + idx) : st, ok);
         }
     };
     if (steps > 0) load_q(0);
@@ -97,35 +117,41 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
         const bool more = t + 1 < steps;
         cp_async_wait<1>();
         __syncthreads();  // Q_t (and K, V) landed
-        float sT[NT][4], dpT[NT][4];  // [16 keys x BQ queries]: S^T and (dO V^T)^T
-        gemm_abt<NT, KS, PITCH>(sKw, sQ, L, sT);
+        float sT[MT][NT][4], dpT[MT][NT][4];  // [16 keys x BQ queries]: S^T and (dO V^T)^T
+        Mma::gemm_abt<MT, NT, DP, PITCH>(sKw, sQ, sT);
         cp_async_wait<0>();
         __syncthreads();  // dO_t and its stats landed
-        gemm_abt<NT, KS, PITCH>(sVw, sdO, L, dpT);
+        Mma::gemm_abt<MT, NT, DP, PITCH>(sVw, sdO, dpT);
+        const bool whole = !(OPT::MASK && s.has_mask) &&
+                           wholly_visible(s, i0, i0 + BQ - 1, k0, k0 + BK - 1);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const long long j = keys[r >> 1], i = i0 + nt * 8 + 2 * L.t + (r & 1);
-                const int c = nt * 8 + 2 * L.t + (r & 1);
-                const bool ok = i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j);
-                float x = sT[nt][r] * s.scale;
-                if (s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
-                const float lse = sdO[c * PITCH + DP + 1];
-                const float P = ok && lse != neg_inf() ? exp2f((x - lse) * FERRO_LOG2E) : 0.f;
-                bool keep = true;
-                if (dropout) {
-                    keep = (dropout_keep4(s.seed, thr, bh, (u32)i, (u32)j) >> (j & 3)) & 1u;
+            for (int nt = 0; nt < NT; ++nt) {
+                const int c = nt * 8 + 2 * L.t;  // query column of r = 0, 2 (r = 1, 3: c + 1)
+                // Bits r of keep: (key row r>>1, query column c + (r&1)).
+                const u32 keep = drop.keep_cols(bh, i0 + c, key0 + 16 * mt);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const long long j = key0 + 16 * mt + 8 * (r >> 1), i = i0 + c + (r & 1);
+                    const int ci = c + (r & 1);
+                    const bool ok = whole || (i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j));
+                    const float x = plus_mask<OPT::MASK>(s, mask, b, h, i, j, ok, sT[mt][nt][r] * s.scale);
+                    const float lse = sSt[ci * ST_PITCH + 1];
+                    // 0 where not visible, and for a row that sees nothing (LSE = -inf).
+                    const float P = ok && lse != neg_inf() ? exp2f((x - lse) * FERRO_LOG2E) : 0.f;
+                    const bool kept = (keep >> r) & 1u;
+                    const float dP = kept ? dpT[mt][nt][r] * keep_scale : 0.f;
+                    sT[mt][nt][r] = kept ? P * keep_scale : 0.f;           // P'
+                    dpT[mt][nt][r] = P * (dP - sSt[ci * ST_PITCH]);        // dS
                 }
-                const float dP = keep ? dpT[nt][r] * keep_scale : 0.f;
-                sT[nt][r] = keep ? P * keep_scale : 0.f;      // P'
-                dpT[nt][r] = P * (dP - sdO[c * PITCH + DP]);   // dS
             }
-        gemm_acc_ab<NT, KS, PITCH>(dpT, sQ, L, dk);
+        }
+        Mma::gemm_acc_ab<MT, NT, DP, PITCH>(dpT, sQ, dk);  // dpT holds dS^T
         __syncthreads();  // every warp is done with Q_t
         if (more) load_q(t + 1);
         cp_async_commit();
-        gemm_acc_ab<NT, KS, PITCH>(sT, sdO, L, dv);
+        Mma::gemm_acc_ab<MT, NT, DP, PITCH>(sT, sdO, dv);  // sT holds P'^T
         __syncthreads();  // every warp is done with dO_t and its stats
         if (more) load_do(t + 1);
         cp_async_commit();
@@ -133,20 +159,29 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
 
     cp_async_wait<0>();  // (with no query step, the K/V copies are still in flight)
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const long long j = keys[rr];
-        if (j >= s.seq_k) continue;
-        float* gk = grad_k + gk_rows.off + (u64)j * gk_rows.stride;
-        float* gv = grad_v + gv_rows.off + (u64)j * gv_rows.stride;
-#pragma unroll
-        for (int nd = 0; nd < KS; ++nd)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int d = nd * 8 + 2 * L.t + c;
-                if (d < D) {
-                    gk[d] = dk[nd][2 * rr + c] * s.scale;
-                    gv[d] = dv[nd][2 * rr + c];
-                }
-            }
-    }
+    for (int mt = 0; mt < MT; ++mt)
+        store_acc_tile2<T, DT>(grad_k, gk, dk[mt], s.scale, grad_v, gv, dv[mt], 1.f, key0 + 16 * mt,
+                               s.seq_k, L, D, vec > 1);
 }
+}  // namespace
+
+#ifdef FERRO_BF16
+extern "C" __global__ void __launch_bounds__(THREADS)
+flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
+                    const u16* __restrict__ v, const u16* __restrict__ grad_out,
+                    u16* __restrict__ grad_k, u16* __restrict__ grad_v,
+                    const void* __restrict__ mask, const float* __restrict__ stats,
+                    const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
+    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, vec, mask_kind, lay, p);
+}
+#else
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
+                      const float* __restrict__ v, const float* __restrict__ grad_out,
+                      float* __restrict__ grad_k, float* __restrict__ grad_v,
+                      const void* __restrict__ mask, const float* __restrict__ stats,
+                      const u32 vec, const u32 mask_kind, const AttnLayout lay,
+                      const FlashBwdParams p) {
+    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, vec, mask_kind, lay, p);
+}
+#endif

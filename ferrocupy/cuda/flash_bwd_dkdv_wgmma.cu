@@ -14,10 +14,11 @@
 // the mma.sync kernel's (flash_bwd_dkdv_half.cu; P's exponent is formed as one fma here);
 // geometry from cuda/configs.py.
 #include "ferro_params.cuh"
-#include "ferro_visibility.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
 #include "ferro_tiles.cuh"
+#include "ferro_score.cuh"
+#include "ferro_epilogue.cuh"
 #include "ferro_mma_f16.cuh"
 #include "ferro_wgmma.cuh"
 #include "ferro_mbarrier.cuh"
@@ -29,6 +30,7 @@ constexpr int NT = BQ / 8;  // n-tiles of S^T and dP^T (query columns); k-steps 
 constexpr int DT = DP / 8;  // n-tiles of dK and dV
 constexpr int KV_ELEMS = BK * DP, Q_ELEMS = BQ * DP;
 constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
+static_assert(!BuildOptions::MASK && !BuildOptions::DROPOUT, "plain only (configs.py)");
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 keys per warp");
 static_assert((DP == 64 || DP == 128) && BQ == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
@@ -182,21 +184,6 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
         ring_release(empty, t);  // done with this step's Q, dO and stats
     }
 
-    const Rows gk_rows = rows_of(lay.grad_k, b, hk), gv_rows = rows_of(lay.grad_v, b, hk);
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const long long j = key0 + 8 * rr;
-        if (j >= s.seq_k) continue;
-        u16* gk = grad_k + gk_rows.off + (u64)j * gk_rows.stride;
-        u16* gv = grad_v + gv_rows.off + (u64)j * gv_rows.stride;
-#pragma unroll
-        for (int nd = 0; nd < DT; ++nd) {
-            const int d = nd * 8 + 2 * L.t;
-            if (d < D) {
-                *reinterpret_cast<u32*>(gk + d) =
-                    pack2(dk[nd][2 * rr] * s.scale, dk[nd][2 * rr + 1] * s.scale);
-                *reinterpret_cast<u32*>(gv + d) = pack2(dv[nd][2 * rr], dv[nd][2 * rr + 1]);
-            }
-        }
-    }
+    const Rows gk = rows_of(lay.grad_k, b, hk), gv = rows_of(lay.grad_v, b, hk);
+    store_acc_tile2<u16, DT>(grad_k, gk, dk, s.scale, grad_v, gv, dv, 1.f, key0, s.seq_k, L, D, true);
 }

@@ -1,24 +1,208 @@
-// Attention backward, first kernel (float32, 3xTF32 tensor-core products): one block = BM query
-// rows of one (batch, head). Writes each row's [Delta, LSE] into the stats buffer (LSE is the
-// forward's when given as `lse_in`, else a first pass over the visible keys computes it), then
-// recomputes P and writes grad_q = scale * sum_j dS_ij k_j with dS = P (dP - Delta). No atomics.
-// Geometry (FERRO_*) comes from cuda/configs.py.
+// Attention backward, first kernel, on mma.sync (sm_80+), one body for every dtype (float32 by
+// 3xTF32, float16 / bfloat16 by m16n8k16 with FERRO_BF16 defined; float32 accumulators). One
+// block = BM query rows of one (batch, head), each warp 16*MT of them. Writes each row's
+// [Delta, LSE] into the stats buffer for the dK/dV kernel (LSE is the forward's when given as
+// `lse_in`, else a first pass over the visible keys computes it), then recomputes P and writes
+// grad_q = scale * sum_j dS_ij k_j with dS = P (dP - Delta), rounded once. No atomics. Geometry
+// (FERRO_*) comes from cuda/configs.py.
 #include "ferro_params.cuh"
-#include "ferro_visibility.cuh"
-#include "ferro_philox.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
 #include "ferro_tiles.cuh"
+#include "ferro_score.cuh"
+#include "ferro_epilogue.cuh"
+#ifdef FERRO_BF16
+#include "ferro_mma_f16.cuh"
+typedef MmaF16 Mma;
+#else
 #include "ferro_mma_tf32.cuh"
+typedef MmaTf32 Mma;
+#endif
 
 namespace {
-constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, THREADS = 32 * WARPS;
-constexpr int BM = 16 * WARPS, BN = FERRO_BN, PITCH = DP + 4;
-constexpr int KS = DP / 8, NT = BN / 8;
-static_assert(DP % 8 == 0 && DP <= 128 && FERRO_MT == 1, "tile geometry");
-static_assert(4 * (2 * BM + 2 * BN) * PITCH == FERRO_SMEM_BYTES, "shared memory = configs.py's");
+typedef Mma::T T;
+constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, MT = FERRO_MT, BN = FERRO_BN;
+constexpr int THREADS = 32 * WARPS, BM = 16 * MT * WARPS, PITCH = DP + Mma::PAD;
+constexpr int NT = BN / 8, DT = DP / 8;
+static_assert(DP % 16 == 0 && DP <= 256 && BN % 16 == 0, "tile geometry");
+static_assert(sizeof(T) * (2 * BM + 2 * BN) * PITCH == FERRO_SMEM_BYTES, "shared memory = configs.py's");
+
+template <class OPT>
+__device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __restrict__ k,
+                                            const T* __restrict__ v, const T* __restrict__ out,
+                                            const T* __restrict__ grad_out, T* __restrict__ grad_q,
+                                            const void* __restrict__ mask,
+                                            float* __restrict__ stats,
+                                            const float* __restrict__ lse_in, const u32 vec,
+                                            const u32 mask_kind, const AttnLayout lay,
+                                            const FlashBwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);  // [BM][PITCH]
+    T* sdO = sQ + BM * PITCH;                // [BM][PITCH]
+    T* sK = sdO + BM * PITCH;                // [BN][PITCH]
+    T* sV = sK + BN * PITCH;                 // [BN][PITCH]
+    const AttnShape s = attn_shape(p, mask_kind);
+    const Lane L = lane_ids();
+    const int warp = threadIdx.x >> 5, D = s.head_dim;
+
+    const QueryTile Tq = query_tile<BM, MT>(s, lay, L);
+    const Rows dO = rows_of(lay.grad_out, Tq.b, Tq.h), dQ = rows_of(lay.grad_q, Tq.b, Tq.h);
+    const T* kb = k + Tq.k.off;
+    const T* vb = v + Tq.v.off;
+
+    load_tile<T, BM, DP, PITCH, THREADS>(sQ, q + Tq.q.off, Tq.q.stride, Tq.m0, s.seq_q, D, vec);
+    load_tile<T, BM, DP, PITCH, THREADS>(sdO, grad_out + dO.off, dO.stride, Tq.m0, s.seq_q, D, vec);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const T* sQw = sQ + warp * 16 * MT * PITCH;
+    const T* sdOw = sdO + warp * 16 * MT * PITCH;
+
+    // Delta_i = grad_out_i . out_i, both as stored (rounded), summed in float32.
+    float delta[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            float acc = 0.f;
+            const long long i = Tq.row(mt, rr);
+            if (i < s.seq_q) {
+                const T* orow = out + Tq.o.off + (u64)i * Tq.o.stride;
+                const T* drow = sdOw + (16 * mt + 8 * rr + L.g) * PITCH;
+                for (int d = L.t; d < D; d += 4)
+                    acc += Elem<T>::to_f(drow[d]) * Elem<T>::to_f(orow[d]);
+            }
+            delta[mt][rr] = quad_sum(acc);
+        }
+
+    long long j_first;
+    const int n_tiles = key_tiles<BN>(s, Tq, j_first);
+
+    float lse[MT][2];
+    if (lse_in) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const long long i = Tq.row(mt, rr);
+                lse[mt][rr] = i < s.seq_q ? lse_in[(u64)Tq.bh * s.seq_q + i] : neg_inf();
+            }
+    } else {
+        // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys. Only K is read, so sK
+        // and sV double-buffer it: tile j+1 loads while tile j is multiplied.
+        float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf(), l_run[mt][0] = l_run[mt][1] = 0.f;
+        if (n_tiles > 0) load_tile<T, BN, DP, PITCH, THREADS>(sK, kb, Tq.k.stride, j_first, s.kv_reach, D, vec);
+        cp_async_commit();
+        for (int it = 0; it < n_tiles; ++it) {
+            const long long j0 = j_first + (long long)it * BN;
+            cp_async_wait<0>();
+            __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
+            if (it + 1 < n_tiles)
+                load_tile<T, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, Tq.k.stride, j0 + BN,
+                                                     s.kv_reach, D, vec);
+            cp_async_commit();
+            float sc[MT][NT][4];
+            Mma::gemm_abt<MT, NT, DP, PITCH>(sQw, (it & 1) ? sV : sK, sc);
+            const bool whole = keys_wholly_visible<BN>(s, Tq, j0);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                score_tile<OPT::MASK, NT>(s, mask, Tq.b, Tq.h, Tq.row(mt, 0), Tq.row(mt, 1), j0,
+                                          whole, L, sc[mt]);
+                online_softmax<NT>(sc[mt], 0, m_run[mt][0], l_run[mt][0]);
+                online_softmax<NT>(sc[mt], 1, m_run[mt][1], l_run[mt][1]);
+            }
+        }
+        __syncthreads();  // both buffers are reloaded by pass 2
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) lse[mt][rr] = row_lse(m_run[mt][rr], quad_sum(l_run[mt][rr]));
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const long long i = Tq.row(mt, rr);
+            if (L.t == 0 && i < s.seq_q) {
+                float* st = stats + ((u64)Tq.bh * s.seq_q + i) * 2;
+                st[0] = delta[mt][rr];
+                st[1] = lse[mt][rr];
+            }
+        }
+
+    // Pass 2: dQ += dS K with dS = P (dP - Delta), dP = (dO V^T) * keep / (1 - p).
+    const Dropout<OPT::DROPOUT> drop(s);
+    const float keep_scale = drop.keep_scale();
+    float dq[MT][DT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nd = 0; nd < DT; ++nd) dq[mt][nd][0] = dq[mt][nd][1] = dq[mt][nd][2] = dq[mt][nd][3] = 0.f;
+
+    // V_{j+1} loads while S, dS and dQ use K_j; K_{j+1} loads while dP uses V_{j+1}.
+    if (n_tiles > 0) load_tile<T, BN, DP, PITCH, THREADS>(sV, vb, Tq.v.stride, j_first, s.kv_reach, D, vec);
+    cp_async_commit();
+    if (n_tiles > 0) load_tile<T, BN, DP, PITCH, THREADS>(sK, kb, Tq.k.stride, j_first, s.kv_reach, D, vec);
+    cp_async_commit();
+    for (int it = 0; it < n_tiles; ++it) {
+        const long long j0 = j_first + (long long)it * BN;
+        const bool more = it + 1 < n_tiles;
+        cp_async_wait<1>();
+        __syncthreads();  // V_j landed
+        float sc[MT][NT][4], dpr[MT][NT][4];
+        Mma::gemm_abt<MT, NT, DP, PITCH>(sdOw, sV, dpr);
+        __syncthreads();  // every warp is done with V_j
+        if (more) load_tile<T, BN, DP, PITCH, THREADS>(sV, vb, Tq.v.stride, j0 + BN, s.kv_reach, D, vec);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();  // K_j landed
+        Mma::gemm_abt<MT, NT, DP, PITCH>(sQw, sK, sc);
+        const bool whole = keys_wholly_visible<BN>(s, Tq, j0);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            score_tile<OPT::MASK, NT>(s, mask, Tq.b, Tq.h, Tq.row(mt, 0), Tq.row(mt, 1), j0, whole,
+                                      L, sc[mt]);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                // Both columns 2t, 2t+1 share one Philox block.
+                const u32 keep = drop.keep_rows(Tq.bh, (u32)Tq.row(mt, 0), (u32)Tq.row(mt, 1), j0, nt, L);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const float l = lse[mt][r >> 1];
+                    const float x = sc[mt][nt][r];
+                    // 0 where not visible, and for a row that sees nothing (LSE = -inf).
+                    const float P = x == neg_inf() || l == neg_inf()
+                                        ? 0.f : exp2f((x - l) * FERRO_LOG2E);
+                    const float dP = ((keep >> r) & 1) ? dpr[mt][nt][r] * keep_scale : 0.f;
+                    sc[mt][nt][r] = P * (dP - delta[mt][r >> 1]);
+                }
+            }
+        }
+        Mma::gemm_acc_ab<MT, NT, DP, PITCH>(sc, sK, dq);  // sc holds dS
+        __syncthreads();  // every warp is done with K_j
+        if (more) load_tile<T, BN, DP, PITCH, THREADS>(sK, kb, Tq.k.stride, j0 + BN, s.kv_reach, D, vec);
+        cp_async_commit();
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        store_acc_tile<T, DT>(grad_q, dQ, Tq.row(mt, 0), s.seq_q, dq[mt], s.scale, L, D, vec > 1);
+}
 }  // namespace
 
+#ifdef FERRO_BF16
+extern "C" __global__ void __launch_bounds__(THREADS)
+flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                  const u16* __restrict__ out, const u16* __restrict__ grad_out,
+                  u16* __restrict__ grad_q, const void* __restrict__ mask,
+                  float* __restrict__ stats, const float* __restrict__ lse_in, const u32 vec,
+                  const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
+    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, vec, mask_kind,
+                              lay, p);
+}
+#else
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                     const float* __restrict__ v, const float* __restrict__ out,
@@ -26,151 +210,7 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                     const void* __restrict__ mask, float* __restrict__ stats,
                     const float* __restrict__ lse_in, const u32 vec, const u32 mask_kind,
                     const AttnLayout lay, const FlashBwdParams p) {
-    extern __shared__ __align__(16) float smem[];
-    float* sQ = smem;               // [BM][PITCH]
-    float* sdO = sQ + BM * PITCH;   // [BM][PITCH]
-    float* sK = sdO + BM * PITCH;   // [BN][PITCH]
-    float* sV = sK + BN * PITCH;    // [BN][PITCH]
-    const AttnShape s = attn_shape(p, mask_kind);
-    const Lane L = lane_ids();
-    const int warp = threadIdx.x >> 5, D = s.head_dim;
-
-    const QueryTile T = query_tile<BM, 1>(s, lay, L);
-    const u32 bh = T.bh;
-    const long long m0 = T.m0;
-    const long long rows[2] = {T.row(0, 0), T.row(0, 1)};
-    const Rows dO = rows_of(lay.grad_out, T.b, T.h), dQ = rows_of(lay.grad_q, T.b, T.h);
-    const float* kb = k + T.k.off;
-    const float* vb = v + T.v.off;
-
-    load_tile<float, BM, DP, PITCH, THREADS>(sQ, q + T.q.off, T.q.stride, m0, s.seq_q, D, vec);
-    load_tile<float, BM, DP, PITCH, THREADS>(sdO, grad_out + dO.off, dO.stride, m0, s.seq_q, D, vec);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    const float* sQw = sQ + warp * 16 * PITCH;
-    const float* sdOw = sdO + warp * 16 * PITCH;
-
-    // Delta_i = grad_out_i . out_i
-    float delta[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        float acc = 0.f;
-        const long long i = rows[rr];
-        if (i < s.seq_q) {
-            const float* orow = out + T.o.off + (u64)i * T.o.stride;
-            for (int d = L.t; d < D; d += 4) acc += sdOw[(L.g + 8 * rr) * PITCH + d] * orow[d];
-        }
-        delta[rr] = quad_sum(acc);
-    }
-
-    long long j_first;
-    const int n_tiles = key_tiles<BN>(s, T, j_first);
-
-    float lse[2];
-    if (lse_in) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-            lse[rr] = rows[rr] < s.seq_q ? lse_in[(u64)bh * s.seq_q + rows[rr]] : neg_inf();
-    } else {
-        // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys. Only K is read, so sK and
-        // sV double-buffer it: tile j+1 loads while tile j is multiplied.
-        float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
-        if (n_tiles > 0)
-            load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j_first, s.kv_reach, D, vec);
-        cp_async_commit();
-        for (int it = 0; it < n_tiles; ++it) {
-            const long long j0 = j_first + (long long)it * BN;
-            cp_async_wait<0>();
-            __syncthreads();  // tile j landed; every warp is done with tile j-1's buffer
-            if (it + 1 < n_tiles)
-                load_tile<float, BN, DP, PITCH, THREADS>((it & 1) ? sK : sV, kb, T.k.stride,
-                                                             j0 + BN, s.kv_reach, D, vec);
-            cp_async_commit();
-            float sc[NT][4];
-            gemm_abt<NT, KS, PITCH>(sQw, (it & 1) ? sV : sK, L, sc);
-            score_tile<NT>(s, mask, T.b, T.h, rows[0], rows[1], j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
-            online_softmax<NT>(sc, 0, m_run[0], l_run[0]);
-            online_softmax<NT>(sc, 1, m_run[1], l_run[1]);
-        }
-        __syncthreads();  // both buffers are reloaded by pass 2
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) lse[rr] = row_lse(m_run[rr], quad_sum(l_run[rr]));
-    }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const long long i = rows[rr];
-        if (L.t == 0 && i < s.seq_q) {
-            float* st = stats + ((u64)bh * s.seq_q + i) * 2;
-            st[0] = delta[rr];
-            st[1] = lse[rr];
-        }
-    }
-
-    // Pass 2: dQ += dS K with dS = P (dP - Delta), dP = (dO V^T) * keep / (1 - p).
-    const bool dropout = s.dropout_prob > 0.f;
-    const u32 thr = dropout_threshold(s.dropout_prob);
-    const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
-    float dq[KS][4];
-#pragma unroll
-    for (int nd = 0; nd < KS; ++nd) dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.f;
-
-    // V_{j+1} loads while S, dS and dQ use K_j; K_{j+1} loads while dP uses V_{j+1}.
-    if (n_tiles > 0)
-        load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, T.v.stride, j_first, s.kv_reach, D, vec);
-    cp_async_commit();
-    if (n_tiles > 0)
-        load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j_first, s.kv_reach, D, vec);
-    cp_async_commit();
-    for (int it = 0; it < n_tiles; ++it) {
-        const long long j0 = j_first + (long long)it * BN;
-        const bool more = it + 1 < n_tiles;
-        cp_async_wait<1>();
-        __syncthreads();  // V_j landed
-        float sc[NT][4], dp[NT][4];
-        gemm_abt<NT, KS, PITCH>(sdOw, sV, L, dp);
-        __syncthreads();  // every warp is done with V_j
-        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sV, vb, T.v.stride, j0 + BN, s.kv_reach, D, vec);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();  // K_j landed
-        gemm_abt<NT, KS, PITCH>(sQw, sK, L, sc);
-        score_tile<NT>(s, mask, T.b, T.h, rows[0], rows[1], j0, keys_wholly_visible<BN>(s, T, j0), L, sc);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            u32 keep = 0xFu;
-            if (dropout) {
-                // Both columns 2t, 2t+1 share one Philox block; j & 3 selects the word.
-                const u32 j = (u32)(j0 + nt * 8 + 2 * L.t);
-                keep = (dropout_keep4(s.seed, thr, bh, (u32)rows[0], j) >> (j & 3)) & 3u;
-                keep |= ((dropout_keep4(s.seed, thr, bh, (u32)rows[1], j) >> (j & 3)) & 3u) << 2;
-            }
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float pr = exp2f((sc[nt][r] - lse[r >> 1]) * FERRO_LOG2E);
-                // 0 where not visible, and for a row that sees nothing (LSE = -inf)
-                const float P = sc[nt][r] == neg_inf() || lse[r >> 1] == neg_inf() ? 0.f : pr;
-                const float dP = ((keep >> r) & 1) ? dp[nt][r] * keep_scale : 0.f;
-                sc[nt][r] = P * (dP - delta[r >> 1]);
-            }
-        }
-        gemm_acc_ab<NT, KS, PITCH>(sc, sK, L, dq);
-        __syncthreads();  // every warp is done with K_j
-        if (more) load_tile<float, BN, DP, PITCH, THREADS>(sK, kb, T.k.stride, j0 + BN, s.kv_reach, D, vec);
-        cp_async_commit();
-    }
-
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const long long i = rows[rr];
-        if (i >= s.seq_q) continue;
-        float* grow = grad_q + dQ.off + (u64)i * dQ.stride;
-#pragma unroll
-        for (int nd = 0; nd < KS; ++nd)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int d = nd * 8 + 2 * L.t + c;
-                if (d < D) grow[d] = dq[nd][2 * rr + c] * s.scale;
-            }
-    }
+    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, vec, mask_kind,
+                              lay, p);
 }
+#endif

@@ -10,10 +10,11 @@
 // rounded once. No atomics. The products and roundings are flash_bwd_dq_half.cu's (P's exponent
 // is formed as one fma here); geometry from cuda/configs.py.
 #include "ferro_params.cuh"
-#include "ferro_visibility.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
 #include "ferro_tiles.cuh"
+#include "ferro_score.cuh"
+#include "ferro_epilogue.cuh"
 #include "ferro_mma_f16.cuh"
 #include "ferro_wgmma.cuh"
 #include "ferro_mbarrier.cuh"
@@ -25,6 +26,7 @@ constexpr int NT = BN / 8;  // n-tiles of S and dP; k-steps of dQ += dS K: NT / 
 constexpr int DT = DP / 8;  // n-tiles of dQ
 constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
 constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
+static_assert(!BuildOptions::MASK && !BuildOptions::DROPOUT, "plain only (configs.py)");
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
 static_assert((DP == 64 || DP == 128) && BN == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
@@ -182,17 +184,5 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, t);
 
     const Rows rdq = rows_of(lay.grad_q, T.b, T.h);
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const long long i = T.row(0, rr);
-        if (i >= s.seq_q) continue;
-        u16* grow = grad_q + rdq.off + (u64)i * rdq.stride;
-#pragma unroll
-        for (int nd = 0; nd < DT; ++nd) {
-            const int d = nd * 8 + 2 * L.t;
-            if (d < D)
-                *reinterpret_cast<u32*>(grow + d) =
-                    pack2(dq[nd][2 * rr] * s.scale, dq[nd][2 * rr + 1] * s.scale);
-        }
-    }
+    store_acc_tile<u16, DT>(grad_q, rdq, T.row(0, 0), s.seq_q, dq, s.scale, L, D, true);
 }

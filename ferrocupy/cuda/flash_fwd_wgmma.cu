@@ -14,22 +14,20 @@
 // next free one, heaviest causal tiles first: no block is left with the long tail that a fixed
 // turn gave causal calls), or in a fixed turn where the backend passes no counter.
 #include "ferro_params.cuh"
-#include "ferro_visibility.cuh"
-#include "ferro_philox.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
 #include "ferro_tiles.cuh"
+#include "ferro_score.cuh"
+#include "ferro_epilogue.cuh"
 #include "ferro_mma_f16.cuh"
 #include "ferro_wgmma.cuh"
 #include "ferro_mbarrier.cuh"
 
 namespace {
-#ifndef FERRO_PLAIN
-#define FERRO_PLAIN 0
-#endif
 // PLAIN: built for calls without an additive mask or dropout (configs.py picks it for them): their
 // code, unused there, held registers across the key loop.
-constexpr bool PLAIN = FERRO_PLAIN;
+typedef BuildOptions OPT;
+constexpr bool PLAIN = !OPT::MASK && !OPT::DROPOUT;
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BN = FERRO_BN, STAGES = FERRO_STAGES;
 constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
 constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
@@ -137,8 +135,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
         long long j_first;
         const int n_tiles = key_tiles<BN>(s, T, j_first);
-        const bool dropout = !PLAIN && s.dropout_prob > 0.f;
-        const u32 thr = dropout_threshold(s.dropout_prob);
+        const Dropout<OPT::DROPOUT> drop(s);
         const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
         // Key tile t of this query tile sits in ring buffer (ring + t) % STAGES.
         auto k_tile = [&](int t) { return smem_u32(sK + ((ring + t) % STAGES) * KV_ELEMS); };
@@ -182,28 +179,13 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             // tile that needs a per-element rule (hiding in place there cost it more spills).
             if (PLAIN) {
                 if (!whole) hide_outside<NT>(tile, L, sc);
-            } else if (!whole || s.has_mask) {
-                score_tile<NT>(s, mask, T.b, T.h, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
-                const float inv_scale = 1.f / s.scale;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) sc[nt][r] *= inv_scale;
+            } else {
+                raw_scores<OPT::MASK, NT>(s, mask, T.b, T.h, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
             }
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) alpha[rr] = online_softmax_raw<NT>(sc, rr, m_run[rr], l_run[rr], sl2);
-            // Dropout: P' = P * keep (the 1/(1-p) is applied once at the end); l keeps P's sum.
-            if (dropout) {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        const u32 j = (u32)(j0 + nt * 8 + 2 * L.t);
-                        const u32 keep = dropout_keep4(s.seed, thr, T.bh, (u32)T.row(0, rr), j) >> (j & 3);
-                        if (!(keep & 1u)) sc[nt][2 * rr] = 0.f;
-                        if (!(keep & 2u)) sc[nt][2 * rr + 1] = 0.f;
-                    }
-            }
+            const u32 bh[2] = {T.bh, T.bh}, rows[2] = {(u32)T.row(0, 0), (u32)T.row(0, 1)};
+            drop.template drop<NT, true>(sc, bh, rows, (u32)j0, L);
         };
         auto issue_pv = [&](int t) {
 #pragma unroll
@@ -232,16 +214,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             wgmma_wait<0>();
             wgmma_pin(o);
             if (t > t_lo) ring_release(empty, ring + t - 1);  // done with tile t - 1
-            // Rescale O only when some row's max moved (alpha != 1).
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-                for (int nd = 0; nd < DT; ++nd) {
-                    o[nd][0] *= alpha[0];
-                    o[nd][1] *= alpha[0];
-                    o[nd][2] *= alpha[1];
-                    o[nd][3] *= alpha[1];
-                }
-            }
+            rescale_rows<DT>(o, alpha);
             to_a_fragments<NT>(sc, pa);
         }
         if (t_hi > t_lo) {
@@ -254,21 +227,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         }
         ring_release(q_empty, n);  // every product that reads this Q has completed
 
-        const float keep_scale = dropout ? 1.f / (1.f - s.dropout_prob) : 1.f;
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const float l = quad_sum(l_run[rr]);
-            const float inv = l == 0.f ? 0.f : keep_scale / l;  // no visible key: 0; NaN stays NaN
-            const long long i = T.row(0, rr);
-            if (i < 0 || i >= s.seq_q) continue;
-            if (lse && L.t == 0) lse[(u64)T.bh * s.seq_q + i] = row_lse(m_run[rr] * s.scale, l);
-            u16* orow = out + T.o.off + (u64)i * T.o.stride;
-#pragma unroll
-            for (int nd = 0; nd < DT; ++nd) {
-                const int d = nd * 8 + 2 * L.t;
-                if (d < D) *reinterpret_cast<u32*>(orow + d) = pack2(o[nd][2 * rr] * inv, o[nd][2 * rr + 1] * inv);
-            }
-        }
+        finish_forward<u16, DT>(o, m_run, l_run, s.scale, drop.keep_scale(), T.row(0, 0), s.seq_q,
+                                T.bh, out, T.o, lse, L, D, true);
         for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, ring + t);
         ring += n_tiles;
     }
