@@ -9,6 +9,8 @@
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_visibility.cuh"
+#include "ferro_score.cuh"
+#include "ferro_epilogue.cuh"
 
 #include "ferro_convert.cuh"
 #ifdef FERRO_BF16
@@ -97,11 +99,10 @@ __device__ __forceinline__ void merge_splits(const float* part_o, const float* p
 __device__ __forceinline__ void write_row(const AttnShape& s, const AttnLayout& lay, u32 b, u32 h,
                                           u32 i, u64 row, int d, float M, float L, float O, T* out,
                                           float* lse) {
-    const float keep_scale = s.dropout_prob > 0.f ? 1.f / (1.f - s.dropout_prob) : 1.f;
-    const float inv = L == 0.f ? 0.f : keep_scale / L;
+    const float inv = row_normaliser(L, Dropout<true>(s).keep_scale());
     if (d < (int)s.head_dim)
         out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = E::from_f(O * inv);
-    if (lse && d == 0) lse[row] = L == 0.f ? neg_inf() : M + logf(L);
+    if (lse && d == 0) lse[row] = row_lse(M, L);
 }
 
 // A decode block's last step: its warps' partial results for each of its R rows (sO

@@ -160,10 +160,16 @@ struct Dropout {
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 const u32 j = j0 + nt * 8 + 2 * L.t;
-                const u32 k = bits(bh[rr], row[rr], j);
-                const u32 k1 = EVEN || ((j + 1) & 3) ? k >> 1 : bits(bh[rr], row[rr], j + 1);
-                if (!(k & 1u)) sc[nt][2 * rr] = 0.f;
-                if (!(k1 & 1u)) sc[nt][2 * rr + 1] = 0.f;
+                if constexpr (EVEN) {
+                    const u32 k = bits(bh[rr], row[rr], j);
+                    if (!(k & 1u)) sc[nt][2 * rr] = 0.f;
+                    if (!(k & 2u)) sc[nt][2 * rr + 1] = 0.f;
+                } else {
+                    const u32 w = dropout_keep4(s.seed, thr, bh[rr], row[rr], j);
+                    const u32 w1 = ((j + 1) & 3) ? w : dropout_keep4(s.seed, thr, bh[rr], row[rr], j + 1);
+                    if (!((w >> (j & 3)) & 1u)) sc[nt][2 * rr] = 0.f;
+                    if (!((w1 >> ((j + 1) & 3)) & 1u)) sc[nt][2 * rr + 1] = 0.f;
+                }
             }
     }
 

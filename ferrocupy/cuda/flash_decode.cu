@@ -12,11 +12,9 @@
 // + offset, window, mask, dropout (the same keep mask), kv_lens, dead rows -> 0.
 // Element type: float32, or float16 / bfloat16 with FERRO_BF16 defined. Geometry from configs.py.
 #include "ferro_params.cuh"
-#include "ferro_visibility.cuh"
-#include "ferro_philox.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
-
+#include "ferro_score.cuh"
 #include "ferro_decode.cuh"
 
 namespace {
@@ -71,8 +69,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
     if (tid < ROWS) sM[tid] = neg_inf(), sL[tid] = 0.f;
     __syncthreads();  // Q and the row state, for every thread (a split with no tile included)
-    const bool dropout = s.dropout_prob > 0.f;
-    const u32 thr = dropout_threshold(s.dropout_prob);
+    const Dropout<true> drop(s);
 
     float o[PAIRS];
 #pragma unroll
@@ -126,7 +123,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
                 // Keys past the split's end belong to the next split (and were not loaded).
                 const bool ok = j < j_hi && visible(s, (long long)i + s.offset, j);
-                if (ok && s.has_mask) acc += mask_at(s, mask, b, h, i, j);
+                acc = plus_mask<true>(s, mask, b, h, i, j, ok, acc);
                 sP[r * (BN + 1) + kk] = ok ? acc : neg_inf();
             }
         }
@@ -145,10 +142,9 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
             for (int w = 16; w; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
             float pe = e;
-            if (dropout) {
+            if (drop.on) {
                 const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q, j = (u32)(j0 + lane);
-                const u32 keep = dropout_keep4(s.seed, thr, b * s.heads + h, i, j) >> (j & 3);
-                if (!(keep & 1u)) pe = 0.f;
+                if (!drop.kept(b * s.heads + h, i, j)) pe = 0.f;
             }
             sP[r * (BN + 1) + lane] = pe;
             __syncwarp();

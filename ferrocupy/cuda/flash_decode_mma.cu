@@ -22,10 +22,9 @@
 #define FERRO_PROBE 0
 #endif
 #include "ferro_params.cuh"
-#include "ferro_visibility.cuh"
-#include "ferro_philox.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
+#include "ferro_score.cuh"
 #include "ferro_mma_f16.cuh"
 #include "ferro_decode.cuh"
 
@@ -162,8 +161,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         for (int kk = 0; kk < DP / 16; ++kk) ldmatrix_x4(qa[kk], a0 + 2 * (kk * 16));
     }
 
-    const bool dropout = s.dropout_prob > 0.f;
-    const u32 thr = dropout_threshold(s.dropout_prob);
+    const Dropout<true> drop(s);
     float o[1][DT][4];
 #pragma unroll
     for (int nd = 0; nd < DT; ++nd) o[0][nd][0] = o[0][nd][1] = o[0][nd][2] = o[0][nd][3] = 0.f;
@@ -213,38 +211,18 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                     float x = sc[0][nt][2 * rr + c] * s.scale;
                     const bool seen = rel0 + key - see_lo[rr] < see_n[rr];
                     if (!whole && !seen) x = neg_inf();
-                    else if (s.has_mask && see_n[rr])
-                        x += mask_at(s, mask, b, bh[rr] - b * s.heads, qrow[rr], jt + key);
+                    else x = plus_mask<true>(s, mask, b, bh[rr] - b * s.heads, qrow[rr], jt + key,
+                                             see_n[rr] != 0, x);
                     sc[0][nt][2 * rr + c] = x;
                 }
 
         float alpha[2];
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) alpha[rr] = online_softmax<NT>(sc[0], rr, m_run[rr], l_run[rr]);
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int nd = 0; nd < DT; ++nd) {
-                o[0][nd][0] *= alpha[0];
-                o[0][nd][1] *= alpha[0];
-                o[0][nd][2] *= alpha[1];
-                o[0][nd][3] *= alpha[1];
-            }
-        }
-        // Dropout: P' = P * keep (1 / (1 - p) once at the end); l keeps P's sum.
-        if (dropout) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    // Keys j, j + 1: a split may start anywhere, so j + 1 can open the next
-                    // group of four keys that one Philox call covers.
-                    const u32 j = (u32)(jt + nt * 8 + 2 * L.t);
-                    const u32 k4 = dropout_keep4(s.seed, thr, bh[rr], qrow[rr], j);
-                    const u32 k4n = ((j + 1) & 3) ? k4 : dropout_keep4(s.seed, thr, bh[rr], qrow[rr], j + 1);
-                    if (!((k4 >> (j & 3)) & 1u)) sc[0][nt][2 * rr] = 0.f;
-                    if (!((k4n >> ((j + 1) & 3)) & 1u)) sc[0][nt][2 * rr + 1] = 0.f;
-                }
-        }
+        rescale_rows<DT>(o[0], alpha);
+        // Dropout (1 / (1 - p) once at the end; l keeps P's sum). A split may start anywhere, so
+        // a pair of keys may straddle two Philox blocks (EVEN false).
+        drop.drop<NT, false>(sc[0], bh, qrow, (u32)jt, L);
         if constexpr (SWZ) gemm_acc_ab_swz<NT, DP>(sc[0], sV, o[0]);
         else gemm_acc_ab<1, NT, DP, PITCH>(sc, sV, o);
     }

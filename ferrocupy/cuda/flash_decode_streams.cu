@@ -24,10 +24,9 @@
 #define FERRO_PROBE 0
 #endif
 #include "ferro_params.cuh"
-#include "ferro_visibility.cuh"
-#include "ferro_philox.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
+#include "ferro_score.cuh"
 #include "ferro_decode.cuh"
 
 namespace {
@@ -103,8 +102,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         cp_async_commit();  // one group per tile, maybe empty: the wait below counts tiles
     };
 
-    const bool dropout = s.dropout_prob > 0.f;
-    const u32 thr = dropout_threshold(s.dropout_prob);
+    const Dropout<true> drop(s);
     float m[ROWS], l[ROWS], o[ROWS][DL];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -196,22 +194,20 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
             for (int c = 0; c < C; ++c)
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r)
-                    if (rel + c * KW - see_lo[r] < see_n[r])
-                        sc[c][r] += mask_at(s, mask, b, hk * G + r / s.seq_q, r % s.seq_q,
-                                            jt + c * KW + g);
+                    sc[c][r] = plus_mask<true>(s, mask, b, hk * G + r / s.seq_q, r % s.seq_q,
+                                               jt + c * KW + g, rel + c * KW - see_lo[r] < see_n[r],
+                                               sc[c][r]);
         }
         // Dropout's keep bits (bit c * ROWS + r), in a loop kept rolled: Philox unrolled C x ROWS
         // times would cost registers the key loop needs.
         u32 keep = ~0u;
-        if (dropout) {
+        if (drop.on) {
             keep = 0;
 #pragma unroll 1
             for (int idx = 0; idx < C * ROWS; ++idx) {
                 const int c = idx / ROWS, r = idx % ROWS;
                 const u32 j = (u32)(jt + c * KW + g);
-                const u32 bits = dropout_keep4(s.seed, thr, b * s.heads + hk * G + r / s.seq_q,
-                                               r % s.seq_q, j);
-                keep |= ((bits >> (j & 3)) & 1u) << idx;
+                keep |= (drop.bits(b * s.heads + hk * G + r / s.seq_q, r % s.seq_q, j) & 1u) << idx;
             }
         }
 #pragma unroll
