@@ -15,12 +15,6 @@
 // pair's last block to finish merges the splits (decode_finish's tickets). Every forward option holds: causal + offset, window,
 // mask, dropout, kv_lens, dead rows -> 0; keys past the split's reach are never read.
 // Rows of K and V take 16-byte copies (the backend checks). Geometry from configs.py.
-// FERRO_PROBE (dev/decode_probe.py only; wrong answers): 1 copies only the first STAGES tiles and
-// computes on them again and again (the key loop's compute alone), 2 copies every tile and skips
-// the math (the copy pipeline alone).
-#ifndef FERRO_PROBE
-#define FERRO_PROBE 0
-#endif
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
@@ -107,7 +101,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     // warp copies two rows of 256 bytes at a time at head_dim 128); past j_hi and past D,
     // zero-filled.
     auto load = [&](int u) {
-        if (u < n_mine && (FERRO_PROBE != 1 || u < STAGES)) {
+        if (u < n_mine) {
             const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
             u16* sK = ring + (u % STAGES) * TILE;
             u16* sV = sK + TK * KPITCH;
@@ -175,10 +169,6 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         const u16* sK = ring + (u % STAGES) * TILE;
         const u16* sV = sK + TK * KPITCH;
         const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
-        if (FERRO_PROBE == 2) {  // touch the tile (a word a lane), no math
-            o[0][0][0] += __uint_as_float(sK[lane * 2] | ((u32)sK[lane * 2 + 1] << 16));
-            continue;
-        }
 
         float sc[1][NT][4];
         if constexpr (SWZ) {

@@ -17,12 +17,6 @@
 // holds: causal + offset, window, mask, dropout (the same keep mask), kv_lens, dead rows -> 0.
 // Rows of K and V must take 16-byte copies (head_dim * element size a multiple of 16, aligned);
 // other calls take flash_decode.cu. Geometry (ROWS, TX, the tile, STAGES) from configs.py.
-// FERRO_PROBE (dev/decode_probe.py only; wrong answers): 1 copies only the first STAGES tiles and
-// computes on them again and again (the key loop's compute alone), 2 copies every tile and skips
-// the math (the copy pipeline alone).
-#ifndef FERRO_PROBE
-#define FERRO_PROBE 0
-#endif
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
@@ -78,7 +72,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // Tile u of this warp: keys jt + c * KW + g for c < C. A lane copies chunks x + TX * cc of
     // its group's keys; past j_hi (the split's end, or the reach) and past D, zero-filled.
     auto load = [&](int u) {
-        if (u < n_mine && (FERRO_PROBE != 1 || u < STAGES)) {
+        if (u < n_mine) {
             const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
             unsigned char* buf = ring + (u % STAGES) * TILE_BYTES;
 #pragma unroll
@@ -146,10 +140,6 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         cp_async_wait<STAGES - 1>();  // this lane's copies of tile u have landed
         const unsigned char* buf = ring + (u % STAGES) * TILE_BYTES;
         const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
-        if (FERRO_PROBE == 2) {  // touch the tile (a word a lane), no math
-            o[0][0] += *reinterpret_cast<const float*>(buf + lane * 4);
-            continue;
-        }
 
         float sc[C][ROWS];  // scores, then P
 #pragma unroll
