@@ -11,7 +11,7 @@
 //   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T and dS^T from registers, rounded to the dtype)
 // then writes grad_k = scale dK and grad_v = dV, each rounded once. No atomics: deterministic.
 // The [Delta, LSE] per query row come from the dQ kernel's stats. The products and roundings are
-// the mma.sync kernel's (flash_bwd_dkdv_half.cu; P's exponent is formed as one fma here);
+// the mma.sync kernel's (flash_bwd_dkdv.cu, half build; P's exponent is one fma here);
 // geometry from cuda/configs.py.
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"

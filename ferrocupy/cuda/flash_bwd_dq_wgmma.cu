@@ -7,8 +7,8 @@
 //   P  = exp(scale S - LSE), 0 where a key is not visible to the row
 //   dS = P (dP - Delta),  dQ += dS K   (wgmma, dS from registers, rounded to the dtype)
 // Writes each row's [Delta, LSE] into the stats for the dK/dV kernel, and grad_q = scale dQ,
-// rounded once. No atomics. The products and roundings are flash_bwd_dq_half.cu's (P's exponent
-// is formed as one fma here); geometry from cuda/configs.py.
+// rounded once. No atomics. The products and roundings are those of flash_bwd_dq.cu's half build
+// (P's exponent is formed as one fma here); geometry from cuda/configs.py.
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
