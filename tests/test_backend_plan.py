@@ -314,12 +314,18 @@ def test_backward_plan_owns_its_stats(monkeypatch):
     assert "stats" in [a.name for a in runs[0][1] if isinstance(a, launch.Slot)]
     assert plan.workspace == {"stats": (8 * 256, 2)}
     assert runs[0][2]["stats"] == runs[3][2]["stats"]  # the same stats buffer on the second call
-    runs.clear()  # with dropout, the mma.sync dK/dV kernel (the wgmma one is built without it)
-    backward(bufs, AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
-        AttentionOptions(causal=True, dropout_prob=0.1)))
-    assert [r[0] for r in runs] == ["flash_bwd_dq_half", "flash_bwd_dkdv_half"]
+    runs.clear()  # dropout: the wgmma variants built with it (dQ without the lse: mma.sync)
+    dropout = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
+        AttentionOptions(causal=True, dropout_prob=0.1))
+    backward(bufs, dropout)
+    assert [r[0] for r in runs] == ["flash_bwd_dq_half", "flash_bwd_dkdv_wgmma"]
+    assert "FERRO_PLAIN" not in b._kernels[next(k for k in b._kernels if k[0] == "backward_dkdv"
+                                                and not k[6])][0].defines
     runs.clear()  # given the forward's lse, dQ on the warpgroup tensor cores too
     backward(dict(bufs, lse=buf((1, 8, 256), FLOAT32)), p)
+    assert [r[0] for r in runs] == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"]
+    runs.clear()  # and with dropout
+    backward(dict(bufs, lse=buf((1, 8, 256), FLOAT32)), dropout)
     assert [r[0] for r in runs] == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"]
 
 

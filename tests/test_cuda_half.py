@@ -54,9 +54,9 @@ def run(d, case: AttnCase, backward: bool = True, give_lse: bool = True) -> dict
     return res
 
 
-def check_half(dev, case, backward: bool = True) -> dict:
+def check_half(dev, case, backward: bool = True, give_lse: bool = True) -> dict:
     """The device meets SPEC's rule on every output; rows that see nothing are exactly 0."""
-    got = run(dev, case, backward)
+    got = run(dev, case, backward, give_lse)
     want = x64(case, backward)
     theirs = torch_plain(case, _torch_device(), backward)
     what = case.describe() + f" dtype={case.q.dtype} mask dtype=" + (
@@ -173,6 +173,32 @@ def test_half_backward_key_blocks(kernels, rng, dtype, d, opts):
     tile, GQA 4, each key seeing a different span of rows."""
     case = make_case(rng, b=2, sq=333, sk=461, h=8, hkv=2, d=d, qk_scale=1.0, **opts)
     check_half(kernels, rounded(case, dtype))
+
+
+MASK_DROPOUT_CASES = {
+    "mask": dict(mask="B,H,Sq,Sk", neg_inf=0.1),
+    "dropout": dict(dropout_prob=0.2, seed=DROPOUT_SEED),
+    "both-causal-offset20": dict(mask="1,H,1,Sk", dropout_prob=0.1, seed=DROPOUT_SEED, causal=True,
+                                 causal_offset=20),
+    "mask-window90": dict(mask="B,1,Sq,Sk", window=90),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
+@pytest.mark.parametrize("opts", MASK_DROPOUT_CASES.values(), ids=MASK_DROPOUT_CASES.keys())
+def test_half_backward_mask_and_dropout(dev, rng, dtype, d, give_lse, opts):
+    """The backward with an additive mask and dropout: on sm_90a the wgmma kernels built with
+    them (dK/dV always; dQ given the forward's lse, else the mma.sync one with its statistics
+    pass), at lengths that are no multiple of a tile, GQA 4, the mask in the data dtype."""
+    case = make_case(rng, b=2, sq=333, sk=461, h=8, hkv=2, d=d, qk_scale=1.0, **opts)
+    check_half(dev, rounded(case, dtype, dtype), give_lse=give_lse)
+    if not self_check() and dev.engine.backend.capability == 90:
+        built = {(hit[0].op, hit[0].isa, hit[0].plain)
+                 for hit in dev.engine.backend._kernels.values() if isinstance(hit, tuple)}
+        assert ("backward_dkdv", "wgmma", False) in built
+        assert (("backward_dq", "wgmma", False) in built) or not give_lse
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -249,9 +249,10 @@ class CudaBackend:
 
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
-                rows: int = 0, many_blocks: bool = False, plain: bool = False) -> configs.Variant:
+                rows: int = 0, many_blocks: bool = False, plain: bool = False,
+                lse_given: bool = True) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
-                              self.capability, copy_bytes, rows, many_blocks, plain)
+                              self.capability, copy_bytes, rows, many_blocks, plain, lse_given)
 
     def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; each
@@ -261,10 +262,10 @@ class CudaBackend:
         names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
         vec = _copy_width(dtype, d, [ptrs[a] for a in names], _strides(layout, names))
         mask = buffers.get("mask")
-        # the `plain` variants: no mask, no dropout (and dQ given the forward's lse)
-        plain = (mask is None and float(params["dropout_prob"]) == 0.0
-                 and (op != configs.BACKWARD_DQ or buffers.get("lse") is not None))
-        v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain)
+        # the `plain` variants: no mask, no dropout; the wgmma dQ: given the forward's lse
+        plain = mask is None and float(params["dropout_prob"]) == 0.0
+        lse_given = op != configs.BACKWARD_DQ or buffers.get("lse") is not None
+        v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain, lse_given=lse_given)
         smem = v.shared_bytes
         blocks = v.blocks(params, self.sm_count)
         if v.tiles(params) > GRID_X_MAX:
@@ -336,14 +337,14 @@ class CudaBackend:
         return max(1, min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads))
 
     def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0,
-                many_blocks: bool = False, plain: bool = False):
+                many_blocks: bool = False, plain: bool = False, lse_given: bool = True):
         """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
-        decode blocks beyond one per SM, no mask or dropout), chosen, compiled and given its
-        shared memory once."""
-        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain)
+        decode blocks beyond one per SM, no mask or dropout, the forward's lse given), chosen,
+        compiled and given its shared memory once."""
+        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given)
         hit = self._kernels.get(key)
         if hit is None:
-            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain)
+            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes

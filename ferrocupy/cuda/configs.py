@@ -255,19 +255,20 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
 
     Backward: two computing warpgroups (their accumulators take 64 registers a thread per
     head_dim-128 output: dQ, or dK and dV), tiles of 64 keys (dQ, 3 buffers) or 64 query rows
-    (dK/dV, 2 buffers); `plain` only: a call with a mask or dropout (or, for dQ, without the
-    forward's lse) takes the mma.sync kernels."""
+    (dK/dV, 2 buffers), `plain` first, then with the mask and dropout. dQ needs the forward's
+    lse (it has no statistics pass): a call without it takes the mma.sync kernels."""
     if dtype == FLOAT32 or dp not in (64, 112, 128):
         return []
     kd = 64 if dp <= 64 else 128
     if op == FORWARD:
-        return [Variant(op, dtype, kd, 12, 1, 128 if kd == 64 else 64, WGMMA, plain=plain)
-                for plain in (True, False)]
-    if op == BACKWARD_DQ:
-        return [Variant(op, dtype, kd, 8, 1, 64, WGMMA, stages=3, plain=True)]
-    if op == BACKWARD_DKDV:
-        return [Variant(op, dtype, kd, 8, 1, 64, WGMMA, stages=2, plain=True)]
-    return []
+        geometry = dict(warps=12, mt=1, step=128 if kd == 64 else 64)
+    elif op == BACKWARD_DQ:
+        geometry = dict(warps=8, mt=1, step=64, stages=3)
+    elif op == BACKWARD_DKDV:
+        geometry = dict(warps=8, mt=1, step=64, stages=2)
+    else:
+        return []
+    return [Variant(op, dtype, kd, isa=WGMMA, plain=plain, **geometry) for plain in (True, False)]
 
 
 def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
@@ -359,18 +360,21 @@ def padded_head_dim(d: int) -> int:
 
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
            capability: int = 0, copy_bytes: int = 0, rows: int = 0,
-           many_blocks: bool = False, plain: bool = False) -> Variant:
+           many_blocks: bool = False, plain: bool = False, lse_given: bool = True) -> Variant:
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
     over the 8-warp streams and tensor kernels: two 4-warp blocks per SM overlap one's start-up and merge
     with the other's stream (faster there in lab/decode_sweep.py), while 8 warps win when each
     block has an SM to itself. `plain` (the call has no mask and no dropout)
-    admits the variants built without them."""
+    admits the variants built without them; `lse_given` (the backward has the forward's lse)
+    admits the wgmma dQ kernel, which has no statistics pass."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
         if (many_blocks and v.isa in (STREAMS, TENSOR) and v.warps > 4) or (v.plain and not plain):
+            continue
+        if v.isa == WGMMA and v.op == BACKWARD_DQ and not lse_given:
             continue
         if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
                 and v.rows >= rows):

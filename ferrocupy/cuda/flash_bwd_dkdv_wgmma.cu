@@ -1,14 +1,16 @@
 // Attention backward, second kernel, float16 / bfloat16 on sm_90a's warpgroup tensor cores
-// (wgmma), for calls without an additive mask or dropout. One block = BK = 64 x (WARPS / 4) keys of
+// (wgmma). One block = BK = 64 x (WARPS / 4) keys of
 // one (batch, KV head), warp-specialized like the wgmma forward: a loading warpgroup fills a ring
 // of STAGES {Q, dO, [Delta, LSE]} query tiles (BQ rows each) after the block's K and V, and each
 // computing warpgroup owns 64 keys, for every query head of the GQA group and every query tile
 // that can see them:
 //   S^T  = K Q^T          (wgmma, both from shared memory)
 //   dP^T = V dO^T         (wgmma, both from shared memory)
-//   P^T  = exp(scale S^T - LSE), 0 where a key is not visible to the row
-//   dS^T = P^T (dP^T - Delta)
-//   dV  += P^T dO,  dK += dS^T Q   (wgmma, P^T and dS^T from registers, rounded to the dtype)
+//   P^T  = exp(scale S^T + mask - LSE), 0 where a key is not visible to the row
+//   dS^T = P^T (keep dP^T / (1 - p) - Delta)        (keep: dropout's bit; 1 without dropout)
+//   dV  += P'^T dO,  dK += dS^T Q   (P' = keep P / (1 - p); wgmma, P'^T and dS^T from
+//                                    registers, rounded to the dtype)
+// The mask and dropout are the build's options (ferro_score.cuh; a `plain` build has neither).
 // then writes grad_k = scale dK and grad_v = dV, each rounded once. No atomics: deterministic.
 // The [Delta, LSE] per query row come from the dQ kernel's stats. The products and roundings are
 // the mma.sync kernel's (flash_bwd_dkdv.cu, half build; P's exponent is one fma here);
@@ -28,9 +30,9 @@ constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BQ = FERRO_BN, STAGES = 
 constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BK = 16 * WARPS;
 constexpr int NT = BQ / 8;  // n-tiles of S^T and dP^T (query columns); k-steps of dV, dK: NT / 2
 constexpr int DT = DP / 8;  // n-tiles of dK and dV
+static_assert(NT <= 8, "dropout's keep bits of a step fit one u32");
 constexpr int KV_ELEMS = BK * DP, Q_ELEMS = BQ * DP;
 constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
-static_assert(!BuildOptions::MASK && !BuildOptions::DROPOUT, "plain only (configs.py)");
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 keys per warp");
 static_assert((DP == 64 || DP == 128) && BQ == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
@@ -57,7 +59,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
     const AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads
-    (void)vec, (void)mask;  // 16-byte rows and no mask: the backend picks this kernel only then
+    (void)vec;  // 16-byte rows: the backend picks this kernel only then
 
     const u32 k_tiles = (s.seq_k + BK - 1) / BK;
     u32 bhk, tile;  // the first key tiles are seen by the most queries
@@ -110,6 +112,8 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
     // This thread's two keys (accumulator rows c0/c1 and c2/c3).
     const long long key0 = k0 + (wg - 1) * 64 + ((threadIdx.x >> 5) & 3) * 16 + L.g;
     const float sl2 = s.scale * FERRO_LOG2E;
+    const Dropout<BuildOptions::DROPOUT> drop(s);
+    const float keep_scale = drop.keep_scale();
 
     float dk[DT][4], dv[DT][4];
 #pragma unroll
@@ -140,25 +144,50 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
         // ends of both sequences).
         const KeySpan span[2] = {row_span(s, key0, i0, BQ), row_span(s, key0 + 8, i0, BQ)};
         const float* st_rows = sSt + st * BQ * 2;
+        const u32 h = hk * group + t / n_tiles, bh = b * s.heads + h;
 
         wgmma_wait<1>();
         wgmma_pin(sT);
-        u32 pa[NT / 2][4];  // P^T rounded: the A operand of dV += P^T dO
+        u32 keeps = 0xFFFFFFFFu;  // dropout's bits: 4 per n-tile (element r: bit 4 nt + r)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             const int c = nt * 8 + 2 * L.t;  // query column of r = 0, 2 (r = 1, 3: c + 1)
             const float4 st4 = *reinterpret_cast<const float4*>(st_rows + 2 * c);  // D, L, D, L
-            const float lse[2] = {st4.y * FERRO_LOG2E, st4.w * FERRO_LOG2E};
+            const float lse2[2] = {st4.y * FERRO_LOG2E, st4.w * FERRO_LOG2E};
+            if (BuildOptions::DROPOUT)
+                keeps ^= (~drop.keep_cols(bh, i0 + c, key0) & 0xFu) << (4 * nt);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int ci = c + (r & 1);
                 // A row with LSE -inf (one that sees no key, or a given lse saying so) has P = 0.
                 const bool ok = ci >= span[r >> 1].lo && ci <= span[r >> 1].hi &&
-                                lse[r & 1] != neg_inf();
-                sT[nt][r] = ok ? exp2f(fmaf(sT[nt][r], sl2, -lse[r & 1])) : 0.f;
+                                lse2[r & 1] != neg_inf();
+                float e;
+                if (BuildOptions::MASK && s.has_mask)  // the scaled score plus the mask
+                    e = fmaf(plus_mask<true>(s, mask, b, h, i0 + ci, key0 + 8 * (r >> 1), ok,
+                                             sT[nt][r] * s.scale),
+                             FERRO_LOG2E, -lse2[r & 1]);
+                else
+                    e = fmaf(sT[nt][r], sl2, -lse2[r & 1]);
+                sT[nt][r] = ok ? exp2f(e) : 0.f;
             }
         }
-        to_a_fragments<NT>(sT, pa);
+        u32 pa[NT / 2][4];  // P'^T rounded: the A operand of dV += P'^T dO
+        if (BuildOptions::DROPOUT && drop.on) {
+#pragma unroll
+            for (int kk = 0; kk < NT / 2; ++kk) {
+                float kept[2][4];
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        kept[n][r] = (keeps >> (4 * (2 * kk + n) + r)) & 1u
+                                         ? sT[2 * kk + n][r] * keep_scale : 0.f;
+                acc_to_a(kept[0], kept[1], pa[kk]);
+            }
+        } else {
+            to_a_fragments<NT>(sT, pa);
+        }
         wgmma_wait<0>();
         wgmma_pin(dpT);
         u32 da[NT / 2][4];  // dS^T rounded: the A operand of dK += dS^T Q
@@ -167,8 +196,10 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
             const int c = nt * 8 + 2 * L.t;
             const float2 delta = {st_rows[2 * c], st_rows[2 * c + 2]};
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
-                dpT[nt][r] = sT[nt][r] * (dpT[nt][r] - ((r & 1) ? delta.y : delta.x));
+            for (int r = 0; r < 4; ++r) {
+                const float dp = (keeps >> (4 * nt + r)) & 1u ? dpT[nt][r] * keep_scale : 0.f;
+                dpT[nt][r] = sT[nt][r] * (dp - ((r & 1) ? delta.y : delta.x));
+            }
         }
         to_a_fragments<NT>(dpT, da);
 

@@ -1,11 +1,13 @@
 // Attention backward, first kernel, float16 / bfloat16 on sm_90a's warpgroup tensor cores
-// (wgmma), for calls without an additive mask or dropout that pass the forward's LSE. One block =
+// (wgmma), for calls that pass the forward's LSE. One block =
 // BM = 64 x (WARPS / 4) query rows of one (batch, head), warp-specialized like the wgmma forward:
 // a loading warpgroup fetches the block's Q and dO, then fills a ring of STAGES K/V tiles (BN
 // keys each); each computing warpgroup owns 64 rows and visits the key tiles they can see:
 //   S  = Q K^T,  dP = dO V^T     (wgmma, from shared memory)
-//   P  = exp(scale S - LSE), 0 where a key is not visible to the row
-//   dS = P (dP - Delta),  dQ += dS K   (wgmma, dS from registers, rounded to the dtype)
+//   P  = exp(scale S + mask - LSE), 0 where a key is not visible to the row
+//   dS = P (keep dP / (1 - p) - Delta),  dQ += dS K   (keep: dropout's bit, 1 without it;
+//                                                   wgmma, dS from registers, rounded)
+// The mask and dropout are the build's options (ferro_score.cuh; a `plain` build has neither).
 // Writes each row's [Delta, LSE] into the stats for the dK/dV kernel, and grad_q = scale dQ,
 // rounded once. No atomics. The products and roundings are those of flash_bwd_dq.cu's half build
 // (P's exponent is formed as one fma here); geometry from cuda/configs.py.
@@ -26,7 +28,6 @@ constexpr int NT = BN / 8;  // n-tiles of S and dP; k-steps of dQ += dS K: NT / 
 constexpr int DT = DP / 8;  // n-tiles of dQ
 constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
 constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
-static_assert(!BuildOptions::MASK && !BuildOptions::DROPOUT, "plain only (configs.py)");
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
 static_assert((DP == 64 || DP == 128) && BN == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
@@ -51,7 +52,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     const AttnShape s = attn_shape(p, mask_kind);
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads
-    (void)vec, (void)mask;  // 16-byte rows, no mask, lse given: the backend picks it only then
+    (void)vec;  // 16-byte rows and the forward's lse: the backend picks it only then
 
     QueryTile T = query_tile<BM, 1>(s, lay, L);
     T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
@@ -89,6 +90,8 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     const u32 q_slice = smem_u32(sQ) + (wg - 1) * 64 * 128;  // this warpgroup's 64 rows
     const u32 do_slice = smem_u32(sdO) + (wg - 1) * 64 * 128;
     const float sl2 = s.scale * FERRO_LOG2E;
+    const Dropout<BuildOptions::DROPOUT> drop(s);
+    const float keep_scale = drop.keep_scale();
 
     // Delta_i = grad_out_i . out_i (both as stored, summed in float32) and the forward's LSE, per
     // row of this thread; both into the stats for the dK/dV kernel.
@@ -156,6 +159,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
 
         wgmma_wait<1>();
         wgmma_pin(sc);
+        const long long j0 = j_first + (long long)t * BN;  // even: BN is
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -163,15 +167,28 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
                 const int c = nt * 8 + 2 * L.t + (r & 1);
                 const bool ok = whole || (c >= tile[r >> 1].lo && c <= tile[r >> 1].hi);
                 // (a row that sees no key, or whose given LSE is -inf, sees none of them)
-                sc[nt][r] = ok ? exp2f(fmaf(sc[nt][r], sl2, -lse2[r >> 1])) : 0.f;
+                float e;
+                if (BuildOptions::MASK && s.has_mask)  // the scaled score plus the mask
+                    e = fmaf(plus_mask<true>(s, mask, T.b, T.h, T.row(0, r >> 1), j0 + c, ok,
+                                             sc[nt][r] * s.scale),
+                             FERRO_LOG2E, -lse2[r >> 1]);
+                else
+                    e = fmaf(sc[nt][r], sl2, -lse2[r >> 1]);
+                sc[nt][r] = ok ? exp2f(e) : 0.f;
             }
         wgmma_wait<0>();
         wgmma_pin(dp);
         u32 da[NT / 2][4];  // dS rounded: the A operand of dQ += dS K
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 keep = drop.keep_rows(T.bh, (u32)T.row(0, 0), (u32)T.row(0, 1), j0, nt, L);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) sc[nt][r] *= dp[nt][r] - delta[r >> 1];
+            for (int r = 0; r < 4; ++r) {
+                const float dpk = BuildOptions::DROPOUT ? ((keep >> r) & 1u ? dp[nt][r] * keep_scale : 0.f)
+                                                        : dp[nt][r];
+                sc[nt][r] *= dpk - delta[r >> 1];
+            }
+        }
         to_a_fragments<NT>(sc, da);
         wgmma_fence();
 #pragma unroll
