@@ -262,10 +262,12 @@ class AttentionPlan:
             self._check_values(lambda n: backend.read_int32(
                 pointers[n], self.specs[n].numel, stream).reshape(self.specs[n].shape))
         if self.empty:
-            if self.op == BACKWARD:
-                for n in ("grad_k", "grad_v"):
+            if self.op == BACKWARD:  # (as run(): every key and sink gets zero gradient)
+                for n in ("grad_k", "grad_v", "grad_sinks"):
                     spec = self.specs[n]
-                    backend.zero_view(pointers[n], spec.shape, spec.strides, spec.dtype, stream)
+                    if spec is not None:
+                        backend.zero_view(pointers[n], spec.shape, spec.strides, spec.dtype,
+                                          stream)
             return
         low = 0  # the data rows' addresses' low bits pick the copy width
         for n in self._rows:
@@ -275,7 +277,7 @@ class AttentionPlan:
         if launch is None:
             launch = self._launches[low] = backend.plan(self.op, self.specs, self.params,
                                                         self.layout, dict.fromkeys(self.names, 0)
-                                                        | pointers)
+                                                        | pointers, self.extras)
         counter = None
         if launch.counted and (capturing() if callable(capturing) else capturing):
             if alloc is None:
@@ -537,11 +539,6 @@ def check_backend_reach(backend, specs: dict, opts, dims) -> None:
         if getattr(opts, name) is not None:
             raise ValueError(f"{name} = {getattr(opts, name)}: {_NOT_ON_GPU} (the symmetric "
                              f"window is)")
-    if opts.softcap:
-        raise ValueError(f"softcap = {opts.softcap}: {_NOT_ON_GPU}")
-    for name in _PER_HEAD:
-        if specs.get(name) is not None:
-            raise ValueError(f"{name} (shape {specs[name].shape}): {_NOT_ON_GPU}")
     for name, what in (("cu_seqlens_q", "varlen"), ("block_table", "a paged KV cache"),
                        ("k_new", "a KV-cache append")):
         if specs.get(name) is not None:

@@ -12,7 +12,8 @@ import threading
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
-from ..params import LAYOUT_TENSORS, contiguous_rope_layout
+from ..params import (EXTRAS_ALIBI, EXTRAS_SINKS, LAYOUT_TENSORS, contiguous_rope_layout,
+                      seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
@@ -20,7 +21,8 @@ from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
 _PLANS_MAX = 256  # RoPE plans kept per backend (a long-running job sees few call shapes)
-_NOT_ROWS = ("mask", "lse", "kv_lens", "stats")  # buffers whose alignment picks no copy width
+# buffers whose alignment picks no copy width
+_NOT_ROWS = ("mask", "lse", "kv_lens", "stats", "alibi_slopes", "sinks", "grad_sinks")
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
 # a launch on any further stream passes none, and its blocks take tiles in a fixed turn. Launches
@@ -145,15 +147,19 @@ class CudaBackend:
         return table
 
     # --- attention: plans made by ferrocupy.plan.AttentionPlan, one per alignment ------------
-    def plan(self, op: str, buffers: dict, params: np.void, layout: np.void, ptrs: dict) -> Plan:
-        """The launches of `op` ("forward" or "backward") for these params and layout, the
-        buffers' dtypes (`buffers`: name -> anything with `.dtype`, or None for an absent one)
-        and their addresses' alignment (`ptrs`: name -> address), every launch compiled and
-        checked. The caller keeps it: it is the same for every call with these."""
+    def plan(self, op: str, buffers: dict, params: np.void, layout: np.void, ptrs: dict,
+             extras: np.void | None = None) -> Plan:
+        """The launches of `op` ("forward" or "backward") for these params, layout and extras
+        (the call's AttnExtras; None: a call with the seed's options alone), the buffers' dtypes
+        (`buffers`: name -> anything with `.dtype`, or None for an absent one) and their
+        addresses' alignment (`ptrs`: name -> address), every launch compiled and checked. The
+        caller keeps it: it is the same for every call with these."""
+        if extras is None:
+            extras = seed_extras(params)
         if self.xp.cuda.runtime.getDevice() != self._id:
             with self.xp.cuda.Device(self._id):
-                return self.plan(op, buffers, params, layout, ptrs)
-        return self._make_plan(op, buffers, params, layout, ptrs)
+                return self.plan(op, buffers, params, layout, ptrs, extras)
+        return self._make_plan(op, buffers, params, layout, ptrs, extras)
 
     def current_stream(self) -> int:
         """CuPy's current stream on this backend's device, as a CUstream handle."""
@@ -219,21 +225,26 @@ class CudaBackend:
         del keep  # the launches are queued: the allocator may reuse it in stream order
 
     def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void,
-                   ptrs: dict) -> Plan:
+                   ptrs: dict, extras: np.void) -> Plan:
         if op == "forward":
             if configs.decode_wanted(params):
-                launches, workspace = self._plan_decode(buffers, params, layout, ptrs)
+                launches, workspace = self._plan_decode(buffers, params, layout, ptrs, extras)
             else:
-                launches = [self._plan(configs.FORWARD, buffers, params, layout, ptrs)]
+                launches = [self._plan(configs.FORWARD, buffers, params, layout, ptrs, extras)]
                 workspace = {}
         else:
             rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
             workspace = {"stats": (rows, 2)}
             bufs = dict(buffers, stats=Slot("stats"))
-            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, layout, ptrs)]
+            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, layout, ptrs, extras)]
             if int(params["seq_k"]):
-                launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params, layout, ptrs))
-        return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params,))
+                launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params, layout, ptrs,
+                                           extras))
+            if buffers.get("grad_sinks") is not None:  # from the stats the dQ kernel wrote
+                fn = self.loader.function(configs.SINKS_SOURCE, configs.SINKS_KERNEL, {}, ())
+                launches.append((fn, int(params["heads"]), configs.SINKS_THREADS, 0,
+                                 (Slot("stats"), Slot("sinks"), Slot("grad_sinks"))))
+        return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params, extras))
                      for fn, blocks, threads, smem, args in launches], workspace)
 
     def _tile_counter(self, stream: int) -> int:
@@ -254,7 +265,7 @@ class CudaBackend:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
                               self.capability, copy_bytes, rows, many_blocks, plain, lse_given)
 
-    def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict):
+    def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict, extras):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; each
         buffer is a `Slot` (its address filled in on each run), NULL where absent."""
         d = int(params["head_dim"])
@@ -262,9 +273,11 @@ class CudaBackend:
         names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
         vec = _copy_width(dtype, d, [ptrs[a] for a in names], _strides(layout, names))
         mask = buffers.get("mask")
-        # the `plain` variants: no mask, no dropout; the wgmma dQ: given the forward's lse
-        plain = mask is None and float(params["dropout_prob"]) == 0.0
         lse_given = op != configs.BACKWARD_DQ or buffers.get("lse") is not None
+        # the `plain` variants: no mask, no dropout, no model option the kernel computes; the
+        # wgmma dQ: given the forward's lse
+        plain = (mask is None and float(params["dropout_prob"]) == 0.0
+                 and not model_options(op, extras, lse_given))
         v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain, lse_given=lse_given)
         smem = v.shared_bytes
         blocks = v.blocks(params, self.sm_count)
@@ -279,7 +292,8 @@ class CudaBackend:
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
 
-    def _plan_decode(self, buffers: dict, params, layout, ptrs: dict) -> tuple[list, dict]:
+    def _plan_decode(self, buffers: dict, params, layout, ptrs: dict,
+                     extras) -> tuple[list, dict]:
         """The decode kernel over (batch, KV head, split) blocks; with more than one split, the
         last block of each pair to finish merges the splits (counted in the workspace's
         `tickets`), except in the tiles design, which always leaves its result in the workspace
@@ -314,8 +328,8 @@ class CudaBackend:
             return NULL if buffers.get(name) is None else Slot(name)
 
         args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, tickets, opt("out"),
-                opt("lse"), opt("mask"), opt("kv_lens"), np.uint32(splits),
-                np.uint32(split_keys), np.uint32(vec), mask_kind, layout)
+                opt("lse"), opt("mask"), opt("kv_lens"), opt("alibi_slopes"), opt("sinks"),
+                np.uint32(splits), np.uint32(split_keys), np.uint32(vec), mask_kind, layout)
         launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
         if combine_launch:
             combine = self._kernels.get(v)
@@ -323,7 +337,8 @@ class CudaBackend:
                 combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
                                                                   v.defines, v.options)
             launches.append((combine, rows, configs.COMBINE_THREADS, 0,
-                             (part_o, part_ml, opt("out"), opt("lse"), np.uint32(splits), layout)))
+                             (part_o, part_ml, opt("out"), opt("lse"), opt("sinks"),
+                              np.uint32(splits), layout)))
         return launches, workspace
 
     def _resident(self, fn, v: configs.Variant) -> int:
@@ -350,6 +365,16 @@ class CudaBackend:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes
             hit = self._kernels[key] = (v, fn)
         return hit
+
+
+def model_options(op: str, extras: np.void, lse_given: bool = True) -> bool:
+    """Whether a kernel of `op` computes a model option of the call (softcap, ALiBi, or sinks
+    where the kernel forms a row's denominator: the forward, and dQ without the forward's lse),
+    so that it needs a variant built with them (not `plain`)."""
+    flags = int(extras["flags"])
+    sinks = bool(flags & EXTRAS_SINKS) and (op == configs.FORWARD
+                                             or (op == configs.BACKWARD_DQ and not lse_given))
+    return float(extras["softcap"]) > 0.0 or bool(flags & EXTRAS_ALIBI) or sinks
 
 
 def _copy_width(dtype: np.dtype, d: int, ptrs, strides=()) -> int:

@@ -31,12 +31,19 @@ COMBINE_THREADS = 128  # the combine kernel's block (one per output row; the til
 HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
 
 ARGS = {
-    FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens"),
-    BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse"),
-    BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats"),
+    FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens", "alibi_slopes", "sinks"),
+    BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse",
+                  "alibi_slopes", "sinks"),
+    BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats",
+                    "alibi_slopes"),
     DECODE: ("q", "k", "v", "part_o", "part_ml", "tickets", "out", "lse", "mask", "kv_lens",
-             "splits", "split_keys"),
+             "alibi_slopes", "sinks", "splits", "split_keys"),
 }
+# Every attention kernel takes, after its buffers, `vec`, `mask_kind`, the layout, the seed's
+# struct and the AttnExtras struct (softcap; whether alibi_slopes is [batch, heads]).
+# The backward's last launch where the call asks for grad_sinks: one block of SINKS_THREADS per
+# head reads the dQ kernel's stats (stats, sinks, grad_sinks, the struct, the extras).
+SINKS_SOURCE, SINKS_KERNEL, SINKS_THREADS = "flash_bwd_sinks.cu", "flash_bwd_sinks", 256
 # Decode's per-(batch, KV head) counters: the last block of a pair to finish merges its splits.
 # They must be zero before a launch, and each launch leaves them so.
 TICKETS = "tickets"
@@ -84,8 +91,9 @@ class Variant:
     stages: int = 0  # K/V buffers, for the kernels that take it as a define (0: the kernel's own)
     rows: int = 0  # decode: the most query rows of a KV group the block takes
     lane_dims: int = 0  # streams decode: head dims per lane (0: 16 for rows <= 4, else 8)
-    # mask and dropout compiled out: only for calls with neither (FERRO_PLAIN); for dQ, also only
-    # for calls that pass the forward's lse (the kernel has no statistics pass)
+    # mask, dropout, softcap, ALiBi and sinks compiled out: only for calls with none of them
+    # (FERRO_PLAIN); for dQ, also only for calls that pass the forward's lse (the kernel has no
+    # statistics pass)
     plain: bool = False
 
     @property
@@ -239,7 +247,7 @@ class Variant:
                 f"{16 * self.mt} rows, step {self.step}"
                 + (f", {self.stages} buffers" if self.stages else "")
                 + (f", {self.rows} query rows" if self.rows else "")
-                + (", no mask or dropout" if self.plain else "")
+                + (", no mask, dropout or model options" if self.plain else "")
                 + f", {self.shared_bytes} B shared")
 
 
@@ -249,14 +257,15 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
 
     Forward: three computing warpgroups (192 query rows), the fastest in lab/tile_sweep.py;
     d64 takes 128 keys a tile, d128 64 (three warpgroups at 128 keys do not fit in shared
-    memory). Each comes twice: first `plain` (no additive mask, no dropout: the call most make),
-    then with both, because the mask's and dropout's code holds registers across the key loop
-    even when unused (ptxas spills at head_dim 64 with it, none without).
+    memory). Each comes twice: first `plain` (no additive mask, no dropout, no softcap, ALiBi or
+    sinks: the call most make), then with all of them, because their code holds registers across
+    the key loop even when unused (ptxas spills at head_dim 64 with it, none without).
 
     Backward: two computing warpgroups (their accumulators take 64 registers a thread per
     head_dim-128 output: dQ, or dK and dV), tiles of 64 keys (dQ, 3 buffers) or 64 query rows
-    (dK/dV, 2 buffers), `plain` first, then with the mask and dropout. dQ needs the forward's
-    lse (it has no statistics pass): a call without it takes the mma.sync kernels."""
+    (dK/dV, 2 buffers), `plain` first, then with the mask, dropout and model options. dQ needs
+    the forward's lse (it has no statistics pass): a call without it takes the mma.sync
+    kernels."""
     if dtype == FLOAT32 or dp not in (64, 112, 128):
         return []
     kd = 64 if dp <= 64 else 128
@@ -366,7 +375,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
     over the 8-warp streams and tensor kernels: two 4-warp blocks per SM overlap one's start-up and merge
     with the other's stream (faster there in lab/decode_sweep.py), while 8 warps win when each
-    block has an SM to itself. `plain` (the call has no mask and no dropout)
+    block has an SM to itself. `plain` (the call has no mask, dropout, softcap, ALiBi or sinks)
     admits the variants built without them; `lse_given` (the backward has the forward's lse)
     admits the wgmma dQ kernel, which has no statistics pass."""
     dtype = np.dtype(dtype)

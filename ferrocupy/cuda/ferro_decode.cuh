@@ -94,15 +94,17 @@ __device__ __forceinline__ void merge_splits(const float* part_o, const float* p
     }
 }
 
-// Writes row (b, h, i)'s column d of out (O / sum, rounded once; a row that sees nothing: 0)
-// and, from column 0, its lse, given the row's (max, sum, O's column).
+// Writes row (b, h, i)'s column d of out (O / its denominator, rounded once; a row that sees
+// nothing: 0) and, from column 0, its lse, given the row's (max, sum, O's column): row_end, with
+// head h's sink.
 __device__ __forceinline__ void write_row(const AttnShape& s, const AttnLayout& lay, u32 b, u32 h,
                                           u32 i, u64 row, int d, float M, float L, float O, T* out,
                                           float* lse) {
-    const float inv = row_normaliser(L, Dropout<true>(s).keep_scale());
+    float inv, lse_i;
+    row_end<true>(M, L, Dropout<true>(s).keep_scale(), sink_logit(s, h), inv, lse_i);
     if (d < (int)s.head_dim)
         out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = E::from_f(O * inv);
-    if (lse && d == 0) lse[row] = row_lse(M, L);
+    if (lse && d == 0) lse[row] = lse_i;
 }
 
 // A decode block's last step: its warps' partial results for each of its R rows (sO
@@ -175,13 +177,15 @@ static_assert(FERRO_HEAD_DIM <= COMBINE_THREADS, "a combine thread per column");
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                     T* __restrict__ out, float* __restrict__ lse, const u32 splits,
-                     const AttnLayout lay, const FlashV2Params p) {
+                     T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ sinks,
+                     const u32 splits, const AttnLayout lay, const FlashV2Params p,
+                     const AttnExtras ex) {
     const u64 rows_total = (u64)p.batch * p.heads * p.seq_q, row = blockIdx.x;
     const int d = threadIdx.x;
     float M, L, O;
     merge_splits(part_o, part_ml, splits, rows_total, row, d, d < (int)p.head_dim, M, L, O);
-    const AttnShape s = attn_shape(p, 0);
+    AttnShape s = attn_shape(p, 0);
+    with_extras(s, ex, nullptr, sinks);
     const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
     if (d < (int)p.head_dim) write_row(s, lay, b, h, i, row, d, M, L, O, out, lse);
 }

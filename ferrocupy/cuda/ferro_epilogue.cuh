@@ -1,5 +1,6 @@
 // The epilogue every attention kernel ends with: normalise (1 / sum, dropout's 1 / (1 - p)), the
-// row's lse, one rounding to the element type, the store. Rows are accumulator rows (mma.sync's
+// row's lse, an attention sink's share of the denominator, one rounding to the element type, the
+// store. Rows are accumulator rows (mma.sync's
 // m16n8 C fragments; wgmma's the same per warp): this thread holds, of m-tile mt, rows g + 16 mt
 // (c0/c1, rr = 0) and g + 8 + 16 mt (c2/c3, rr = 1), columns 8 nd + 2t, + 1.
 #pragma once
@@ -11,6 +12,32 @@
 // 0 for a row that saw no key (l = 0). NaN stays NaN.
 __device__ __forceinline__ float row_normaliser(float l, float keep_scale) {
     return l == 0.f ? 0.f : keep_scale / l;
+}
+
+// A finished row's factor for O (keep_scale / its denominator; 0 for a row with nothing in it)
+// and its lse, from its running max m (scaled units) and its sum l relative to m. SINKS (a variant
+// built with sinks; the call's sink logit `sink`, -inf without one): the sink joins the
+// denominator, exp(sink - m) + l (SPEC), computed relative to max(m, sink) so neither term
+// overflows; a row that saw no key then has O = 0 and lse = sink. Without SINKS, row_normaliser and
+// row_lse.
+template <bool SINKS>
+__device__ __forceinline__ void row_end(float m, float l, float keep_scale, float sink, float& inv,
+                                        float& lse) {
+    if (!SINKS) {
+        inv = row_normaliser(l, keep_scale);
+        lse = row_lse(m, l);
+        return;
+    }
+    const float M = fmaxf(m, sink);
+    if (M == neg_inf()) {  // no key and no sink
+        inv = 0.f;
+        lse = neg_inf();
+        return;
+    }
+    const float e_m = m == neg_inf() ? 0.f : expf(m - M), e_s = expf(sink - M);
+    const float denom = fmaf(l, e_m, e_s);
+    inv = e_m == 0.f ? 0.f : keep_scale * e_m / denom;
+    lse = M + logf(denom);
 }
 
 // Columns d, d + 1 of `row` (those < D), rounded once to T. `pairs`: both 16-bit columns at one
@@ -85,22 +112,23 @@ __device__ __forceinline__ void store_acc_tile2(T* base_a, Rows at_a, const floa
 
 // The forwards' end for one m-tile: O normalised, rounded and stored, and each row's lse (when
 // asked for) from its running max (times `m_scale`: the scale for raw-unit maxima, 1 for scaled
-// ones) and its sum, which each lane holds a quarter of (quad_sum). This thread's rows: row0
-// (c0/c1) and row0 + 8 (c2/c3) of the (batch, head) whose rows of `out` are `o_rows` and whose lse
-// row is bh.
-template <class T, int DT>
+// ones), its sum, which each lane holds a quarter of (quad_sum), and (SINKS) the head's sink
+// logit (row_end). This thread's rows: row0 (c0/c1) and row0 + 8 (c2/c3) of the (batch, head)
+// whose rows of `out` are `o_rows` and whose lse row is bh.
+template <class T, int DT, bool SINKS>
 __device__ __forceinline__ void finish_forward(const float (&o)[DT][4], const float (&m_run)[2],
                                                const float (&l_run)[2], float m_scale,
-                                               float keep_scale, long long row0, u32 seq_q, u32 bh,
-                                               T* out, Rows o_rows, float* lse, Lane L, int D,
-                                               bool pairs) {
+                                               float keep_scale, float sink, long long row0,
+                                               u32 seq_q, u32 bh, T* out, Rows o_rows, float* lse,
+                                               Lane L, int D, bool pairs) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const float l = quad_sum(l_run[rr]);  // every lane (shuffles), before the row test
-        const float inv = row_normaliser(l, keep_scale);
+        float inv, lse_i;
+        row_end<SINKS>(m_run[rr] * m_scale, l, keep_scale, sink, inv, lse_i);
         const long long i = row0 + 8 * rr;
         if (i < 0 || i >= seq_q) continue;
-        if (lse && L.t == 0) lse[(u64)bh * seq_q + i] = row_lse(m_run[rr] * m_scale, l);
+        if (lse && L.t == 0) lse[(u64)bh * seq_q + i] = lse_i;
         store_acc_row<T, DT>(out + o_rows.off + (u64)i * o_rows.stride, o, rr, inv, L, D, pairs);
     }
 }

@@ -67,6 +67,18 @@ static_assert(sizeof(AttnLayout) == 192, "AttnLayout is 24 u64 strides");
 static_assert(sizeof(FlashV2Params) == 80, "FlashV2Params is 20 words");
 static_assert(sizeof(FlashBwdParams) == 80, "FlashBwdParams is 20 words");
 
+// The third struct (params.py's ATTN_EXTRAS): the options the seed's words have no room for.
+// window_left/right, page_size, new_keys and rotary_dim are for options the kernels refuse at
+// plan time (ferrocupy/plan.py check_backend_reach); softcap (0: none) and the flags' ALiBi and
+// sinks bits are read here.
+struct AttnExtras {
+    int window_left, window_right;
+    float softcap;
+    u32 flags, page_size, new_keys, rotary_dim, pad0;
+};
+enum ExtrasFlags : u32 { EXTRAS_ALIBI = 1, EXTRAS_ALIBI_PER_BATCH = 2, EXTRAS_SINKS = 4 };
+static_assert(sizeof(AttnExtras) == 32, "AttnExtras is 8 words");
+
 // What a launch adds beside the struct (kernel arguments, not struct words, so the seed's structs
 // stay as they are): the copy width every data row allows, and the mask's element type.
 enum MaskKind : u32 { MASK_F32 = 0, MASK_F16 = 1, MASK_BF16 = 2 };
@@ -81,6 +93,12 @@ struct AttnShape {
     u32 mask_kind;
     long long kv_len;    // keys that exist: seq_k, or this batch's kv_lens entry
     long long kv_reach;  // keys [kv_reach, seq_k) are visible to no row: never loaded (zero-filled)
+    // The score modifiers and the sink (AttnExtras; with_extras): read only by a variant built
+    // with them (Options::MODS), so a plain variant's registers never hold them.
+    float softcap;       // > 0: scores become softcap * tanh(score / softcap)
+    const float* alibi;  // ALiBi slopes (null: none), slope of (b, h) at b * alibi_b + h
+    u32 alibi_b;
+    const float* sinks;  // sink logits per head (null: none)
 };
 
 // Keys [kv_reach, ...) are visible to no row. The last row sits at a = seq_q - 1 + offset: under
@@ -106,7 +124,21 @@ __device__ __forceinline__ AttnShape attn_shape(const P& p, u32 mask_kind) {
     s.mask_kind = mask_kind;
     s.kv_len = s.seq_k;
     s.kv_reach = key_reach(s);
+    s.softcap = 0.f;
+    s.alibi = nullptr;
+    s.alibi_b = 0;
+    s.sinks = nullptr;
     return s;
+}
+
+// The call's score modifiers and sinks (SPEC "Beyond the seed, part 2"): `alibi` float32 [heads]
+// or [batch, heads] and `sinks` float32 [heads] as the flags say (each null when absent).
+__device__ __forceinline__ void with_extras(AttnShape& s, const AttnExtras& ex, const float* alibi,
+                                            const float* sinks) {
+    s.softcap = ex.softcap;
+    s.alibi = (ex.flags & EXTRAS_ALIBI) ? alibi : nullptr;
+    s.alibi_b = (ex.flags & EXTRAS_ALIBI_PER_BATCH) ? s.heads : 0u;
+    s.sinks = (ex.flags & EXTRAS_SINKS) ? sinks : nullptr;
 }
 
 // Batch b's view when the call has kv_lens (SPEC "Beyond the seed"): its keys j >= kv_lens[b]

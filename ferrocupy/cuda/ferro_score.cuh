@@ -1,9 +1,10 @@
 // The score modifier: what turns a tile of q.k products into the probabilities a kernel multiplies,
 // for every kernel family (mma.sync, wgmma, decode): which keys each row sees (causal + offset,
-// window, kv_lens: ferro_visibility.cuh's rules, here as per-row spans and tile tests), the
-// additive mask, and dropout. The mask and dropout are compile-time options of a variant
-// (`Options`): a `plain` variant (FERRO_PLAIN=1, configs.py's `plain`) has neither, so its key
-// loop holds no register for them.
+// window, kv_lens: ferro_visibility.cuh's rules, here as per-row spans and tile tests), softcap,
+// ALiBi, the additive mask, and dropout. The mask, dropout and the model options (softcap, ALiBi
+// and sinks: `MODS`) are compile-time options of a variant (`Options`): a `plain` variant
+// (FERRO_PLAIN=1, configs.py's `plain`) has none of them, so its key loop holds no register for
+// them. Which of them a call uses is known only at run time (AttnShape).
 //
 // Accumulator tiles are mma.sync's m16n8 C fragments (wgmma's are laid out the same per warp):
 // element r of n-tile nt sits at row g + 8 * (r >> 1), column nt * 8 + 2t + (r & 1).
@@ -12,15 +13,15 @@
 #include "ferro_visibility.cuh"
 #include "ferro_philox.cuh"
 
-template <bool MASK_, bool DROPOUT_>
+template <bool MASK_, bool DROPOUT_, bool MODS_>
 struct Options {
-    static constexpr bool MASK = MASK_, DROPOUT = DROPOUT_;
+    static constexpr bool MASK = MASK_, DROPOUT = DROPOUT_, MODS = MODS_;
 };
 #ifndef FERRO_PLAIN
 #define FERRO_PLAIN 0
 #endif
-// This build's options: configs.py's `plain` variants serve only calls with neither.
-typedef Options<!FERRO_PLAIN, !FERRO_PLAIN> BuildOptions;
+// This build's options: configs.py's `plain` variants serve only calls with none of them.
+typedef Options<!FERRO_PLAIN, !FERRO_PLAIN, !FERRO_PLAIN> BuildOptions;
 
 // ---- visibility as spans: a row's visible keys are one interval -----------------------------------
 
@@ -71,25 +72,69 @@ __device__ __forceinline__ void hide_outside(const KeySpan (&span)[2], Lane L, f
         }
 }
 
-// ---- scores: scale, additive mask, -inf where not visible -----------------------------------------
+// ---- scores: scale, softcap, ALiBi, additive mask, -inf where not visible ----------------------
 
-// x plus the additive mask at (b, h, i, j) where the variant has a mask, the call passes one and
-// the element counts (`ok`: visible, inside both sequences; elsewhere the mask is never read).
-template <bool MASK>
-__device__ __forceinline__ float plus_mask(const AttnShape& s, const void* mask, u32 b, u32 h,
-                                           long long i, long long j, bool ok, float x) {
+// Head h's ALiBi slope in batch b (0 without ALiBi), read once per (batch, head) by the caller.
+__device__ __forceinline__ float alibi_slope(const AttnShape& s, u32 b, u32 h) {
+    return s.alibi ? s.alibi[(u64)b * s.alibi_b + h] : 0.f;
+}
+
+// Head h's sink logit; -inf (no sink: it adds exp(-inf) = 0) without sinks.
+__device__ __forceinline__ float sink_logit(const AttnShape& s, u32 h) {
+    return s.sinks ? s.sinks[h] : neg_inf();
+}
+
+// Whether the call changes scores element by element past the scale (softcap, ALiBi, a mask) as
+// far as the variant has those options: a tile wholly visible then still needs per-element work.
+template <class OPT>
+__device__ __forceinline__ bool per_element(const AttnShape& s) {
+    return (OPT::MASK && s.has_mask) || (OPT::MODS && (s.softcap > 0.f || s.alibi));
+}
+
+// The score of (b, h, i, j) from its scaled product x (SPEC): softcap(x) = softcap *
+// tanh(x / softcap), then ALiBi's -slope * |a - j| (a = i + offset), then the additive mask, each
+// where the variant (MASK, MODS) and the call have it; the mask only where `ok` (visible, inside
+// both sequences: elsewhere it is never read).
+template <bool MASK, bool MODS>
+__device__ __forceinline__ float modified_score(const AttnShape& s, const void* mask, u32 b, u32 h,
+                                                long long i, long long j, bool ok, float slope,
+                                                float x) {
+    if (MODS) {
+        if (s.softcap > 0.f) x = s.softcap * tanhf(x / s.softcap);
+        if (s.alibi) {
+            const long long d = i + s.offset - j;
+            x = fmaf(-slope, (float)(d < 0 ? -d : d), x);
+        }
+    }
     if (MASK && s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
     return x;
 }
 
-// Scores of 16 rows (i0: c0/c1's row, i1 = c2/c3's) x 8*NT keys from j0: scale, additive mask,
-// -inf where a key is not visible (or a row or key is past the end). `whole`: every key is known
-// visible (keys_wholly_visible).
-template <bool MASK, int NT>
+// The softcap's derivative at a visible element whose score (modified_score's) is `score`:
+// 1 - tanh^2, with tanh recovered as (score - ALiBi - mask) / softcap; 1 without softcap (SPEC:
+// the backward multiplies dS by it). The backward kernels no longer hold the product itself when
+// they form dS, so they pass the score (or lse + log P, which is the score where P > 0).
+template <bool MASK, bool MODS>
+__device__ __forceinline__ float softcap_grad(const AttnShape& s, const void* mask, u32 b, u32 h,
+                                              long long i, long long j, float slope, float score) {
+    if (!MODS || !(s.softcap > 0.f)) return 1.f;
+    if (s.alibi) {
+        const long long d = i + s.offset - j;
+        score = fmaf(slope, (float)(d < 0 ? -d : d), score);
+    }
+    if (MASK && s.has_mask) score -= mask_at(s, mask, b, h, i, j);
+    const float t = fminf(fmaxf(score / s.softcap, -1.f), 1.f);
+    return 1.f - t * t;
+}
+
+// Scores of 16 rows (i0: c0/c1's row, i1 = c2/c3's) x 8*NT keys from j0 of head h (ALiBi `slope`):
+// scale, softcap, ALiBi, additive mask, -inf where a key is not visible (or a row or key is past
+// the end). `whole`: every key is known visible (keys_wholly_visible).
+template <class OPT, int NT>
 __device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask, u32 b, u32 h,
-                                           long long i0, long long i1, long long j0, bool whole,
-                                           Lane L, float (&sc)[NT][4]) {
-    if (whole && !(MASK && s.has_mask)) {  // the common case: nothing to test per element
+                                           float slope, long long i0, long long i1, long long j0,
+                                           bool whole, Lane L, float (&sc)[NT][4]) {
+    if (whole && !per_element<OPT>(s)) {  // the common case: nothing to test per element
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -105,20 +150,21 @@ __device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask,
             const long long i = r < 2 ? i0 : i1, j = j0 + nt * 8 + 2 * L.t + (r & 1);
             const bool ok = i >= 0 && i < s.seq_q && j < s.kv_len &&
                             (whole || visible(s, i + s.offset, j));
-            const float x = plus_mask<MASK>(s, mask, b, h, i, j, ok, sc[nt][r] * s.scale);
+            const float x = modified_score<OPT::MASK, OPT::MODS>(s, mask, b, h, i, j, ok, slope,
+                                                                sc[nt][r] * s.scale);
             sc[nt][r] = ok ? x : neg_inf();
         }
 }
 
 // The forwards' scores stay raw (q.k: the softmax folds the scale into its exponent, so the common
-// tile skips a multiply per element); a tile that needs a per-element rule (not `whole`, or a
-// mask) is scaled, masked and brought back to raw units.
-template <bool MASK, int NT>
+// tile skips a multiply per element); a tile that needs a per-element rule (not `whole`, a mask,
+// softcap or ALiBi) is scored by score_tile and brought back to raw units.
+template <class OPT, int NT>
 __device__ __forceinline__ void raw_scores(const AttnShape& s, const void* mask, u32 b, u32 h,
-                                           long long i0, long long i1, long long j0, bool whole,
-                                           Lane L, float (&sc)[NT][4]) {
-    if (whole && !(MASK && s.has_mask)) return;
-    score_tile<MASK, NT>(s, mask, b, h, i0, i1, j0, whole, L, sc);
+                                           float slope, long long i0, long long i1, long long j0,
+                                           bool whole, Lane L, float (&sc)[NT][4]) {
+    if (whole && !per_element<OPT>(s)) return;
+    score_tile<OPT, NT>(s, mask, b, h, slope, i0, i1, j0, whole, L, sc);
     const float inv_scale = 1.f / s.scale;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)

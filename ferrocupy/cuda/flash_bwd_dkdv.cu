@@ -38,9 +38,10 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
                                               const T* __restrict__ grad_out,
                                               T* __restrict__ grad_k, T* __restrict__ grad_v,
                                               const void* __restrict__ mask,
-                                              const float* __restrict__ stats, const u32 vec,
+                                              const float* __restrict__ stats,
+                                              const float* __restrict__ alibi, const u32 vec,
                                               const u32 mask_kind, const AttnLayout lay,
-                                              const FlashBwdParams p) {
+                                              const FlashBwdParams p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);  // [BK][PITCH]
     T* sV = sK + BK * PITCH;                 // [BK][PITCH]
@@ -50,7 +51,8 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
     float* sSt = STATS_IN_PAD ? reinterpret_cast<float*>(sdO + DP)
                               : reinterpret_cast<float*>(sdO + BQ * PITCH);
     constexpr int ST_PITCH = STATS_IN_PAD ? PITCH : 2;
-    const AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, mask_kind);
+    if (OPT::MODS) with_extras(s, ex, alibi, nullptr);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
@@ -122,8 +124,8 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
         cp_async_wait<0>();
         __syncthreads();  // dO_t and its stats landed
         Mma::gemm_abt<MT, NT, DP, PITCH>(sVw, sdO, dpT);
-        const bool whole = !(OPT::MASK && s.has_mask) &&
-                           wholly_visible(s, i0, i0 + BQ - 1, k0, k0 + BK - 1);
+        const bool whole = !per_element<OPT>(s) && wholly_visible(s, i0, i0 + BQ - 1, k0, k0 + BK - 1);
+        const float slope = OPT::MODS ? alibi_slope(s, b, h) : 0.f;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -136,14 +138,18 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
                     const long long j = key0 + 16 * mt + 8 * (r >> 1), i = i0 + c + (r & 1);
                     const int ci = c + (r & 1);
                     const bool ok = whole || (i < s.seq_q && j < s.seq_k && visible(s, i + s.offset, j));
-                    const float x = plus_mask<OPT::MASK>(s, mask, b, h, i, j, ok, sT[mt][nt][r] * s.scale);
+                    const float x = modified_score<OPT::MASK, OPT::MODS>(s, mask, b, h, i, j, ok, slope,
+                                                                        sT[mt][nt][r] * s.scale);
                     const float lse = sSt[ci * ST_PITCH + 1];
                     // 0 where not visible, and for a row that sees nothing (LSE = -inf).
                     const float P = ok && lse != neg_inf() ? exp2f((x - lse) * FERRO_LOG2E) : 0.f;
                     const bool kept = (keep >> r) & 1u;
                     const float dP = kept ? dpT[mt][nt][r] * keep_scale : 0.f;
                     sT[mt][nt][r] = kept ? P * keep_scale : 0.f;           // P'
-                    dpT[mt][nt][r] = P * (dP - sSt[ci * ST_PITCH]);        // dS
+                    float dS = P * (dP - sSt[ci * ST_PITCH]);
+                    if (OPT::MODS && P != 0.f)  // softcap: dS times 1 - tanh^2
+                        dS *= softcap_grad<OPT::MASK, true>(s, mask, b, h, i, j, slope, x);
+                    dpT[mt][nt][r] = dS;
                 }
             }
         }
@@ -171,8 +177,10 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
                     const u16* __restrict__ v, const u16* __restrict__ grad_out,
                     u16* __restrict__ grad_k, u16* __restrict__ grad_v,
                     const void* __restrict__ mask, const float* __restrict__ stats,
-                    const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
-    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, vec, mask_kind, lay, p);
+                    const float* __restrict__ alibi, const u32 vec, const u32 mask_kind,
+                    const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
+    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, alibi, vec, mask_kind,
+                                lay, p, ex);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
@@ -180,8 +188,9 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
                       const float* __restrict__ v, const float* __restrict__ grad_out,
                       float* __restrict__ grad_k, float* __restrict__ grad_v,
                       const void* __restrict__ mask, const float* __restrict__ stats,
-                      const u32 vec, const u32 mask_kind, const AttnLayout lay,
-                      const FlashBwdParams p) {
-    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, vec, mask_kind, lay, p);
+                      const float* __restrict__ alibi, const u32 vec, const u32 mask_kind,
+                      const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
+    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, alibi, vec, mask_kind,
+                                lay, p, ex);
 }
 #endif

@@ -46,8 +46,8 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
                      const u16* __restrict__ v, const u16* __restrict__ grad_out,
                      u16* __restrict__ grad_k, u16* __restrict__ grad_v,
                      const void* __restrict__ mask, const float* __restrict__ stats,
-                     const u32 vec, const u32 mask_kind, const AttnLayout lay,
-                     const FlashBwdParams p) {
+                     const float* __restrict__ alibi, const u32 vec, const u32 mask_kind,
+                     const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
     __shared__ u64 kv_full, full[STAGES], empty[STAGES];
     const u32 raw = smem_u32(smem_w);
@@ -56,7 +56,8 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
     u16* sQ = sV + KV_ELEMS;            // [STAGES][BQ x DP], swizzled
     u16* sdO = sQ + STAGES * Q_ELEMS;   // [STAGES][BQ x DP], swizzled
     float* sSt = reinterpret_cast<float*>(sdO + STAGES * Q_ELEMS);  // [STAGES][BQ][Delta, LSE]
-    const AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, mask_kind);
+    if (BuildOptions::MODS) with_extras(s, ex, alibi, nullptr);
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads
     (void)vec;  // 16-byte rows: the backend picks this kernel only then
@@ -145,6 +146,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
         const KeySpan span[2] = {row_span(s, key0, i0, BQ), row_span(s, key0 + 8, i0, BQ)};
         const float* st_rows = sSt + st * BQ * 2;
         const u32 h = hk * group + t / n_tiles, bh = b * s.heads + h;
+        const float slope = BuildOptions::MODS ? alibi_slope(s, b, h) : 0.f;
 
         wgmma_wait<1>();
         wgmma_pin(sT);
@@ -163,9 +165,10 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
                 const bool ok = ci >= span[r >> 1].lo && ci <= span[r >> 1].hi &&
                                 lse2[r & 1] != neg_inf();
                 float e;
-                if (BuildOptions::MASK && s.has_mask)  // the scaled score plus the mask
-                    e = fmaf(plus_mask<true>(s, mask, b, h, i0 + ci, key0 + 8 * (r >> 1), ok,
-                                             sT[nt][r] * s.scale),
+                if (per_element<BuildOptions>(s))  // the modified score (softcap, ALiBi, mask)
+                    e = fmaf(modified_score<BuildOptions::MASK, BuildOptions::MODS>(
+                                 s, mask, b, h, i0 + ci, key0 + 8 * (r >> 1), ok, slope,
+                                 sT[nt][r] * s.scale),
                              FERRO_LOG2E, -lse2[r & 1]);
                 else
                     e = fmaf(sT[nt][r], sl2, -lse2[r & 1]);
@@ -198,7 +201,13 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const float dp = (keeps >> (4 * nt + r)) & 1u ? dpT[nt][r] * keep_scale : 0.f;
-                dpT[nt][r] = sT[nt][r] * (dp - ((r & 1) ? delta.y : delta.x));
+                float dS = sT[nt][r] * (dp - ((r & 1) ? delta.y : delta.x));
+                // Softcap: dS times 1 - tanh^2, from the score lse + log P (P > 0: visible).
+                if (BuildOptions::MODS && s.softcap > 0.f && sT[nt][r] != 0.f)
+                    dS *= softcap_grad<BuildOptions::MASK, true>(
+                        s, mask, b, h, i0 + c + (r & 1), key0 + 8 * (r >> 1), slope,
+                        fmaf(log2f(sT[nt][r]), FERRO_LN2, st_rows[2 * c + 1 + 2 * (r & 1)]));
+                dpT[nt][r] = dS;
             }
         }
         to_a_fragments<NT>(dpT, da);

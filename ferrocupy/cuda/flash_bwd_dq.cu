@@ -33,15 +33,18 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
                                             const T* __restrict__ grad_out, T* __restrict__ grad_q,
                                             const void* __restrict__ mask,
                                             float* __restrict__ stats,
-                                            const float* __restrict__ lse_in, const u32 vec,
+                                            const float* __restrict__ lse_in,
+                                            const float* __restrict__ alibi,
+                                            const float* __restrict__ sinks, const u32 vec,
                                             const u32 mask_kind, const AttnLayout lay,
-                                            const FlashBwdParams p) {
+                                            const FlashBwdParams p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);  // [BM][PITCH]
     T* sdO = sQ + BM * PITCH;                // [BM][PITCH]
     T* sK = sdO + BM * PITCH;                // [BN][PITCH]
     T* sV = sK + BN * PITCH;                 // [BN][PITCH]
-    const AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, mask_kind);
+    if (OPT::MODS) with_extras(s, ex, alibi, sinks);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
@@ -49,6 +52,7 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
     const Rows dO = rows_of(lay.grad_out, Tq.b, Tq.h), dQ = rows_of(lay.grad_q, Tq.b, Tq.h);
     const T* kb = k + Tq.k.off;
     const T* vb = v + Tq.v.off;
+    const float slope = OPT::MODS ? alibi_slope(s, Tq.b, Tq.h) : 0.f;
 
     load_tile<T, BM, DP, PITCH, THREADS>(sQ, q + Tq.q.off, Tq.q.stride, Tq.m0, s.seq_q, D, vec);
     load_tile<T, BM, DP, PITCH, THREADS>(sdO, grad_out + dO.off, dO.stride, Tq.m0, s.seq_q, D, vec);
@@ -88,7 +92,7 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
                 lse[mt][rr] = i < s.seq_q ? lse_in[(u64)Tq.bh * s.seq_q + i] : neg_inf();
             }
     } else {
-        // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys. Only K is read, so sK
+        // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys (and the sink: row_end). Only K is read, so sK
         // and sV double-buffer it: tile j+1 loads while tile j is multiplied.
         float m_run[MT][2], l_run[MT][2];
 #pragma unroll
@@ -108,17 +112,21 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
             const bool whole = keys_wholly_visible<BN>(s, Tq, j0);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                score_tile<OPT::MASK, NT>(s, mask, Tq.b, Tq.h, Tq.row(mt, 0), Tq.row(mt, 1), j0,
-                                          whole, L, sc[mt]);
+                score_tile<OPT, NT>(s, mask, Tq.b, Tq.h, slope, Tq.row(mt, 0), Tq.row(mt, 1), j0,
+                                    whole, L, sc[mt]);
                 online_softmax<NT>(sc[mt], 0, m_run[mt][0], l_run[mt][0]);
                 online_softmax<NT>(sc[mt], 1, m_run[mt][1], l_run[mt][1]);
             }
         }
         __syncthreads();  // both buffers are reloaded by pass 2
+        const float sink = OPT::MODS ? sink_logit(s, Tq.h) : neg_inf();
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr) lse[mt][rr] = row_lse(m_run[mt][rr], quad_sum(l_run[mt][rr]));
+            for (int rr = 0; rr < 2; ++rr) {
+                float inv;
+                row_end<OPT::MODS>(m_run[mt][rr], quad_sum(l_run[mt][rr]), 1.f, sink, inv, lse[mt][rr]);
+            }
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -132,7 +140,7 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
             }
         }
 
-    // Pass 2: dQ += dS K with dS = P (dP - Delta), dP = (dO V^T) * keep / (1 - p).
+    // Pass 2: dQ += dS K with dS = P (dP - Delta) (times softcap's 1 - tanh^2), dP = (dO V^T) * keep / (1 - p).
     const Dropout<OPT::DROPOUT> drop(s);
     const float keep_scale = drop.keep_scale();
     float dq[MT][DT][4];
@@ -162,8 +170,8 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
         const bool whole = keys_wholly_visible<BN>(s, Tq, j0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            score_tile<OPT::MASK, NT>(s, mask, Tq.b, Tq.h, Tq.row(mt, 0), Tq.row(mt, 1), j0, whole,
-                                      L, sc[mt]);
+            score_tile<OPT, NT>(s, mask, Tq.b, Tq.h, slope, Tq.row(mt, 0), Tq.row(mt, 1), j0, whole,
+                                L, sc[mt]);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 // Both columns 2t, 2t+1 share one Philox block.
@@ -176,7 +184,11 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
                     const float P = x == neg_inf() || l == neg_inf()
                                         ? 0.f : exp2f((x - l) * FERRO_LOG2E);
                     const float dP = ((keep >> r) & 1) ? dpr[mt][nt][r] * keep_scale : 0.f;
-                    sc[mt][nt][r] = P * (dP - delta[mt][r >> 1]);
+                    float dS = P * (dP - delta[mt][r >> 1]);
+                    if (OPT::MODS && x != neg_inf())  // softcap: dS times 1 - tanh^2
+                        dS *= softcap_grad<OPT::MASK, true>(s, mask, Tq.b, Tq.h, Tq.row(mt, r >> 1),
+                                                            j0 + nt * 8 + 2 * L.t + (r & 1), slope, x);
+                    sc[mt][nt][r] = dS;
                 }
             }
         }
@@ -197,10 +209,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                   const u16* __restrict__ out, const u16* __restrict__ grad_out,
                   u16* __restrict__ grad_q, const void* __restrict__ mask,
-                  float* __restrict__ stats, const float* __restrict__ lse_in, const u32 vec,
-                  const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
-    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, vec, mask_kind,
-                              lay, p);
+                  float* __restrict__ stats, const float* __restrict__ lse_in,
+                  const float* __restrict__ alibi, const float* __restrict__ sinks, const u32 vec,
+                  const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p,
+                  const AttnExtras ex) {
+    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, alibi, sinks, vec,
+                              mask_kind, lay, p, ex);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
@@ -208,9 +222,10 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                     const float* __restrict__ v, const float* __restrict__ out,
                     const float* __restrict__ grad_out, float* __restrict__ grad_q,
                     const void* __restrict__ mask, float* __restrict__ stats,
-                    const float* __restrict__ lse_in, const u32 vec, const u32 mask_kind,
-                    const AttnLayout lay, const FlashBwdParams p) {
-    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, vec, mask_kind,
-                              lay, p);
+                    const float* __restrict__ lse_in, const float* __restrict__ alibi,
+                    const float* __restrict__ sinks, const u32 vec, const u32 mask_kind,
+                    const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
+    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, alibi, sinks, vec,
+                              mask_kind, lay, p, ex);
 }
 #endif

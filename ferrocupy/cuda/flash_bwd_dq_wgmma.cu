@@ -40,8 +40,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                    const u16* __restrict__ out, const u16* __restrict__ grad_out,
                    u16* __restrict__ grad_q, const void* __restrict__ mask,
-                   float* __restrict__ stats, const float* __restrict__ lse_in, const u32 vec,
-                   const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p) {
+                   float* __restrict__ stats, const float* __restrict__ lse_in,
+                   const float* __restrict__ alibi, const float* __restrict__ sinks, const u32 vec,
+                   const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p,
+                   const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
     __shared__ u64 q_full, full[STAGES], empty[STAGES];
     const u32 raw = smem_u32(smem_w);
@@ -49,7 +51,8 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     u16* sdO = sQ + Q_ELEMS;
     u16* sK = sdO + Q_ELEMS;            // [STAGES][BN x DP], swizzled
     u16* sV = sK + STAGES * KV_ELEMS;   // [STAGES][BN x DP], swizzled
-    const AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, mask_kind);
+    if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);  // (the given lse holds any sink)
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads
     (void)vec;  // 16-byte rows and the forward's lse: the backend picks it only then
@@ -92,6 +95,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     const float sl2 = s.scale * FERRO_LOG2E;
     const Dropout<BuildOptions::DROPOUT> drop(s);
     const float keep_scale = drop.keep_scale();
+    const float slope = BuildOptions::MODS ? alibi_slope(s, T.b, T.h) : 0.f;
 
     // Delta_i = grad_out_i . out_i (both as stored, summed in float32) and the forward's LSE, per
     // row of this thread; both into the stats for the dK/dV kernel.
@@ -167,14 +171,19 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
                 const int c = nt * 8 + 2 * L.t + (r & 1);
                 const bool ok = whole || (c >= tile[r >> 1].lo && c <= tile[r >> 1].hi);
                 // (a row that sees no key, or whose given LSE is -inf, sees none of them)
-                float e;
-                if (BuildOptions::MASK && s.has_mask)  // the scaled score plus the mask
-                    e = fmaf(plus_mask<true>(s, mask, T.b, T.h, T.row(0, r >> 1), j0 + c, ok,
-                                             sc[nt][r] * s.scale),
-                             FERRO_LOG2E, -lse2[r >> 1]);
-                else
+                float e, dcap = 1.f;
+                if (per_element<BuildOptions>(s)) {  // the modified score (softcap, ALiBi, mask)
+                    const long long i = T.row(0, r >> 1);
+                    const float x = modified_score<BuildOptions::MASK, BuildOptions::MODS>(
+                        s, mask, T.b, T.h, i, j0 + c, ok, slope, sc[nt][r] * s.scale);
+                    e = fmaf(x, FERRO_LOG2E, -lse2[r >> 1]);
+                    if (BuildOptions::MODS && ok)  // softcap's 1 - tanh^2, into P: dQ uses P only in dS
+                        dcap = softcap_grad<BuildOptions::MASK, true>(s, mask, T.b, T.h, i, j0 + c,
+                                                                      slope, x);
+                } else {
                     e = fmaf(sc[nt][r], sl2, -lse2[r >> 1]);
-                sc[nt][r] = ok ? exp2f(e) : 0.f;
+                }
+                sc[nt][r] = ok ? exp2f(e) * dcap : 0.f;
             }
         wgmma_wait<0>();
         wgmma_pin(dp);

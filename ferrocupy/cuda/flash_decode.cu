@@ -36,8 +36,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              float* __restrict__ part_o, float* __restrict__ part_ml, u32* __restrict__ tickets,
              T* __restrict__ out, float* __restrict__ lse, const void* __restrict__ mask,
-             const int* __restrict__ kv_lens, const u32 splits, const u32 split_keys,
-             const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
+             const int* __restrict__ kv_lens, const float* __restrict__ alibi,
+             const float* __restrict__ sinks, const u32 splits, const u32 split_keys,
+             const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
+             const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     T* sK = reinterpret_cast<T*>(smem_d);      // [STAGES][BN][PITCH]
     T* sV = sK + STAGES * KV_ELEMS;            // [STAGES][BN][PITCH]
@@ -48,6 +50,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     float* sA = sL + ROWS;
 
     AttnShape s = attn_shape(p, mask_kind);
+    with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R;
@@ -123,7 +126,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
                 // Keys past the split's end belong to the next split (and were not loaded).
                 const bool ok = j < j_hi && visible(s, (long long)i + s.offset, j);
-                acc = plus_mask<true>(s, mask, b, h, i, j, ok, acc);
+                acc = modified_score<true, true>(s, mask, b, h, i, j, ok, alibi_slope(s, b, h), acc);
                 sP[r * (BN + 1) + kk] = ok ? acc : neg_inf();
             }
         }

@@ -53,9 +53,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  float* __restrict__ part_o, float* __restrict__ part_ml,
                  u32* __restrict__ tickets, T* __restrict__ out, float* __restrict__ lse,
-                 const void* __restrict__ mask, const int* __restrict__ kv_lens, const u32 splits,
+                 const void* __restrict__ mask, const int* __restrict__ kv_lens,
+                 const float* __restrict__ alibi, const float* __restrict__ sinks, const u32 splits,
                  const u32 split_keys, const u32 vec, const u32 mask_kind, const AttnLayout lay,
-                 const FlashV2Params p) {
+                 const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     u16* sQ = reinterpret_cast<u16*>(smem_d);                        // [ROWS][PITCH]
     unsigned char* rings = smem_d + Q_BYTES;
@@ -64,6 +65,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     u16* ring = reinterpret_cast<u16*>(rings) + warp * STAGES * TILE;
 
     AttnShape s = attn_shape(p, mask_kind);
+    with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
@@ -77,6 +79,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     // j_lo + [see_lo, see_lo + see_n) of the split (none past R): one unsigned compare a score.
     // [all_lo, all_hi): the keys every row sees; a tile inside it skips the test.
     u32 see_lo[2], see_n[2], bh[2], qrow[2];
+    float slope[2];  // ALiBi's, of each row's head
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const int r = L.g + 8 * rr;
@@ -88,6 +91,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         see_n[rr] = r < R && r_hi > r_lo ? (u32)(r_hi - r_lo) : 0u;
         bh[rr] = b * s.heads + hk * G + (r < R ? r / s.seq_q : 0);
         qrow[rr] = qi;
+        slope[rr] = alibi_slope(s, b, bh[rr] - b * s.heads);
     }
     long long all_lo = j_lo, all_hi = j_hi;
     for (int r = 0; r < R; ++r) {
@@ -188,7 +192,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                 }
         }
 
-        // Scale, mask, -inf where the row does not see the key.
+        // Scale, softcap, ALiBi, mask, -inf where the row does not see the key.
         const bool whole = jt >= all_lo && jt + TK <= all_hi;
         const u32 rel0 = (u32)(jt - j_lo);
 #pragma unroll
@@ -201,8 +205,8 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                     float x = sc[0][nt][2 * rr + c] * s.scale;
                     const bool seen = rel0 + key - see_lo[rr] < see_n[rr];
                     if (!whole && !seen) x = neg_inf();
-                    else x = plus_mask<true>(s, mask, b, bh[rr] - b * s.heads, qrow[rr], jt + key,
-                                             see_n[rr] != 0, x);
+                    else x = modified_score<true, true>(s, mask, b, bh[rr] - b * s.heads, qrow[rr],
+                                                        jt + key, see_n[rr] != 0, slope[rr], x);
                     sc[0][nt][2 * rr + c] = x;
                 }
 

@@ -50,14 +50,16 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      float* __restrict__ part_o, float* __restrict__ part_ml,
                      u32* __restrict__ tickets, T* __restrict__ out, float* __restrict__ lse,
                      const void* __restrict__ mask, const int* __restrict__ kv_lens,
+                     const float* __restrict__ alibi, const float* __restrict__ sinks,
                      const u32 splits, const u32 split_keys, const u32 vec, const u32 mask_kind,
-                     const AttnLayout lay, const FlashV2Params p) {
+                     const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane / TX, x = lane % TX;  // lane group (its key), lane within the group
     unsigned char* ring = smem_d + warp * STAGES * TILE_BYTES;
 
     AttnShape s = attn_shape(p, mask_kind);
+    with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
@@ -177,16 +179,20 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) sc[c][r] += __shfl_xor_sync(0xffffffffu, sc[c][r], w);
 
-        // Which (row, key) pairs count and the mask; then the online softmax per row.
+        // Which (row, key) pairs count, softcap, ALiBi and the mask; then the online softmax per
+        // row.
         const u32 rel = (u32)(jt - j_lo) + g;  // key c is rel + c * KW
-        if (s.has_mask) {
+        if (per_element<BuildOptions>(s)) {
 #pragma unroll
             for (int c = 0; c < C; ++c)
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r)
-                    sc[c][r] = plus_mask<true>(s, mask, b, hk * G + r / s.seq_q, r % s.seq_q,
-                                               jt + c * KW + g, rel + c * KW - see_lo[r] < see_n[r],
-                                               sc[c][r]);
+                for (int r = 0; r < ROWS; ++r) {
+                    const u32 h = hk * G + r / s.seq_q;
+                    sc[c][r] = modified_score<true, true>(s, mask, b, h, r % s.seq_q,
+                                                          jt + c * KW + g,
+                                                          rel + c * KW - see_lo[r] < see_n[r],
+                                                          alibi_slope(s, b, h), sc[c][r]);
+                }
         }
         // Dropout's keep bits (bit c * ROWS + r), in a loop kept rolled: Philox unrolled C x ROWS
         // times would cost registers the key loop needs.

@@ -36,14 +36,17 @@ template <class OPT>
 __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __restrict__ k,
                                         const T* __restrict__ v, T* __restrict__ out,
                                         const void* __restrict__ mask, float* __restrict__ lse,
-                                        const int* __restrict__ kv_lens, const u32 vec,
+                                        const int* __restrict__ kv_lens,
+                                        const float* __restrict__ alibi,
+                                        const float* __restrict__ sinks, const u32 vec,
                                         const u32 mask_kind, const AttnLayout lay,
-                                        const FlashV2Params p) {
+                                        const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);  // [BM][PITCH]
     T* sK = sQ + BM * PITCH;                 // [BN][PITCH]
     T* sV = sK + BN * PITCH;                 // [BN][PITCH]
     AttnShape s = attn_shape(p, mask_kind);
+    if (OPT::MODS) with_extras(s, ex, alibi, sinks);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
@@ -52,6 +55,7 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
     for_batch(s, kv_lens, Tq.b);  // before anything reads the keys' extent
     const T* kb = k + Tq.k.off;
     const T* vb = v + Tq.v.off;
+    const float slope = OPT::MODS ? alibi_slope(s, Tq.b, Tq.h) : 0.f;
 
     load_tile<T, BM, DP, PITCH, THREADS>(sQ, q + Tq.q.off, Tq.q.stride, Tq.m0, s.seq_q, D, vec);
     const T* sQw = sQ + warp * 16 * MT * PITCH;
@@ -92,8 +96,8 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const long long i0 = Tq.row(mt, 0), i1 = Tq.row(mt, 1);
-            if (Mma::RAW_SCORES) raw_scores<OPT::MASK, NT>(s, mask, Tq.b, Tq.h, i0, i1, j0, whole, L, sc[mt]);
-            else score_tile<OPT::MASK, NT>(s, mask, Tq.b, Tq.h, i0, i1, j0, whole, L, sc[mt]);
+            if (Mma::RAW_SCORES) raw_scores<OPT, NT>(s, mask, Tq.b, Tq.h, slope, i0, i1, j0, whole, L, sc[mt]);
+            else score_tile<OPT, NT>(s, mask, Tq.b, Tq.h, slope, i0, i1, j0, whole, L, sc[mt]);
             float alpha[2];
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr)
@@ -109,11 +113,12 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
     }
 
     const float keep_scale = drop.keep_scale();
+    const float sink = OPT::MODS ? sink_logit(s, Tq.h) : neg_inf();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-        finish_forward<T, DT>(o[mt], m_run[mt], l_run[mt], Mma::RAW_SCORES ? s.scale : 1.f,
-                              keep_scale, Tq.row(mt, 0), s.seq_q, Tq.bh, out, Tq.o, lse, L, D,
-                              vec > 1);
+        finish_forward<T, DT, OPT::MODS>(o[mt], m_run[mt], l_run[mt], Mma::RAW_SCORES ? s.scale : 1.f,
+                                         keep_scale, sink, Tq.row(mt, 0), s.seq_q, Tq.bh, out, Tq.o,
+                                         lse, L, D, vec > 1);
 }
 }  // namespace
 
@@ -121,17 +126,19 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
-               const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind,
-               const AttnLayout lay, const FlashV2Params p) {
-    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, vec, mask_kind, lay, p);
+               const int* __restrict__ kv_lens, const float* __restrict__ alibi,
+               const float* __restrict__ sinks, const u32 vec, const u32 mask_kind,
+               const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
+    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, vec, mask_kind, lay, p, ex);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
               const float* __restrict__ v, float* __restrict__ out,
               const void* __restrict__ mask, float* __restrict__ lse,
-              const int* __restrict__ kv_lens, const u32 vec, const u32 mask_kind,
-              const AttnLayout lay, const FlashV2Params p) {
-    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, vec, mask_kind, lay, p);
+              const int* __restrict__ kv_lens, const float* __restrict__ alibi,
+              const float* __restrict__ sinks, const u32 vec, const u32 mask_kind,
+              const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
+    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, vec, mask_kind, lay, p, ex);
 }
 #endif

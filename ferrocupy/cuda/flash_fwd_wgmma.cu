@@ -24,10 +24,10 @@
 #include "ferro_mbarrier.cuh"
 
 namespace {
-// PLAIN: built for calls without an additive mask or dropout (configs.py picks it for them): their
-// code, unused there, held registers across the key loop.
+// PLAIN: built for calls without an additive mask, dropout, softcap, ALiBi or sinks (configs.py
+// picks it for them): their code, unused there, held registers across the key loop.
 typedef BuildOptions OPT;
-constexpr bool PLAIN = !OPT::MASK && !OPT::DROPOUT;
+constexpr bool PLAIN = !OPT::MASK && !OPT::DROPOUT && !OPT::MODS;
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BN = FERRO_BN, STAGES = FERRO_STAGES;
 constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
 constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
@@ -49,7 +49,10 @@ static_assert(2 * (Q_BUFS * Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SME
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                    u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
-                   const int* __restrict__ kv_lens, u32* __restrict__ tile_counter, const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p) {
+                   const int* __restrict__ kv_lens, const float* __restrict__ alibi,
+                   const float* __restrict__ sinks, u32* __restrict__ tile_counter, const u32 vec,
+                   const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
+                   const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
     __shared__ u64 full[STAGES], empty[STAGES], q_full[Q_BUFS], q_empty[Q_BUFS], tile_ready[Q_BUFS];
     __shared__ u32 tile_slot[Q_BUFS];  // the block's work items n, n + 1 (slot n % 2), from loader thread 0
@@ -57,7 +60,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sK = sQ + Q_BUFS * Q_ELEMS;   // [STAGES][BN x DP], swizzled ([Q_BUFS][BM x DP] before)
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
-    const AttnShape shape = attn_shape(p, mask_kind);
+    AttnShape shape = attn_shape(p, mask_kind);
+    if (OPT::MODS) with_extras(shape, ex, alibi, sinks);
     const Lane L = lane_ids();
     // Warpgroup 0 loads. Broadcast from lane 0, as CUTLASS does, so the compiler knows the index
     // is warp-uniform: the per-warpgroup key range below then does not make it serialize wgmma.
@@ -136,6 +140,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         long long j_first;
         const int n_tiles = key_tiles<BN>(s, T, j_first);
         const Dropout<OPT::DROPOUT> drop(s);
+        const float slope = OPT::MODS ? alibi_slope(s, T.b, T.h) : 0.f;
         const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
         // Key tile t of this query tile sits in ring buffer (ring + t) % STAGES.
         auto k_tile = [&](int t) { return smem_u32(sK + ((ring + t) % STAGES) * KV_ELEMS); };
@@ -180,7 +185,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             if (PLAIN) {
                 if (!whole) hide_outside<NT>(tile, L, sc);
             } else {
-                raw_scores<OPT::MASK, NT>(s, mask, T.b, T.h, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
+                raw_scores<OPT, NT>(s, mask, T.b, T.h, slope, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
             }
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) alpha[rr] = online_softmax_raw<NT>(sc, rr, m_run[rr], l_run[rr], sl2);
@@ -227,8 +232,9 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         }
         ring_release(q_empty, n);  // every product that reads this Q has completed
 
-        finish_forward<u16, DT>(o, m_run, l_run, s.scale, drop.keep_scale(), T.row(0, 0), s.seq_q,
-                                T.bh, out, T.o, lse, L, D, true);
+        finish_forward<u16, DT, OPT::MODS>(o, m_run, l_run, s.scale, drop.keep_scale(),
+                                           OPT::MODS ? sink_logit(s, T.h) : neg_inf(), T.row(0, 0),
+                                           s.seq_q, T.bh, out, T.o, lse, L, D, true);
         for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, ring + t);
         ring += n_tiles;
     }
