@@ -4,6 +4,8 @@ gradients (sinks' included) come from autograd rather than from a hand-written b
 
 `dense(q, k, v, **options)` returns `(out [B,Sq,H,D], lse [B,H,Sq])` as float64 torch tensors;
 `dense_grads(...)` returns the gradients of `sum(out * grad_out)` by autograd. Small sizes only.
+With `dtype=torch.float16` (or bfloat16) both compute in that dtype throughout, no upcast: the
+plain PyTorch computation that SPEC's half-precision rule measures against.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ def visible(sq, sk, offsets, *, causal, window_left, window_right):
 
 def dense(q, k, v, *, causal=False, causal_offset=0, window_left=-1, window_right=-1,
           softcap=0.0, alibi_slopes=None, sinks=None, mask=None, scale=None, kv_lens=None,
-          keep=None, dropout_prob=0.0):
+          keep=None, dropout_prob=0.0, dtype=torch.float64):
     """SPEC's formula, float64. Inputs are torch tensors (or arrays) of any float dtype;
     `alibi_slopes` [H] or [B, H]; `sinks` [H]; `mask` broadcastable to [B, H, Sq, Sk];
     `kv_lens` [B]: keys past kv_lens[b] do not exist and rows sit kv_lens[b] - Sk earlier;
-    `keep` a bool [B, H, Sq, Sk] dropout keep-mask."""
-    q, k, v = (torch.as_tensor(x).double() for x in (q, k, v))
+    `keep` a bool [B, H, Sq, Sk] dropout keep-mask; `dtype`: what it computes in."""
+    q, k, v = (torch.as_tensor(x).to(dtype) for x in (q, k, v))
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = float(np.float32(1.0) / np.sqrt(np.float32(D))) if scale is None else scale
@@ -51,38 +53,41 @@ def dense(q, k, v, *, causal=False, causal_offset=0, window_left=-1, window_righ
                         window_right=window_right)
     vis = vis & (torch.arange(Sk) < torch.tensor(lens)[:, None])[:, None, None, :]
     if alibi_slopes is not None:
-        slopes = torch.as_tensor(alibi_slopes).double()
+        slopes = torch.as_tensor(alibi_slopes).to(dtype)
         slopes = slopes.expand(B, H) if slopes.ndim == 1 else slopes
-        s = s - slopes[:, :, None, None] * dist
+        s = s - slopes[:, :, None, None] * dist.to(dtype)
     if mask is not None:
-        s = s + torch.as_tensor(mask).double()
+        s = s + torch.as_tensor(mask).to(dtype)
     s = torch.where(vis, s, -math.inf)
     dead = (s == -math.inf).all(dim=-1, keepdim=True).detach()  # no key takes part
     s_live = torch.where(dead, 0.0, s)  # finite rows keep autograd away from -inf - -inf
     lse = torch.where(dead[..., 0], -math.inf, torch.logsumexp(s_live, dim=-1))
     if sinks is not None:
-        sink = torch.as_tensor(sinks).double()[None, :, None].expand_as(lse)
+        sink = torch.as_tensor(sinks).to(dtype)[None, :, None].expand_as(lse)
         lse = torch.logaddexp(lse, sink)
     safe = torch.where(torch.isinf(lse), 0.0, lse)  # a dead row without a sink: P = 0
     prob = torch.exp(s_live - safe[..., None]) * (~dead)
     if keep is not None:
         f32 = np.float32(dropout_prob)
-        prob = prob * torch.as_tensor(keep) * float(np.float32(1.0) / (np.float32(1.0) - f32))
+        prob = prob * torch.as_tensor(keep).to(dtype) * float(np.float32(1.0) / (np.float32(1.0) - f32))
     out = torch.einsum("bhij,bjhd->bihd", prob, vv)
     return out, lse
 
 
-def dense_grads(q, k, v, grad_out, **options):
+def dense_grads(q, k, v, grad_out, dtype=torch.float64, **options):
     """(grad_q, grad_k, grad_v, grad_sinks or None) of `sum(out * grad_out)`, by autograd
-    through `dense` in float64."""
-    leaves = [torch.as_tensor(np.asarray(x, np.float64)).requires_grad_(True) for x in (q, k, v)]
+    through `dense` in `dtype` (float64 arrays)."""
+    def leaf(x):
+        return torch.as_tensor(np.asarray(x, np.float64)).to(dtype).requires_grad_(True)
+
+    leaves = [leaf(x) for x in (q, k, v)]
     sinks = options.pop("sinks", None)
     if sinks is not None:
-        sinks = torch.as_tensor(np.asarray(sinks, np.float64)).requires_grad_(True)
-    out, _ = dense(*leaves, sinks=sinks, **options)
-    (out * torch.as_tensor(np.asarray(grad_out, np.float64))).sum().backward()
-    grads = [x.grad.numpy() for x in leaves]
-    return (*grads, None if sinks is None else sinks.grad.numpy())
+        sinks = leaf(sinks)
+    out, _ = dense(*leaves, sinks=sinks, dtype=dtype, **options)
+    (out * torch.as_tensor(np.asarray(grad_out, np.float64)).to(dtype)).sum().backward()
+    grads = [x.grad.double().numpy() for x in leaves]
+    return (*grads, None if sinks is None else sinks.grad.double().numpy())
 
 
 def per_head_inputs(rng, batch: int, heads: int, *, alibi=None, sinks=False) -> dict:

@@ -366,7 +366,7 @@ class _CudaRecorder:
     def __init__(self):
         self.plans = []
 
-    def plan(self, op, buffers, params, layout, ptrs):
+    def plan(self, op, buffers, params, layout, ptrs, extras=None):
         self.plans.append(op)
         return type("Plan", (str,), {"counted": False})(op)
 
@@ -377,9 +377,6 @@ CUDA_REFUSALS = [
     (dict(opts=AttentionOptions(window_left=2)), r"window_left = 2: not on the GPU kernels yet"),
     (dict(opts=AttentionOptions(window_right=-1)),
      r"window_right = -1: not on the GPU kernels yet"),
-    (dict(opts=AttentionOptions(softcap=30.0)), r"softcap = 30.0: not on the GPU kernels yet"),
-    (dict(alibi_slopes=True), r"alibi_slopes \(shape \(4,\)\): not on the GPU kernels yet"),
-    (dict(sinks=True), r"sinks \(shape \(4,\)\): not on the GPU kernels yet"),
     (dict(d=160), r"head_dim = 160 .*the CUDA kernels take head_dim <= 128"),
 ]
 
@@ -406,6 +403,30 @@ def test_cuda_backend_refuses_at_plan_time(rng, change, match, op):
     # the seed's options still plan on it
     eng.plan_attention(q[..., :8], k[..., :8], v[..., :8], out[..., :8],
                        AttentionOptions(causal=True, causal_offset=2, window=3))
+
+
+@pytest.mark.parametrize("op", ["forward", "backward"])
+def test_cuda_backend_plans_softcap_alibi_and_sinks(rng, op):
+    """The CUDA kernels take softcap, ALiBi ([heads] or [batch, heads]) and sinks: a plan is
+    made, and its AttnExtras (what the kernels receive) carry them."""
+    from ferrocupy.params import EXTRAS_ALIBI, EXTRAS_ALIBI_PER_BATCH, EXTRAS_SINKS
+
+    eng = _eng()
+    eng.backend = _CudaRecorder()
+    for alibi, per_batch in (("h", 0), ("bh", EXTRAS_ALIBI_PER_BATCH)):
+        t = _case(rng, 2, 3, 4, 4, 2, 8, alibi=alibi, sinks=True)
+        q, k, v = t["q"], t["k"], t["v"]
+        out = np.zeros_like(q)
+        opts = AttentionOptions(causal=True, softcap=30.0)
+        named = dict(alibi_slopes=t["alibi_slopes"], sinks=t["sinks"])
+        if op == "forward":
+            plan = eng.plan_attention(q, k, v, out, opts, **named)
+        else:
+            plan = eng.plan_attention_backward(q, k, v, out, out, np.zeros_like(q),
+                                               np.zeros_like(k), np.zeros_like(v), opts,
+                                               grad_sinks=np.zeros(4, np.float32), **named)
+        assert float(plan.extras["softcap"]) == 30.0
+        assert int(plan.extras["flags"]) == EXTRAS_ALIBI | per_batch | EXTRAS_SINKS
 
 
 @pytest.mark.parametrize("name", ["negative-offset", "window-right-only", "asymmetric-causal",

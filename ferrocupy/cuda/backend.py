@@ -228,7 +228,7 @@ class CudaBackend:
                    ptrs: dict, extras: np.void) -> Plan:
         if op == "forward":
             if configs.decode_wanted(params):
-                launches, workspace = self._plan_decode(buffers, params, layout, ptrs, extras)
+                launches, workspace = self._plan_decode(buffers, params, layout, ptrs)
             else:
                 launches = [self._plan(configs.FORWARD, buffers, params, layout, ptrs, extras)]
                 workspace = {}
@@ -265,9 +265,11 @@ class CudaBackend:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
                               self.capability, copy_bytes, rows, many_blocks, plain, lse_given)
 
-    def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict, extras):
+    def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict, extras=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; each
-        buffer is a `Slot` (its address filled in on each run), NULL where absent."""
+        buffer is a `Slot` (its address filled in on each run), NULL where absent. `extras`:
+        the call's AttnExtras (None: the seed's options alone)."""
+        extras = seed_extras(params) if extras is None else extras
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
         names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
@@ -292,8 +294,7 @@ class CudaBackend:
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
 
-    def _plan_decode(self, buffers: dict, params, layout, ptrs: dict,
-                     extras) -> tuple[list, dict]:
+    def _plan_decode(self, buffers: dict, params, layout, ptrs: dict) -> tuple[list, dict]:
         """The decode kernel over (batch, KV head, split) blocks; with more than one split, the
         last block of each pair to finish merges the splits (counted in the workspace's
         `tickets`), except in the tiles design, which always leaves its result in the workspace
