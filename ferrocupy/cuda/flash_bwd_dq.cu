@@ -92,8 +92,8 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
                 lse[mt][rr] = i < s.seq_q ? lse_in[(u64)Tq.bh * s.seq_q + i] : neg_inf();
             }
     } else {
-        // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys (and the sink: row_end). Only K is read, so sK
-        // and sV double-buffer it: tile j+1 loads while tile j is multiplied.
+        // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys (and the sink: row_end).
+        // Only K is read, so sK and sV double-buffer it: tile j+1 loads while tile j is multiplied.
         float m_run[MT][2], l_run[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf(), l_run[mt][0] = l_run[mt][1] = 0.f;
@@ -140,7 +140,8 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
             }
         }
 
-    // Pass 2: dQ += dS K with dS = P (dP - Delta) (times softcap's 1 - tanh^2), dP = (dO V^T) * keep / (1 - p).
+    // Pass 2: dQ += dS K with dS = P (dP - Delta) (times softcap's 1 - tanh^2),
+    // dP = (dO V^T) * keep / (1 - p).
     const Dropout<OPT::DROPOUT> drop(s);
     const float keep_scale = drop.keep_scale();
     float dq[MT][DT][4];
