@@ -4,6 +4,7 @@ equal (or fewer registers, no new spills), and any changed instruction count wan
 
     python lab/seam_resources.py [--ref DIR | --ref-commit SHA] [--new DIR]
         [--head-dims 64,128] [--dtypes float32,bfloat16] [--match REGEX] [--sm80] [--jobs 2]
+        [--mods]
 
 Each tree's `ferrocupy/cuda/configs.py` lists its variants (run in a subprocess per tree, so the
 two packages never meet in one interpreter); variants are paired by their geometry (op, dtype,
@@ -32,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "ferrocupy-seam-resources.json"
 COUNTED = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "STG", "LDGSTS", "SHFL", "MUFU", "BAR")
-KEY_FIELDS = ("op", "dtype", "head_dim", "warps", "mt", "step", "isa", "stages", "rows", "plain")
+KEY_FIELDS = ("op", "dtype", "head_dim", "warps", "mt", "step", "isa", "stages", "rows", "plain",
+              "mods")
 
 _DUMP = r"""
 import json
@@ -41,7 +43,8 @@ out = []
 for v in configs.all_variants():
     out.append({"op": v.op, "dtype": str(v.dtype), "head_dim": v.head_dim, "warps": v.warps,
                 "mt": v.mt, "step": v.step, "isa": v.isa, "stages": v.stages, "rows": v.rows,
-                "plain": v.plain, "source": v.source, "kernel": v.kernel, "arch": v.arch,
+                "plain": v.plain, "mods": getattr(v, "mods", False), "source": v.source,
+                "kernel": v.kernel, "arch": v.arch,
                 "defines": v.defines})
 print(json.dumps(out))
 """
@@ -99,15 +102,15 @@ def _main_entry(log: str, kernel: str) -> str:
     return log[start:] if start >= 0 else log
 
 
-def key_of(v: dict) -> tuple:
-    return tuple(v[f] for f in KEY_FIELDS)
+def key_of(v: dict, fields=KEY_FIELDS) -> tuple:
+    return tuple(v.get(f, False) for f in fields)  # (a tree before `mods`: none have them)
 
 
 def label(v: dict, arch: str) -> str:
     return (f"{v['op'].replace('backward_', '')}/{v['dtype'].replace('float', 'f').replace('bf16', 'bf16')}"
             f"/d{v['head_dim']} {v['isa']} {v['warps']}w{v['mt']}m{v['step']}"
             + (f"s{v['stages']}" if v["stages"] else "") + (f"r{v['rows']}" if v["rows"] else "")
-            + (" plain" if v["plain"] else "") + f" sm{arch}")
+            + (" plain" if v["plain"] else "") + (" mods" if v.get("mods") else "") + f" sm{arch}")
 
 
 def main(argv=None) -> int:
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
     ap.add_argument("--match", default="", help="only variants whose label matches this regex")
     ap.add_argument("--sm80", action="store_true", help="also sm_80 for the non-sm_90a variants")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--mods", action="store_true",
+                    help="pair the new tree's variants built with softcap, ALiBi and sinks "
+                         "(`mods`) with the reference's of the same geometry without them")
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="seam-res-"))
@@ -134,7 +140,10 @@ def main(argv=None) -> int:
     dtypes = set(args.dtypes.split(","))
 
     trees = {"ref": ref.resolve(), "new": args.new.resolve()}
-    table = {name: {key_of(v): v for v in variants_of(tree)} for name, tree in trees.items()}
+    fields = tuple(f for f in KEY_FIELDS if f != "mods") if args.mods else KEY_FIELDS
+    table = {name: {key_of(v, fields): v for v in variants_of(tree)
+                    if not (args.mods and name == "new" and not v.get("mods"))}
+             for name, tree in trees.items()}
     keys = [k for k in table["new"] if k in table["ref"]]
     only = {name: sorted(set(table[name]) - set(table["ref" if name == "new" else "new"]))
             for name in trees}

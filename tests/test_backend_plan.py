@@ -415,3 +415,84 @@ def test_threads_running_one_plan_launch_with_their_own_tensors(monkeypatch):
     wrong = sum((q, fn) != (tag, i % 2) or tag != queued[i - i % 2][2]
                 for i, (q, fn, tag) in enumerate(queued))
     assert len(queued) == 20000 and not wrong, f"{wrong} of 20000 launches out of their run"
+
+
+# --- softcap, ALiBi and sinks: the variants built with them (`mods`), the sinks' launch ----------
+def _extras(opts, **named):
+    from ferrocupy.params import extras_params
+
+    return extras_params(AttentionOptions(**opts), named.get("alibi"), named.get("sinks"))
+
+
+def _defines(b) -> list:
+    return [dict(c[2]) for c in b.loader.compiled]
+
+
+@pytest.mark.parametrize("capability, kernel", [(90, "flash_fwd_wgmma"), (80, "flash_fwd_half")])
+def test_model_options_take_the_variants_built_with_them(capability, kernel):
+    """A call with softcap, ALiBi or sinks runs a variant built with them (FERRO_MODS: on sm_90a
+    the general wgmma one), one without them a variant built without (its registers as before);
+    the slopes and sinks are kernel arguments and the AttnExtras struct comes last."""
+    q, k = (2, 256, 8, 128), (2, 256, 8, 128)
+    p = params(q, k, causal=True)
+    for named, opts in ((dict(alibi=buf((8,), FLOAT32)), {}), (dict(sinks=buf((8,), FLOAT32)), {}),
+                        ({}, dict(softcap=30.0))):
+        b = backend(capability)
+        bufs = forward_buffers(q, k, BFLOAT16) | dict(alibi_slopes=named.get("alibi"),
+                                                      sinks=named.get("sinks"))
+        extras = _extras(dict(causal=True, **opts), **named)
+        plan = b.plan("forward", bufs, p, contiguous_layout(p), ptrs(bufs), extras)
+        (launch,) = plan.launches
+        assert launch.fn.name == kernel and launch.args[-1] is extras and launch.args[-2] is p
+        v = configs.select(configs.FORWARD, BFLOAT16, 128, 232448, capability=capability,
+                           copy_bytes=16, mods=True)
+        assert v.mods and not v.plain and _defines(b)[-1].get("FERRO_MODS") == 1
+        for n in ("alibi_slopes", "sinks"):
+            slot = launch.args[v.args.index(n)]
+            assert (slot is NULL) == (bufs[n] is None)
+    b = backend(capability)
+    make_plan(b, "forward", forward_buffers(q, k, BFLOAT16), p)
+    assert "FERRO_MODS" not in _defines(b)[-1]
+
+
+def test_grad_sinks_adds_the_sinks_launch_after_the_backward():
+    """With grad_sinks the backward ends with flash_bwd_sinks, a block per head, reading the dQ
+    kernel's stats; sinks alone with the forward's lse leave dQ and dK/dV plain (on sm_90a the
+    plain wgmma kernels: the lse holds the sinks)."""
+    q, k = (2, 256, 8, 64), (2, 256, 8, 64)
+    p = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(AttentionOptions())
+    sinks = buf((8,), FLOAT32)
+    bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
+                grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16),
+                lse=buf((2, 8, 256), FLOAT32), alibi_slopes=None, sinks=sinks,
+                grad_sinks=buf((8,), FLOAT32))
+    b = backend()
+    extras = _extras({}, sinks=sinks)
+    plan = b.plan("backward", bufs, p, contiguous_layout(p), ptrs(bufs), extras)
+    dq, dkdv, tail = plan.launches
+    assert (dq.fn.name, dkdv.fn.name) == ("flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma")
+    assert all(("FERRO_PLAIN", 1) in c[2] for c in b.loader.compiled[:2])
+    assert tail.fn.name == configs.SINKS_KERNEL and tail.blocks == 8
+    assert tail.threads == configs.SINKS_THREADS
+    assert [a.name for a in tail.args[:3]] == ["stats", "sinks", "grad_sinks"]
+    assert tail.args[3] is p and tail.args[4] is extras
+    # without the forward's lse, dQ forms the rows' denominators itself: the sinks' variant
+    b = backend()
+    plan = b.plan("backward", bufs | dict(lse=None), p, contiguous_layout(p), ptrs(bufs), extras)
+    assert plan.launches[0].fn.name == "flash_bwd_dq_half"
+    assert _defines(b)[0].get("FERRO_MODS") == 1
+    assert len(plan.launches) == 3
+
+
+def test_decode_with_alibi_takes_the_decode_variant_built_with_it():
+    b = backend()
+    q, k = (2, 1, 32, 128), (2, 4096, 8, 128)
+    p = params(q, k, causal=True, causal_offset=4095)
+    alibi = buf((2, 32), FLOAT32)
+    bufs = forward_buffers(q, k, BFLOAT16) | dict(alibi_slopes=alibi, sinks=None)
+    (fn, _, _, _, args), *_ = b._plan_decode(bufs, p, contiguous_layout(p), ptrs(bufs),
+                                             _extras(dict(causal=True), alibi=alibi))[0]
+    assert fn.name == "flash_decode_mma" and _defines(b)[0].get("FERRO_MODS") == 1
+    names = configs.ARGS[configs.DECODE]
+    assert args[names.index("alibi_slopes")].name == "alibi_slopes"
+    assert args[names.index("sinks")] is NULL

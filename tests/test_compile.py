@@ -152,7 +152,7 @@ def _case_id(v, arch: str) -> str:
     design = "" if v.isa == MMA else f"-{v.isa}"
     return (f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}{design}"
             f"{f'-s{v.stages}' if v.stages else ''}{f'-r{v.rows}' if v.rows else ''}"
-            f"{'-plain' if v.plain else ''}-sm_{arch}")
+            f"{'-plain' if v.plain else ''}{'-mods' if v.mods else ''}-sm_{arch}")
 
 
 def _table_jobs() -> tuple[list, list]:
@@ -392,7 +392,8 @@ def test_default_run_builds_every_source_and_code_path():
 def test_every_selectable_variant_is_compiled():
     """The compile cases cover whatever `configs.select` can return, for every dtype and
     head_dim 1..128, at a small (99 KB, sm_86) and a large (227 KB, sm_90) shared-memory limit,
-    and (decode) KV groups of 1, 5 and 16 query rows, for calls with and without mask or dropout."""
+    and (decode) KV groups of 1, 5 and 16 query rows, for calls with and without mask or dropout,
+    with and without softcap, ALiBi or sinks."""
     from ferrocupy.cuda import configs
 
     compiled = {(p.name, a, d) for p, a, d in _NVRTC_JOBS}
@@ -401,10 +402,12 @@ def test_every_selectable_variant_is_compiled():
             for hd in range(1, 129):
                 for limit, cap in ((99 * 1024, 86), (227 * 1024, 90)):
                     for copy_bytes in (16, 4, 2):
-                        for rows, plain in itertools.product(
-                                (1, 5, 16) if op == configs.DECODE else (0,), (False, True)):
+                        for rows, plain, mods in itertools.product(
+                                (1, 5, 16) if op == configs.DECODE else (0,), (False, True),
+                                (False, True)):
                             v = configs.select(op, dtype, hd, limit, capability=cap,
-                                               copy_bytes=copy_bytes, rows=rows, plain=plain)
+                                               copy_bytes=copy_bytes, rows=rows,
+                                               plain=plain and not mods, mods=mods)
                             defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
                             assert (v.source, v.arch or "90", defines) in compiled, v.describe()
 

@@ -228,7 +228,7 @@ class CudaBackend:
                    ptrs: dict, extras: np.void) -> Plan:
         if op == "forward":
             if configs.decode_wanted(params):
-                launches, workspace = self._plan_decode(buffers, params, layout, ptrs)
+                launches, workspace = self._plan_decode(buffers, params, layout, ptrs, extras)
             else:
                 launches = [self._plan(configs.FORWARD, buffers, params, layout, ptrs, extras)]
                 workspace = {}
@@ -261,9 +261,10 @@ class CudaBackend:
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
                 rows: int = 0, many_blocks: bool = False, plain: bool = False,
-                lse_given: bool = True) -> configs.Variant:
+                lse_given: bool = True, mods: bool = False) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
-                              self.capability, copy_bytes, rows, many_blocks, plain, lse_given)
+                              self.capability, copy_bytes, rows, many_blocks, plain, lse_given,
+                              mods)
 
     def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict, extras=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; each
@@ -277,10 +278,11 @@ class CudaBackend:
         mask = buffers.get("mask")
         lse_given = op != configs.BACKWARD_DQ or buffers.get("lse") is not None
         # the `plain` variants: no mask, no dropout, no model option the kernel computes; the
-        # wgmma dQ: given the forward's lse
-        plain = (mask is None and float(params["dropout_prob"]) == 0.0
-                 and not model_options(op, extras, lse_given))
-        v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain, lse_given=lse_given)
+        # `mods` ones: a model option the kernel computes; the wgmma dQ: given the forward's lse
+        mods = model_options(op, extras, lse_given)
+        plain = mask is None and float(params["dropout_prob"]) == 0.0 and not mods
+        v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain, lse_given=lse_given,
+                             mods=mods)
         smem = v.shared_bytes
         blocks = v.blocks(params, self.sm_count)
         if v.tiles(params) > GRID_X_MAX:
@@ -294,7 +296,8 @@ class CudaBackend:
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
 
-    def _plan_decode(self, buffers: dict, params, layout, ptrs: dict) -> tuple[list, dict]:
+    def _plan_decode(self, buffers: dict, params, layout, ptrs: dict,
+                     extras=None) -> tuple[list, dict]:
         """The decode kernel over (batch, KV head, split) blocks; with more than one split, the
         last block of each pair to finish merges the splits (counted in the workspace's
         `tickets`), except in the tiles design, which always leaves its result in the workspace
@@ -304,8 +307,9 @@ class CudaBackend:
         vec = _copy_width(dtype, d, [ptrs["k"], ptrs["v"]], _strides(layout, ("k", "v")))
         group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
         pairs = int(params["batch"]) * int(params["kv_heads"])
+        mods = model_options(configs.DECODE, seed_extras(params) if extras is None else extras)
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows,
-                             pairs > self.sm_count)
+                             pairs > self.sm_count, mods=mods)
         splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
                                                    self._resident(fn, v) * self.sm_count)
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
@@ -353,14 +357,15 @@ class CudaBackend:
         return max(1, min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads))
 
     def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0,
-                many_blocks: bool = False, plain: bool = False, lse_given: bool = True):
+                many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
+                mods: bool = False):
         """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
-        decode blocks beyond one per SM, no mask or dropout, the forward's lse given), chosen,
-        compiled and given its shared memory once."""
-        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given)
+        decode blocks beyond one per SM, no mask or dropout, the forward's lse given, softcap,
+        ALiBi or sinks computed), chosen, compiled and given its shared memory once."""
+        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given, mods)
         hit = self._kernels.get(key)
         if hit is None:
-            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given)
+            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given, mods)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes
@@ -370,10 +375,10 @@ class CudaBackend:
 
 def model_options(op: str, extras: np.void, lse_given: bool = True) -> bool:
     """Whether a kernel of `op` computes a model option of the call (softcap, ALiBi, or sinks
-    where the kernel forms a row's denominator: the forward, and dQ without the forward's lse),
-    so that it needs a variant built with them (not `plain`)."""
+    where the kernel forms a row's denominator: the forwards, and dQ without the forward's lse),
+    so that it needs a variant built with them (configs.py's `mods`, never `plain`)."""
     flags = int(extras["flags"])
-    sinks = bool(flags & EXTRAS_SINKS) and (op == configs.FORWARD
+    sinks = bool(flags & EXTRAS_SINKS) and (op in (configs.FORWARD, configs.DECODE)
                                              or (op == configs.BACKWARD_DQ and not lse_given))
     return float(extras["softcap"]) > 0.0 or bool(flags & EXTRAS_ALIBI) or sinks
 

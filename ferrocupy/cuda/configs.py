@@ -16,6 +16,7 @@ kernel's, zero-filled past the real one).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -95,6 +96,10 @@ class Variant:
     # (FERRO_PLAIN); for dQ, also only for calls that pass the forward's lse (the kernel has no
     # statistics pass)
     plain: bool = False
+    # softcap, ALiBi and sinks compiled in (FERRO_MODS): the only variants that serve calls with
+    # them. The mma.sync and decode kernels come twice, without (first: what other calls take,
+    # their registers untouched) and with; the wgmma ones' general variant has them.
+    mods: bool = False
 
     @property
     def half(self) -> bool:
@@ -221,6 +226,8 @@ class Variant:
             d["FERRO_KV_SWIZZLE"] = int(self.kv_swizzled)
         if self.plain:
             d["FERRO_PLAIN"] = 1
+        if self.mods:
+            d["FERRO_MODS"] = 1
         return d
 
     @property
@@ -248,6 +255,7 @@ class Variant:
                 + (f", {self.stages} buffers" if self.stages else "")
                 + (f", {self.rows} query rows" if self.rows else "")
                 + (", no mask, dropout or model options" if self.plain else "")
+                + (", softcap, ALiBi and sinks" if self.mods else "")
                 + f", {self.shared_bytes} B shared")
 
 
@@ -277,7 +285,8 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
         geometry = dict(warps=8, mt=1, step=64, stages=2)
     else:
         return []
-    return [Variant(op, dtype, kd, isa=WGMMA, plain=plain, **geometry) for plain in (True, False)]
+    return [Variant(op, dtype, kd, isa=WGMMA, plain=plain, mods=not plain, **geometry)
+            for plain in (True, False)]
 
 
 def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
@@ -346,16 +355,19 @@ def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
 
 
 def _table() -> dict:
+    """Per (op, dtype, padded head_dim): the wgmma variants, then the others (decode's designs,
+    or mma.sync's geometries) as they are, then again built with softcap, ALiBi and sinks."""
     table = {}
     for op in (FORWARD, BACKWARD_DQ, BACKWARD_DKDV, DECODE):
         for dtype in (FLOAT32, FLOAT16, BFLOAT16):
             for dp in HEAD_DIMS:
+                others = ((_decode_tensor(dtype, dp) + _decode_streams(dtype, dp)
+                           if op == DECODE else [])
+                          + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
+                             for g in _geometry(op, dtype, dp)])
                 table[(op, dtype, dp)] = tuple(
-                    _wgmma(op, dtype, dp)
-                    + (_decode_tensor(dtype, dp) + _decode_streams(dtype, dp)
-                       if op == DECODE else [])
-                    + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
-                       for g in _geometry(op, dtype, dp)])
+                    _wgmma(op, dtype, dp) + others
+                    + [dataclasses.replace(v, mods=True) for v in others])
     return table
 
 
@@ -369,7 +381,8 @@ def padded_head_dim(d: int) -> int:
 
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
            capability: int = 0, copy_bytes: int = 0, rows: int = 0,
-           many_blocks: bool = False, plain: bool = False, lse_given: bool = True) -> Variant:
+           many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
+           mods: bool = False) -> Variant:
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
@@ -377,11 +390,14 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     with the other's stream (faster there in lab/decode_sweep.py), while 8 warps win when each
     block has an SM to itself. `plain` (the call has no mask, dropout, softcap, ALiBi or sinks)
     admits the variants built without them; `lse_given` (the backward has the forward's lse)
-    admits the wgmma dQ kernel, which has no statistics pass."""
+    admits the wgmma dQ kernel, which has no statistics pass; `mods` (the kernel computes
+    softcap, ALiBi or sinks for the call) admits only the variants built with them."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     for v in candidates:
         if (many_blocks and v.isa in (STREAMS, TENSOR) and v.warps > 4) or (v.plain and not plain):
+            continue
+        if mods and not v.mods:
             continue
         if v.isa == WGMMA and v.op == BACKWARD_DQ and not lse_given:
             continue

@@ -101,7 +101,8 @@ __device__ __forceinline__ void write_row(const AttnShape& s, const AttnLayout& 
                                           u32 i, u64 row, int d, float M, float L, float O, T* out,
                                           float* lse) {
     float inv, lse_i;
-    row_end<true>(M, L, Dropout<true>(s).keep_scale(), sink_logit(s, h), inv, lse_i);
+    row_end<BuildOptions::MODS>(M, L, Dropout<true>(s).keep_scale(), sink_logit(s, h), inv,
+                                lse_i);
     if (d < (int)s.head_dim)
         out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = E::from_f(O * inv);
     if (lse && d == 0) lse[row] = lse_i;
@@ -185,7 +186,7 @@ flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__
     float M, L, O;
     merge_splits(part_o, part_ml, splits, rows_total, row, d, d < (int)p.head_dim, M, L, O);
     AttnShape s = attn_shape(p, 0);
-    with_extras(s, ex, nullptr, sinks);
+    if (BuildOptions::MODS) with_extras(s, ex, nullptr, sinks);
     const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
     if (d < (int)p.head_dim) write_row(s, lay, b, h, i, row, d, M, L, O, out, lse);
 }

@@ -20,8 +20,12 @@ struct Options {
 #ifndef FERRO_PLAIN
 #define FERRO_PLAIN 0
 #endif
-// This build's options: configs.py's `plain` variants serve only calls with none of them.
-typedef Options<!FERRO_PLAIN, !FERRO_PLAIN, !FERRO_PLAIN> BuildOptions;
+#ifndef FERRO_MODS
+#define FERRO_MODS 0
+#endif
+// This build's options: configs.py's `plain` variants serve only calls with none of them; its
+// `mods` ones (FERRO_MODS) alone serve calls with softcap, ALiBi or sinks.
+typedef Options<!FERRO_PLAIN, !FERRO_PLAIN, FERRO_MODS && !FERRO_PLAIN> BuildOptions;
 
 // ---- visibility as spans: a row's visible keys are one interval -----------------------------------
 

@@ -50,7 +50,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     float* sA = sL + ROWS;
 
     AttnShape s = attn_shape(p, mask_kind);
-    with_extras(s, ex, alibi, sinks);
+    if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R;
@@ -126,7 +126,8 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
                 // Keys past the split's end belong to the next split (and were not loaded).
                 const bool ok = j < j_hi && visible(s, (long long)i + s.offset, j);
-                acc = modified_score<true, true>(s, mask, b, h, i, j, ok, alibi_slope(s, b, h), acc);
+                acc = modified_score<true, BuildOptions::MODS>(s, mask, b, h, i, j, ok,
+                                                               alibi_slope(s, b, h), acc);
                 sP[r * (BN + 1) + kk] = ok ? acc : neg_inf();
             }
         }

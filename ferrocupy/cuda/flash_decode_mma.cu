@@ -65,7 +65,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     u16* ring = reinterpret_cast<u16*>(rings) + warp * STAGES * TILE;
 
     AttnShape s = attn_shape(p, mask_kind);
-    with_extras(s, ex, alibi, sinks);
+    if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
@@ -205,8 +205,9 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                     float x = sc[0][nt][2 * rr + c] * s.scale;
                     const bool seen = rel0 + key - see_lo[rr] < see_n[rr];
                     if (!whole && !seen) x = neg_inf();
-                    else x = modified_score<true, true>(s, mask, b, bh[rr] - b * s.heads, qrow[rr],
-                                                        jt + key, see_n[rr] != 0, slope[rr], x);
+                    else x = modified_score<true, BuildOptions::MODS>(
+                        s, mask, b, bh[rr] - b * s.heads, qrow[rr], jt + key, see_n[rr] != 0,
+                        slope[rr], x);
                     sc[0][nt][2 * rr + c] = x;
                 }
 

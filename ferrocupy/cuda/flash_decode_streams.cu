@@ -59,7 +59,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     unsigned char* ring = smem_d + warp * STAGES * TILE_BYTES;
 
     AttnShape s = attn_shape(p, mask_kind);
-    with_extras(s, ex, alibi, sinks);
+    if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
@@ -188,10 +188,9 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
                     const u32 h = hk * G + r / s.seq_q;
-                    sc[c][r] = modified_score<true, true>(s, mask, b, h, r % s.seq_q,
-                                                          jt + c * KW + g,
-                                                          rel + c * KW - see_lo[r] < see_n[r],
-                                                          alibi_slope(s, b, h), sc[c][r]);
+                    sc[c][r] = modified_score<true, BuildOptions::MODS>(
+                        s, mask, b, h, r % s.seq_q, jt + c * KW + g,
+                        rel + c * KW - see_lo[r] < see_n[r], alibi_slope(s, b, h), sc[c][r]);
                 }
         }
         // Dropout's keep bits (bit c * ROWS + r), in a loop kept rolled: Philox unrolled C x ROWS
