@@ -187,11 +187,12 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
             for (int c = 0; c < C; ++c)
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
-                    // (rows past R have no head: their scores are hidden, nothing is read)
-                    const u32 h = hk * G + (r < R ? r / s.seq_q : 0);
+                    const u32 h = hk * G + r / s.seq_q;
+                    // (rows past R have no head: hidden scores, no slope read)
+                    const float slope = r < R ? alibi_slope(s, b, h) : 0.f;
                     sc[c][r] = modified_score<true, BuildOptions::MODS>(
                         s, mask, b, h, r % s.seq_q, jt + c * KW + g,
-                        rel + c * KW - see_lo[r] < see_n[r], alibi_slope(s, b, h), sc[c][r]);
+                        rel + c * KW - see_lo[r] < see_n[r], slope, sc[c][r]);
                 }
         }
         // Dropout's keep bits (bit c * ROWS + r), in a loop kept rolled: Philox unrolled C x ROWS
