@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,29 +22,9 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not install
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "ferrocupy" / "cuda"
+from cuda_on_host import build  # noqa: E402
 
 SHIM = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-using std::max;
-using std::min;
-inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
-inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, 4); return v; }
-struct Dim { unsigned x, y, z; };
-static Dim threadIdx, blockIdx, blockDim, gridDim;
-struct float4 { float x, y, z, w; };
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-struct float2 { float x, y; };
-inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
-inline float __shfl_xor_sync(unsigned, float x, int) { return x; }
-inline bool __any_sync(unsigned, bool x) { return x; }
-#define asm(...) (void)0  // the PTX conversions of a half mask (this test's mask is float32)
 #include "ferro_score.cuh"
 #include "ferro_epilogue.cuh"
 
@@ -128,18 +105,10 @@ class Call(ctypes.Structure):
                    ("mask", ctypes.POINTER(ctypes.c_float))])
 
 
-def build(directory: Path, include: Path) -> ctypes.CDLL:
-    """The shim compiled against the headers in `include`, loaded."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++) on PATH: the score modifier's host build is untested")
-    (directory / "shim.cpp").write_text(SHIM)
-    so = directory / "score_mods.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{include}", "-o", str(so),
-           str(directory / "shim.cpp")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
-    lib = ctypes.CDLL(str(so))
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    lib = build(tmp_path_factory.mktemp("score_mods_host"), SHIM,
+                "the score modifier's host build")
     P, u, ll, f, i = ctypes.POINTER(Call), ctypes.c_uint, ctypes.c_longlong, ctypes.c_float, \
         ctypes.c_int
     fp = ctypes.POINTER(ctypes.c_float)
@@ -149,11 +118,6 @@ def build(directory: Path, include: Path) -> ctypes.CDLL:
     lib.tile.argtypes = [P, u, u, ll, ll, i, fp, fp]
     lib.row_end_sink.argtypes = [f, f, f, f, i, fp]
     return lib
-
-
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("score_mods_host"), CUDA_DIR)
 
 
 def _ptr(a):

@@ -13,9 +13,6 @@ and, under causal, j <= a. The symmetric `window = w > 0` is window_left = windo
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -23,24 +20,9 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not install
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "ferrocupy" / "cuda"
+from cuda_on_host import build  # noqa: E402
 
 SHIM = r"""
-#include <algorithm>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-using std::max;
-using std::min;
-inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
-inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
-struct Dim { unsigned x, y, z; };
-static Dim threadIdx, blockIdx, blockDim, gridDim;
-struct float4 { float x, y, z, w; };
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-struct float2 { float x, y; };
-inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 #include "ferro_visibility.cuh"
 
 // One call's options, as the test passes them (left, right: unused here).
@@ -91,17 +73,7 @@ class Opt(ctypes.Structure):
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++) on PATH: the visibility headers' host build is untested")
-    out = tmp_path_factory.mktemp("visibility_host")
-    (out / "shim.cpp").write_text(SHIM)
-    so = out / "visibility.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{CUDA_DIR}", "-o", str(so),
-           str(out / "shim.cpp")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
-    lib = ctypes.CDLL(str(so))
+    lib = build(tmp_path_factory.mktemp("visibility_host"), SHIM, "the visibility headers' host build")
     ll, i32 = ctypes.c_longlong, ctypes.c_int
     lib.vis.argtypes = [ctypes.POINTER(Opt), ll, ll]
     lib.key_range.argtypes = [ctypes.POINTER(Opt), ll, ll, ctypes.POINTER(ll)]
