@@ -7,7 +7,8 @@ Each dtype runs the forward (with lse, a mask, dropout), the backward with and w
 head_dim that takes 16-byte copies, one that takes 4-byte copies and (half) an odd one that
 takes element-wise copies, with GQA, causal + offset and a window; the same calls on transposed
 (strided) views; at head_dim 64 and 128 in half precision, forwards with more query tiles than
-SMs (the persistent kernel's loop); then RoPE. Prints one line per
+SMs (the persistent kernel's loop); softcap, ALiBi and sinks (forward, backward with
+grad_sinks, decode); then RoPE. Prints one line per
 call; the sanitizer's summary says whether anything was found.
 """
 
@@ -126,6 +127,29 @@ def main() -> None:
                 gradsp = [UnifiedTensor.empty(x.shape, dtype, device="cuda") for x in (qp, kp, vp)]
                 eng.flash_attention_v2_backward_with(qp, kp, vp, outp, gop, *gradsp, causal,
                                                      lse=lsep)
+            # Softcap, ALiBi ([B, H]) and sinks (with grad_sinks): the variants built with them
+            # (the general wgmma ones at 64 and 128 in half precision), forward, the backward
+            # with and without lse (then the sinks' kernel), and the decode kernels.
+            def per_head(shape, lo, hi):
+                return UnifiedTensor.from_numpy(rng.uniform(lo, hi, shape).astype(np.float32),
+                                                device="cuda")
+            sinks, gsinks = per_head((H,), -2, 2), UnifiedTensor.empty((H,), np.float32,
+                                                                      device="cuda")
+            mods = AttentionOptions(causal=True, causal_offset=20, window=40, softcap=5.0,
+                                    dropout_prob=0.2, seed=3)
+            named = dict(alibi_slopes=per_head((B, H), 0, 0.5), sinks=sinks)
+            if not decode_only:
+                eng.flash_attention_v2_with(q, k, v, out, mods, mask, lse=lse, **named)
+                for given in (lse, None):
+                    eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, mods, mask,
+                                                         lse=given, grad_sinks=gsinks, **named)
+            eng.flash_attention_v2_with(qm, kd, vd, outm, AttentionOptions(
+                causal=True, causal_offset=695, softcap=5.0), maskm,
+                lse=UnifiedTensor.empty((2, H, 5), np.float32, device="cuda"), kv_lens=lens,
+                alibi_slopes=per_head((2, H), 0, 0.5), sinks=sinks)
+            eng.flash_attention_v2_with(qd, kd, vd, outd, AttentionOptions(
+                causal=True, causal_offset=699), lse=lsed, kv_lens=lens,
+                alibi_slopes=per_head((H,), 0, 0.5), sinks=sinks)
             if d % 2 == 0 and not decode_only:
                 eng.rope(q, d, 3)
             import cupy
