@@ -38,10 +38,12 @@ def main(argv=None) -> int:
     for (op, dtype, dp), candidates in configs.TABLE.items():
         if dtype in wanted:
             for copy_bytes in (16, 4):  # aligned rows, and the fallback for views that are not
-                for plain in (True, False):  # a call without mask and dropout, one with
+                # a call without mask and dropout, one with; one with softcap, ALiBi or sinks
+                for plain, mods in ((True, False), (False, False), (False, True)):
                     v = configs.select(op, dtype, dp, limit, capability=capability,
-                                       copy_bytes=copy_bytes, plain=plain)
+                                       copy_bytes=copy_bytes, plain=plain, mods=mods)
                     jobs.add((v.source, v.kernel, tuple(sorted(v.defines.items())), v.options))
+    jobs.add((configs.SINKS_SOURCE, configs.SINKS_KERNEL, (), ()))
     loader = KernelLoader()
     device = cupy.cuda.Device().id
     t0 = time.time()
