@@ -389,3 +389,32 @@ def test_option_combinations(dev, call):
     spec, shape, give_lse, seed = call
     t = make(np.random.default_rng(seed), spec, **shape)
     check_f32(run(dev, t, give_lse=give_lse), oracle(t), f"[{spec} {shape}]")
+
+
+# --- through ferrocupy.torch: autograd on CUDA tensors (sinks' gradient included) --------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_torch_attention_on_cuda_tensors(rng, dtype):
+    """ferrocupy.torch.attention with softcap, ALiBi and sinks on CUDA tensors, forward and
+    backward by autograd (sinks.grad), against the same call on CPU tensors (the reference)."""
+    import ferrocupy.torch as ft
+
+    if self_check() or not torch.cuda.is_available():
+        pytest.skip("needs PyTorch with a CUDA device")
+    t = make(rng, dict(alibi="bh", sinks=True), sq=130, sk=150, d=64)
+    kw = dict(causal=True, causal_offset=20, softcap=3.0)
+
+    def call(device):
+        leaves = [torch.from_numpy(t[n]).to(device, dtype).requires_grad_(True)
+                  for n in ("q", "k", "v")]
+        sinks = torch.from_numpy(t["sinks"]).to(device).requires_grad_(True)
+        slopes = torch.from_numpy(t["alibi_slopes"]).to(device)
+        out = ft.attention(*leaves, alibi_slopes=slopes, sinks=sinks, **kw)
+        out.backward(torch.from_numpy(t["go"]).to(device, dtype))
+        return [x.detach().to("cpu", torch.float64).numpy()
+                for x in (out, *(x.grad for x in leaves), sinks.grad)]
+
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for name, g, w in zip(("out", "grad_q", "grad_k", "grad_v", "grad_sinks"), call("cuda"),
+                          call("cpu")):
+        err = float(np.abs(g - w).max()) / max(float(np.abs(w).max()), 0.1)
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
