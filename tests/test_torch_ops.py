@@ -430,7 +430,7 @@ class _CudaRecorder:
     def __init__(self, counted=True):
         self.plans, self.launches, self.seeds, self.counted = [], [], [], counted
 
-    def plan(self, op, buffers, params, layout, ptrs):
+    def plan(self, op, buffers, params, layout, ptrs, extras=None):
         self.plans.append((op, {n: b and b.dtype for n, b in buffers.items()}))
         plan = type("Plan", (str,), {"counted": self.counted})(op)
         return plan
