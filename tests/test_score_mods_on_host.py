@@ -53,9 +53,10 @@ static AttnShape shape(const Call& c) {
     p.mask_stride_k = 1;
     AttnExtras ex;
     std::memset(&ex, 0, sizeof ex);
+    ex.window_left = ex.window_right = c.window ? c.window - 1 : -1;  // params.py's seed_extras
     ex.softcap = c.softcap;
     ex.flags = (c.alibi ? EXTRAS_ALIBI : 0u) | (c.per_batch ? EXTRAS_ALIBI_PER_BATCH : 0u);
-    AttnShape s = attn_shape(p, MASK_F32);
+    AttnShape s = attn_shape(p, ex, MASK_F32);
     with_extras(s, ex, c.alibi, nullptr);
     return s;
 }

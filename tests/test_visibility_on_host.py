@@ -1,10 +1,10 @@
-"""The kernels' visibility rule on the CPU: ferro_visibility.cuh and ferro_params.cuh's
-`attn_shape` / `for_batch` / `key_reach`, compiled with g++ (CUDA's qualifiers stubbed), against
-SPEC's rule written out here. Every attention kernel family decides which keys a row sees through
-these functions (per element, per tile, per block, and which keys are loaded at all), so CI checks
-them on every change, for the options the kernels take today (causal with a non-negative offset,
-a symmetric window, kv_lens). (lab/visibility/ extends both the headers and this test to a
-negative offset and asymmetric windows.)
+"""The kernels' visibility rule on the CPU: ferro_visibility.cuh, ferro_score.cuh's spans and
+ferro_params.cuh's `attn_shape` / `for_batch` / `key_reach`, compiled with g++ (CUDA's
+qualifiers stubbed), against SPEC's rule written out here. Every attention kernel family decides
+which keys a row sees through these functions (per element, per tile, per block, and which keys
+are loaded at all), so CI checks them on every change, for the options the kernels take today
+(causal with a non-negative offset, a symmetric window, kv_lens) and for those SPEC adds
+(a negative offset, asymmetric windows), which the kernels get through the same functions.
 
 SPEC's rule: row i of a batch sits at a = i + causal_offset (+ kv_lens[b] - seq_k with kv_lens);
 key j < kv_len is visible iff a - window_left <= j <= a + window_right (-1: that side unbounded)
@@ -23,9 +23,10 @@ from hypothesis import strategies as st  # noqa: E402
 from cuda_on_host import build  # noqa: E402
 
 SHIM = r"""
-#include "ferro_visibility.cuh"
+#include "ferro_score.cuh"
 
-// One call's options, as the test passes them (left, right: unused here).
+// One call's options, as the test passes them; left/right < -1: the seed's symmetric `window`,
+// which AttnExtras restates (params.py's seed_extras), else SPEC's window_left/right.
 struct Opt { int causal, window, offset, seq_q, seq_k, kv_len, left, right; };
 
 static AttnShape shape(const Opt& o) {
@@ -39,7 +40,15 @@ static AttnShape shape(const Opt& o) {
     p.causal = o.causal;
     p.window = o.window;
     p.causal_offset = (u32)o.offset;  // the struct word holds the int32's bits
-    AttnShape s = attn_shape(p, MASK_F32);
+    AttnExtras ex;
+    std::memset(&ex, 0, sizeof ex);
+    if (o.left >= -1) {
+        ex.window_left = o.left;
+        ex.window_right = o.right;
+    } else {
+        ex.window_left = ex.window_right = o.window ? o.window - 1 : -1;
+    }
+    AttnShape s = attn_shape(p, ex, MASK_F32);
     if (o.kv_len >= 0) {
         const int lens[1] = {o.kv_len};
         for_batch(s, lens, 0);
@@ -57,6 +66,11 @@ void row_range(const Opt* o, long long j_lo, long long j_hi, long long* r) {
 }
 void cols(const Opt* o, long long i, long long j0, int n, int* r) {
     visible_cols(shape(*o), i, j0, n, r[0], r[1]);
+}
+void rows(const Opt* o, long long j, long long i0, int n, int* r) {
+    const KeySpan k = row_span(shape(*o), j, i0, n);
+    r[0] = k.lo;
+    r[1] = k.hi;
 }
 int whole(const Opt* o, long long i_lo, long long i_hi, long long j_lo, long long j_hi) {
     return wholly_visible(shape(*o), i_lo, i_hi, j_lo, j_hi);
@@ -79,6 +93,7 @@ def lib(tmp_path_factory):
     lib.key_range.argtypes = [ctypes.POINTER(Opt), ll, ll, ctypes.POINTER(ll)]
     lib.row_range.argtypes = [ctypes.POINTER(Opt), ll, ll, ctypes.POINTER(ll)]
     lib.cols.argtypes = [ctypes.POINTER(Opt), ll, ll, i32, ctypes.POINTER(i32)]
+    lib.rows.argtypes = [ctypes.POINTER(Opt), ll, ll, i32, ctypes.POINTER(i32)]
     lib.whole.argtypes = [ctypes.POINTER(Opt), ll, ll, ll, ll]
     lib.reach.argtypes = [ctypes.POINTER(Opt)]
     lib.reach.restype = ll
@@ -124,11 +139,15 @@ def _interval(xs) -> tuple[int, int] | None:
 
 
 @st.composite
-def calls(draw):
-    """Calls of the options the kernels take today."""
+def calls(draw, extended: bool):
+    """Calls of the options the kernels take today, or (`extended`) SPEC's whole rule."""
     seq_q, seq_k = draw(st.integers(0, 12)), draw(st.integers(0, 14))
     causal = draw(st.booleans())
     kv_len = draw(st.one_of(st.just(-1), st.integers(0, seq_k)))
+    if extended:
+        offset = draw(st.integers(-16, 16))
+        left, right = draw(st.integers(-1, 6)), draw(st.integers(-1, 6))
+        return Call(causal, 0, offset, seq_q, seq_k, kv_len, left, right)
     offset = draw(st.integers(0, 16))
     window = draw(st.one_of(st.just(0), st.integers(1, 7)))
     return Call(causal, window, offset, seq_q, seq_k, kv_len, -2, -2)
@@ -158,7 +177,7 @@ def _check(lib, c: Call) -> None:
                     if any(c.sees_at(i + c.shift, j) for j in range(j_lo, j_hi + 1))}
             assert want <= got, (c, "visible_row_range", j_lo, j_hi, tuple(ll2))
             assert got <= set(range(c.seq_q)), (c, "visible_row_range", j_lo, j_hi, tuple(ll2))
-    # one row's keys among a tile: an exact interval
+    # one row's keys among a tile, and one key's rows among a tile: exact intervals
     for start in range(-4, 16, 3):
         for n in (1, 4, 8):
             for i in range(-2, c.seq_q + 2):
@@ -166,6 +185,12 @@ def _check(lib, c: Call) -> None:
                 want = _interval(t for t in range(n) if c.sees(i, start + t))
                 assert (i2[0], i2[1]) == want if want else i2[0] > i2[1], \
                     (c, "visible_cols", i, start, n, tuple(i2))
+            if start >= 0:
+                for j in range(0, 16):
+                    lib.rows(o, j, start, n, i2)
+                    want = _interval(t for t in range(n) if c.sees(start + t, j))
+                    assert (i2[0], i2[1]) == want if want else i2[0] > i2[1], \
+                        (c, "row_span", j, start, n, tuple(i2))
     # whole tiles: exactly those whose every (row, key) is visible and exists
     for i_lo in range(0, c.seq_q, 2):
         for i_hi in range(i_lo, min(c.seq_q + 1, i_lo + 4)):
@@ -183,6 +208,12 @@ def _check(lib, c: Call) -> None:
 
 
 @settings(max_examples=120, deadline=None)
-@given(calls())
+@given(calls(extended=False))
 def test_the_kernels_rule_for_todays_options(lib, c):
+    _check(lib, c)
+
+
+@settings(max_examples=120, deadline=None)
+@given(calls(extended=True))
+def test_the_kernels_rule_for_negative_offsets_and_asymmetric_windows(lib, c):
     _check(lib, c)

@@ -185,7 +185,7 @@ flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__
     const int d = threadIdx.x;
     float M, L, O;
     merge_splits(part_o, part_ml, splits, rows_total, row, d, d < (int)p.head_dim, M, L, O);
-    AttnShape s = attn_shape(p, 0);
+    AttnShape s = attn_shape(p, ex, 0);
     if (BuildOptions::MODS) with_extras(s, ex, nullptr, sinks);
     const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
     if (d < (int)p.head_dim) write_row(s, lay, b, h, i, row, d, M, L, O, out, lse);

@@ -68,9 +68,9 @@ static_assert(sizeof(FlashV2Params) == 80, "FlashV2Params is 20 words");
 static_assert(sizeof(FlashBwdParams) == 80, "FlashBwdParams is 20 words");
 
 // The third struct (params.py's ATTN_EXTRAS): the options the seed's words have no room for.
-// window_left/right, page_size, new_keys and rotary_dim are for options the kernels refuse at
-// plan time (ferrocupy/plan.py check_backend_reach); softcap (0: none) and the flags' ALiBi and
-// sinks bits are read here.
+// The window's sides (every kernel: attn_shape), softcap (0: none) and the flags' ALiBi and sinks
+// bits are read here; page_size, new_keys and rotary_dim are for options the kernels refuse at
+// plan time (ferrocupy/plan.py check_backend_reach).
 struct AttnExtras {
     int window_left, window_right;
     float softcap;
@@ -86,7 +86,11 @@ enum MaskKind : u32 { MASK_F32 = 0, MASK_F16 = 1, MASK_BF16 = 2 };
 // The options every attention kernel reads, gathered from either struct (their orders differ).
 struct AttnShape {
     u32 batch, heads, kv_heads, seq_q, seq_k, head_dim;
-    u32 causal, window, has_mask, seed;
+    u32 causal, has_mask, seed;
+    // Position a = i + offset sees key j iff a - left <= j <= a + right: SPEC's window_left and
+    // window_right, an unbounded side as UNBOUNDED_SIDE (no test then needs a special case),
+    // causal folded in (right is 0 under it). set_windows writes them.
+    int left, right;
     long long offset;
     u32 sb, sh, sq, sk;
     float scale, dropout_prob;
@@ -101,29 +105,41 @@ struct AttnShape {
     const float* sinks;  // sink logits per head (null: none)
 };
 
-// Keys [kv_reach, ...) are visible to no row. The last row sits at a = seq_q - 1 + offset: under
-// causal no row sees past it, and a window reaches window - 1 keys beyond it. Those keys may hold
-// anything (a preallocated KV cache).
+// Keys [kv_reach, ...) are visible to no row. The last row sits at a = seq_q - 1 + offset and
+// sees no key past a + right (causal: a). Those keys may hold anything (a preallocated KV cache).
 __device__ __forceinline__ long long key_reach(const AttnShape& s) {
     long long reach = s.kv_len;
     const long long a_last = (long long)s.seq_q - 1 + s.offset;
-    if (s.causal && a_last + 1 < reach) reach = a_last + 1;
-    if (s.window && a_last + s.window < reach) reach = a_last + s.window;
+    if (a_last + s.right + 1 < reach) reach = a_last + s.right + 1;
     return reach < 0 ? 0 : reach;
 }
 
+// Farther than any key from any row (sequences are shorter than 2^31, offsets 32-bit): an
+// unbounded side of the window, which no position arithmetic below can overflow (64-bit sums).
+constexpr int UNBOUNDED_SIDE = 1 << 30;
+
+// The window's sides (SPEC: window_left, window_right; -1 unbounded), causal folded into the
+// right one.
+__device__ __forceinline__ void set_windows(AttnShape& s, int left, int right) {
+    s.left = left < 0 ? UNBOUNDED_SIDE : left;
+    s.right = s.causal ? 0 : (right < 0 ? UNBOUNDED_SIDE : right);
+    s.kv_reach = key_reach(s);
+}
+
+// Every kernel's shape: the seed struct's words, the window's sides from `ex` (which restates a
+// seed call's symmetric window: params.py's seed_extras), so every kernel reads visibility one way.
 template <class P>
-__device__ __forceinline__ AttnShape attn_shape(const P& p, u32 mask_kind) {
+__device__ __forceinline__ AttnShape attn_shape(const P& p, const AttnExtras& ex, u32 mask_kind) {
     AttnShape s;
     s.batch = p.batch; s.heads = p.heads; s.kv_heads = p.kv_heads;
     s.seq_q = p.seq_q; s.seq_k = p.seq_k; s.head_dim = p.head_dim;
-    s.causal = p.causal; s.window = p.window; s.has_mask = p.has_mask; s.seed = p.seed;
-    s.offset = (long long)p.causal_offset;
+    s.causal = p.causal; s.has_mask = p.has_mask; s.seed = p.seed;
+    s.offset = (long long)(int)p.causal_offset;  // the word holds a signed 32-bit offset
     s.sb = p.mask_stride_b; s.sh = p.mask_stride_h; s.sq = p.mask_stride_q; s.sk = p.mask_stride_k;
     s.scale = p.scale; s.dropout_prob = p.dropout_prob;
     s.mask_kind = mask_kind;
     s.kv_len = s.seq_k;
-    s.kv_reach = key_reach(s);
+    set_windows(s, ex.window_left, ex.window_right);
     s.softcap = 0.f;
     s.alibi = nullptr;
     s.alibi_b = 0;

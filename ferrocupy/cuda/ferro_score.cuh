@@ -47,17 +47,13 @@ __device__ __forceinline__ KeySpan key_span(const AttnShape& s, long long i, lon
 }
 
 // The query rows key j sees among [i0, i0 + n), counted from i0: key_span's transpose, for the
-// dK/dV kernels (a = i + offset sees j iff causal allows j <= a and the window |a - j| < w; a key
-// past the keys' end is seen by no row).
+// dK/dV kernels (a = i + offset sees j iff a - left <= j <= a + right; a key past the keys' end
+// is seen by no row).
 __device__ __forceinline__ KeySpan row_span(const AttnShape& s, long long j, long long i0, int n) {
     long long lo = 0, hi = (long long)s.seq_q - 1;
     if (j >= s.kv_len) hi = -1;
-    if (s.causal && j - s.offset > lo) lo = j - s.offset;
-    if (s.window) {
-        const long long w = s.window;
-        if (j - w + 1 - s.offset > lo) lo = j - w + 1 - s.offset;
-        if (j + w - 1 - s.offset < hi) hi = j + w - 1 - s.offset;
-    }
+    if (j - s.right - s.offset > lo) lo = j - s.right - s.offset;
+    if (j + s.left - s.offset < hi) hi = j + s.left - s.offset;
     lo -= i0;
     hi -= i0;
     return {lo < 0 ? 0 : (lo > n ? n : (int)lo), hi < -1 ? -1 : (hi >= n ? n - 1 : (int)hi)};

@@ -51,7 +51,7 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
     float* sSt = STATS_IN_PAD ? reinterpret_cast<float*>(sdO + DP)
                               : reinterpret_cast<float*>(sdO + BQ * PITCH);
     constexpr int ST_PITCH = STATS_IN_PAD ? PITCH : 2;
-    AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, ex, mask_kind);
     if (OPT::MODS) with_extras(s, ex, alibi, nullptr);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;

@@ -56,7 +56,7 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
     u16* sQ = sV + KV_ELEMS;            // [STAGES][BQ x DP], swizzled
     u16* sdO = sQ + STAGES * Q_ELEMS;   // [STAGES][BQ x DP], swizzled
     float* sSt = reinterpret_cast<float*>(sdO + STAGES * Q_ELEMS);  // [STAGES][BQ][Delta, LSE]
-    AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, nullptr);
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads

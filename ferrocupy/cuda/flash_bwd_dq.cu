@@ -43,7 +43,7 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
     T* sdO = sQ + BM * PITCH;                // [BM][PITCH]
     T* sK = sdO + BM * PITCH;                // [BN][PITCH]
     T* sV = sK + BN * PITCH;                 // [BN][PITCH]
-    AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, ex, mask_kind);
     if (OPT::MODS) with_extras(s, ex, alibi, sinks);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;

@@ -51,7 +51,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     u16* sdO = sQ + Q_ELEMS;
     u16* sK = sdO + Q_ELEMS;            // [STAGES][BN x DP], swizzled
     u16* sV = sK + STAGES * KV_ELEMS;   // [STAGES][BN x DP], swizzled
-    AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);  // (the given lse holds any sink)
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads

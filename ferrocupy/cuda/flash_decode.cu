@@ -49,7 +49,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     float* sL = sM + ROWS;
     float* sA = sL + ROWS;
 
-    AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;

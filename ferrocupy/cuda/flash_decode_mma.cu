@@ -64,7 +64,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     const Lane L = lane_ids();
     u16* ring = reinterpret_cast<u16*>(rings) + warp * STAGES * TILE;
 
-    AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;

@@ -58,7 +58,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int g = lane / TX, x = lane % TX;  // lane group (its key), lane within the group
     unsigned char* ring = smem_d + warp * STAGES * TILE_BYTES;
 
-    AttnShape s = attn_shape(p, mask_kind);
+    AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
     const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;

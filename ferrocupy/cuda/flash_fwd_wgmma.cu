@@ -60,7 +60,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sK = sQ + Q_BUFS * Q_ELEMS;   // [STAGES][BN x DP], swizzled ([Q_BUFS][BM x DP] before)
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
-    AttnShape shape = attn_shape(p, mask_kind);
+    AttnShape shape = attn_shape(p, ex, mask_kind);
     if (OPT::MODS) with_extras(shape, ex, alibi, sinks);
     const Lane L = lane_ids();
     // Warpgroup 0 loads. Broadcast from lane 0, as CUTLASS does, so the compiler knows the index
