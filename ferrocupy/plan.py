@@ -532,13 +532,6 @@ def check_backend_reach(backend, specs: dict, opts, dims) -> None:
         raise ValueError(f"head_dim = {dims.head_dim} (q shape {specs['q'].shape}): the CUDA "
                          f"kernels take head_dim <= {CUDA_MAX_HEAD_DIM} (the reference backend "
                          f"up to {MAX_HEAD_DIM})")
-    if opts.causal_offset < 0:
-        raise ValueError(f"causal_offset = {opts.causal_offset}: the GPU kernels don't take "
-                         f"negative offsets yet; use ComputeEngine('reference')")
-    for name in ("window_left", "window_right"):
-        if getattr(opts, name) is not None:
-            raise ValueError(f"{name} = {getattr(opts, name)}: {_NOT_ON_GPU} (the symmetric "
-                             f"window is)")
     for name, what in (("cu_seqlens_q", "varlen"), ("block_table", "a paged KV cache"),
                        ("k_new", "a KV-cache append")):
         if specs.get(name) is not None:

@@ -372,11 +372,6 @@ class _CudaRecorder:
 
 
 CUDA_REFUSALS = [
-    (dict(opts=AttentionOptions(causal=True, causal_offset=-1)),
-     r"causal_offset = -1: the GPU kernels don't take negative offsets yet"),
-    (dict(opts=AttentionOptions(window_left=2)), r"window_left = 2: not on the GPU kernels yet"),
-    (dict(opts=AttentionOptions(window_right=-1)),
-     r"window_right = -1: not on the GPU kernels yet"),
     (dict(d=160), r"head_dim = 160 .*the CUDA kernels take head_dim <= 128"),
 ]
 
@@ -427,6 +422,32 @@ def test_cuda_backend_plans_softcap_alibi_and_sinks(rng, op):
                                                grad_sinks=np.zeros(4, np.float32), **named)
         assert float(plan.extras["softcap"]) == 30.0
         assert int(plan.extras["flags"]) == EXTRAS_ALIBI | per_batch | EXTRAS_SINKS
+
+
+@pytest.mark.parametrize("op", ["forward", "backward"])
+@pytest.mark.parametrize("opts, sides", [
+    (AttentionOptions(causal=True, causal_offset=-3), (-1, -1)),
+    (AttentionOptions(window_left=2), (2, -1)),
+    (AttentionOptions(window_right=-1), (-1, -1)),
+    (AttentionOptions(causal=True, causal_offset=-1, window_left=3, window_right=0), (3, 0)),
+    (AttentionOptions(causal_offset=-2, window_left=0, window_right=4), (0, 4)),
+])
+def test_cuda_backend_plans_negative_offsets_and_asymmetric_windows(rng, op, opts, sides):
+    """The CUDA kernels take a negative causal_offset and either side of the window: a plan is
+    made, its seed struct holds the signed offset and its AttnExtras (whence every kernel reads
+    the window, attn_shape) the sides."""
+    eng = _eng()
+    eng.backend = _CudaRecorder()
+    t = _case(rng, 2, 3, 4, 4, 2, 8)
+    q, k, v = t["q"], t["k"], t["v"]
+    out = np.zeros_like(q)
+    if op == "forward":
+        plan = eng.plan_attention(q, k, v, out, opts)
+    else:
+        plan = eng.plan_attention_backward(q, k, v, out, out, np.zeros_like(q),
+                                           np.zeros_like(k), np.zeros_like(v), opts)
+    assert (int(plan.extras["window_left"]), int(plan.extras["window_right"])) == sides
+    assert int(plan.params["causal_offset"]) == opts.causal_offset
 
 
 @pytest.mark.parametrize("name", ["negative-offset", "window-right-only", "asymmetric-causal",

@@ -307,10 +307,11 @@ class CudaBackend:
         vec = _copy_width(dtype, d, [ptrs["k"], ptrs["v"]], _strides(layout, ("k", "v")))
         group_rows = int(params["heads"]) // int(params["kv_heads"]) * int(params["seq_q"])
         pairs = int(params["batch"]) * int(params["kv_heads"])
-        mods = model_options(configs.DECODE, seed_extras(params) if extras is None else extras)
+        extras = seed_extras(params) if extras is None else extras
+        mods = model_options(configs.DECODE, extras)
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows,
                              pairs > self.sm_count, mods=mods)
-        splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params), v.step,
+        splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params, extras), v.step,
                                                    self._resident(fn, v) * self.sm_count)
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
         if pairs * splits > GRID_X_MAX:

@@ -409,15 +409,15 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
                      f"block; this GPU allows {smem_limit}")
 
 
-def key_reach(params) -> int:
-    """Keys [reach, seq_k) no row of the call can see (causal, window; not kv_lens, whose values
-    live on the device): the kernels' `key_reach` without a batch's own length."""
-    reach = int(params["seq_k"])
+def key_reach(params, extras) -> int:
+    """Keys [reach, seq_k) no row of the call can see (causal, the window's right side in
+    `extras`, a negative offset; not kv_lens, whose values live on the device): the kernels'
+    `key_reach` without a batch's own length."""
     a_last = int(params["seq_q"]) - 1 + int(params["causal_offset"])
-    if int(params["causal"]):
-        reach = min(reach, a_last + 1)
-    if int(params["window"]):
-        reach = min(reach, a_last + int(params["window"]))
+    right = 0 if int(params["causal"]) else int(extras["window_right"])
+    reach = int(params["seq_k"])
+    if right >= 0:
+        reach = min(reach, a_last + right + 1)
     return max(reach, 0)
 
 
