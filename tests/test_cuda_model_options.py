@@ -65,7 +65,8 @@ KV_LENS_CASES = {
     "sinks-kv-lens-empty": dict(sinks=True, causal=True),  # a batch entry with no key
     "all-kv-lens": dict(softcap=3.0, alibi="h", sinks=True, mask=True, dropout_prob=0.1),
 }
-_OPTION_FIELDS = ("causal", "causal_offset", "window", "softcap", "dropout_prob")
+_OPTION_FIELDS = ("causal", "causal_offset", "window", "window_left", "window_right", "softcap",
+                  "dropout_prob")
 
 
 def make(rng, spec: dict, *, b=2, sq=77, sk=131, h=4, hkv=2, d=64, kv_lens=False) -> dict:
@@ -130,9 +131,9 @@ def _keep(t: dict):
 
 def _dense_options(t: dict) -> dict:
     o = t["opts"]
-    w = o.window
-    return dict(causal=o.causal, causal_offset=o.causal_offset, window_left=w - 1 if w else -1,
-                window_right=w - 1 if w else -1, softcap=float(np.float32(o.softcap)),
+    left, right = o.windows()
+    return dict(causal=o.causal, causal_offset=o.causal_offset, window_left=left,
+                window_right=right, softcap=float(np.float32(o.softcap)),
                 scale=None if o.scale is None else float(np.float32(o.scale)),
                 alibi_slopes=t.get("alibi_slopes"), kv_lens=t.get("kv_lens"),
                 mask=None if t.get("mask") is None else np.asarray(t["mask"], np.float64),
