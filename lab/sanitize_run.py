@@ -8,7 +8,8 @@ head_dim that takes 16-byte copies, one that takes 4-byte copies and (half) an o
 takes element-wise copies, with GQA, causal + offset and a window; the same calls on transposed
 (strided) views; at head_dim 64 and 128 in half precision, forwards with more query tiles than
 SMs (the persistent kernel's loop); softcap, ALiBi and sinks (forward, backward with
-grad_sinks, decode); then RoPE. Prints one line per
+grad_sinks, decode); a negative offset and a window of two sides (forward, backward, decode);
+then RoPE. Prints one line per
 call; the sanitizer's summary says whether anything was found.
 """
 
@@ -150,6 +151,19 @@ def main() -> None:
             eng.flash_attention_v2_with(qd, kd, vd, outd, AttentionOptions(
                 causal=True, causal_offset=699), lse=lsed, kv_lens=lens,
                 alibi_slopes=per_head((H,), 0, 0.5), sinks=sinks)
+            # Issue 26's visibility: a negative offset (the first rows dead) with a window of two
+            # sides, forward and backward with and without lse; decode with a window whose
+            # right side ends the keys read (and a negative offset: a row sees one key).
+            sides = AttentionOptions(causal_offset=-30, window_left=7, window_right=3,
+                                     dropout_prob=0.2, seed=4)
+            if not decode_only:
+                eng.flash_attention_v2_with(q, k, v, out, sides, mask, lse=lse)
+                for given in (lse, None):
+                    eng.flash_attention_v2_backward_with(q, k, v, out, go, *grads, sides, mask,
+                                                         lse=given)
+            for dec in (AttentionOptions(causal_offset=300, window_left=90, window_right=40),
+                        AttentionOptions(causal=True, causal_offset=-1, window_left=0)):
+                eng.flash_attention_v2_with(qd, kd, vd, outd, dec, lse=lsed, kv_lens=lens)
             if d % 2 == 0 and not decode_only:
                 eng.rope(q, d, 3)
             import cupy
