@@ -153,7 +153,7 @@ def main() -> None:
                 alibi_slopes=per_head((H,), 0, 0.5), sinks=sinks)
             # Issue 26's visibility: a negative offset (the first rows dead) with a window of two
             # sides, forward and backward with and without lse; decode with a window whose
-            # right side ends the keys read (and a negative offset: a row sees one key).
+            # right side ends the keys read, and with a negative offset (every row dead).
             sides = AttentionOptions(causal_offset=-30, window_left=7, window_right=3,
                                      dropout_prob=0.2, seed=4)
             if not decode_only:
