@@ -145,7 +145,9 @@ def calls(draw, extended: bool):
     causal = draw(st.booleans())
     kv_len = draw(st.one_of(st.just(-1), st.integers(0, seq_k)))
     if extended:
-        offset = draw(st.integers(-16, 16))
+        # (and int32's extremes: an unbounded side must reach every key from any row)
+        offset = draw(st.one_of(st.integers(-16, 16),
+                                st.sampled_from([-2**31, -2**31 + 9, 2**31 - 1, 2**31 - 12])))
         left, right = draw(st.integers(-1, 6)), draw(st.integers(-1, 6))
         return Call(causal, 0, offset, seq_q, seq_k, kv_len, left, right)
     offset = draw(st.integers(0, 16))
@@ -217,3 +219,14 @@ def test_the_kernels_rule_for_todays_options(lib, c):
 @given(calls(extended=True))
 def test_the_kernels_rule_for_negative_offsets_and_asymmetric_windows(lib, c):
     _check(lib, c)
+
+
+@pytest.mark.parametrize("offset", [-2**31, -2**31 + 9, 2**31 - 1, 2**31 - 12])
+@pytest.mark.parametrize("left, right", [(-1, -1), (-1, 0), (0, -1), (-1, 4)])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_an_unbounded_side_reaches_every_key_from_int32_extreme_offsets(lib, offset, left, right,
+                                                                       causal):
+    """No constant standing for an unbounded side may hide a key: rows at int32's extremes lie
+    more than 2^31 positions from the keys."""
+    for kv_len in (-1, 2):
+        _check(lib, Call(causal, 0, offset, 3, 5, kv_len, left, right))

@@ -89,8 +89,9 @@ struct AttnShape {
     u32 causal, has_mask, seed;
     // Position a = i + offset sees key j iff a - left <= j <= a + right: SPEC's window_left and
     // window_right, an unbounded side as UNBOUNDED_SIDE (no test then needs a special case),
-    // causal folded in (right is 0 under it). set_windows writes them.
-    int left, right;
+    // causal folded in (right is 0 under it). set_windows writes them. Unsigned: both are >= 0,
+    // and a zero-extended side costs the 64-bit position arithmetic no high word.
+    u32 left, right;
     long long offset;
     u32 sb, sh, sq, sk;
     float scale, dropout_prob;
@@ -114,15 +115,16 @@ __device__ __forceinline__ long long key_reach(const AttnShape& s) {
     return reach < 0 ? 0 : reach;
 }
 
-// Farther than any key from any row (sequences are shorter than 2^31, offsets 32-bit): an
-// unbounded side of the window, which no position arithmetic below can overflow (64-bit sums).
-constexpr int UNBOUNDED_SIDE = 1 << 30;
+// An unbounded side of the window: at least any row's distance from any key. Offsets are int32
+// and sequences shorter than 2^30, so |a - j| < 2^32 even at int32's extremes (kv_lens shifting
+// a further down by at most seq_k); the sums below are 64-bit, so it overflows none of them.
+constexpr u32 UNBOUNDED_SIDE = 0xFFFFFFFFu;
 
 // The window's sides (SPEC: window_left, window_right; -1 unbounded), causal folded into the
 // right one.
 __device__ __forceinline__ void set_windows(AttnShape& s, int left, int right) {
-    s.left = left < 0 ? UNBOUNDED_SIDE : left;
-    s.right = s.causal ? 0 : (right < 0 ? UNBOUNDED_SIDE : right);
+    s.left = left < 0 ? UNBOUNDED_SIDE : (u32)left;
+    s.right = s.causal ? 0u : (right < 0 ? UNBOUNDED_SIDE : (u32)right);
     s.kv_reach = key_reach(s);
 }
 
