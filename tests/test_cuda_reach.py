@@ -1,7 +1,7 @@
 """Keys past every row's reach are never read (SPEC "Beyond the seed", issue 9): under causal
-(with a KV-cache offset) or a window, keys no row of the call can see may hold anything, NaN
-included, as a preallocated cache does; every kernel, in every dtype, gives exactly what it gives
-with zeros there, and nothing non-finite.
+(with a KV-cache offset, negative included) or a window's right side, keys no row of the call
+can see may hold anything, NaN included, as a preallocated cache does; every kernel, in every
+dtype, gives exactly what it gives with zeros there, and nothing non-finite.
 
 Skipped unless `ferrocupy.cuda_available()`; `FERRO_GPU_TESTS_ON_REFERENCE=1` runs it on the
 reference (see tests/gpu_helpers.py)."""
@@ -25,6 +25,11 @@ REACH = [
     pytest.param(AttentionOptions(causal=True, causal_offset=100), 105, id="causal-offset100"),
     pytest.param(AttentionOptions(causal=True, causal_offset=100, window=9), 105, id="causal-window"),
     pytest.param(AttentionOptions(window=3, causal_offset=100), 107, id="window3-offset100"),
+    pytest.param(AttentionOptions(window_right=6, causal_offset=100), 111, id="right6-offset100"),
+    pytest.param(AttentionOptions(window_left=2, window_right=0, causal_offset=100), 105,
+                 id="left2-right0"),
+    pytest.param(AttentionOptions(causal=True, causal_offset=-2), 3, id="causal-negative"),
+    pytest.param(AttentionOptions(window_right=1, causal_offset=-3), 3, id="right1-negative"),
 ]
 
 
