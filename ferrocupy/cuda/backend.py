@@ -22,7 +22,8 @@ from .loader import KernelLoader
 GRID_X_MAX = 2**31 - 1
 _PLANS_MAX = 256  # RoPE plans kept per backend (a long-running job sees few call shapes)
 # buffers whose alignment picks no copy width
-_NOT_ROWS = ("mask", "lse", "kv_lens", "stats", "alibi_slopes", "sinks", "grad_sinks")
+_NOT_ROWS = ("mask", "lse", "kv_lens", "stats", "alibi_slopes", "sinks", "grad_sinks",
+             "dq_accum", "dq_semaphores")
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
 # a launch on any further stream passes none, and its blocks take tiles in a fixed turn. Launches
@@ -236,10 +237,15 @@ class CudaBackend:
             rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
             workspace = {"stats": (rows, 2)}
             bufs = dict(buffers, stats=Slot("stats"))
-            launches = [self._plan(configs.BACKWARD_DQ, bufs, params, layout, ptrs, extras)]
-            if int(params["seq_k"]):
-                launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params, layout, ptrs,
-                                           extras))
+            fused = self._plan_fused(bufs, params, layout, ptrs, extras)
+            if fused is not None:
+                launches, more = fused
+                workspace.update(more)
+            else:
+                launches = [self._plan(configs.BACKWARD_DQ, bufs, params, layout, ptrs, extras)]
+                if int(params["seq_k"]):
+                    launches.append(self._plan(configs.BACKWARD_DKDV, bufs, params, layout, ptrs,
+                                               extras))
             if buffers.get("grad_sinks") is not None:  # from the stats the dQ kernel wrote
                 fn = self.loader.function(configs.SINKS_SOURCE, configs.SINKS_KERNEL, {}, ())
                 launches.append((fn, int(params["heads"]), configs.SINKS_THREADS, 0,
@@ -295,6 +301,44 @@ class CudaBackend:
         args = tuple(arg(a) for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
+
+    def fused_variant(self, buffers: dict, params, layout, ptrs: dict,
+                      extras=None) -> configs.Variant | None:
+        """The fused backward's variant for this call (configs.select_fused), or None: the
+        two-kernel backward runs."""
+        extras = seed_extras(params) if extras is None else extras
+        if not configs.FUSED_BACKWARD or not int(params["seq_k"]) or not int(params["seq_q"]):
+            return None
+        d = int(params["head_dim"])
+        dtype = np.dtype(buffers["q"].dtype)
+        names = [a for a in configs.ARGS[configs.BACKWARD_FUSED] + configs.FUSED_POST_ARGS
+                 + configs.FUSED_PRE_ARGS if a not in _NOT_ROWS and a in ptrs]
+        vec = _copy_width(dtype, d, [ptrs[a] for a in names], _strides(layout, names))
+        mods = model_options(configs.BACKWARD_FUSED, extras)
+        plain = buffers.get("mask") is None and float(params["dropout_prob"]) == 0.0 and not mods
+        return configs.select_fused(dtype, d, self._smem_limit, self.table, self.capability,
+                                    vec * dtype.itemsize, plain, mods,
+                                    buffers.get("lse") is not None)
+
+    def _plan_fused(self, buffers: dict, params, layout, ptrs: dict, extras) -> tuple | None:
+        """The fused backward's launches (pre-kernel, fused dK/dV/dQ kernel, post-kernel) and its
+        workspace beyond the stats, or None where it does not serve the call."""
+        v = self.fused_variant(buffers, params, layout, ptrs, extras)
+        if v is None:
+            return None
+        ws = configs.fused_workspace(params, v)
+        bufs = dict(buffers, **{n: Slot(n) for n in ws})
+        main = self._plan(configs.BACKWARD_FUSED, bufs, params, layout, ptrs, extras)
+        blocks = configs.fused_tiles(params, v)
+        if blocks > GRID_X_MAX:
+            raise ValueError(f"backward: {blocks} query tiles exceed the grid limit {GRID_X_MAX}")
+        pre, post = (self.loader.function(v.source, k, v.defines, v.options)
+                     for k in (configs.FUSED_PRE_KERNEL, configs.FUSED_POST_KERNEL))
+        slots = (lambda names: tuple(NULL if bufs.get(a) is None else Slot(a) for a in names))
+        return [(pre, blocks, configs.FUSED_THREADS, 0, slots(configs.FUSED_PRE_ARGS) + (layout,)),
+                main,
+                (post, blocks, configs.FUSED_THREADS, 0,
+                 slots(configs.FUSED_POST_ARGS) + (layout,))], ws
 
     def _plan_decode(self, buffers: dict, params, layout, ptrs: dict,
                      extras=None) -> tuple[list, dict]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,7 +174,7 @@ class Variant:
     @property
     def per_kv_head(self) -> bool:
         """One block row per (batch, KV head) rather than per (batch, head)."""
-        return self.op == BACKWARD_DKDV
+        return self.op in (BACKWARD_DKDV, BACKWARD_FUSED)
 
     @property
     def shared_bytes(self) -> int:
@@ -196,9 +197,9 @@ class Variant:
         if self.isa in SM90A and self.op != FORWARD:
             # dQ: its Q and dO, stages x (K, V); dK/dV: its K and V, stages x (Q, dO, 8 B of
             # [Delta, LSE] a row); swizzled, unpadded; 1 KB to align the base
-            stats = 8 * self.stages * self.step if self.op == BACKWARD_DKDV else 0
+            stats = 8 * self.stages * self.step if self.per_kv_head else 0
             return (elem * (2 * self.block_rows + 2 * self.stages * self.step) * self.head_dim
-                    + stats + 1024)
+                    + stats + 1024 + fused_ds_bytes(self))
         if self.isa in SM90A:  # 2 x Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
             return (elem * (WGMMA_Q_BUFFERS * self.block_rows + 2 * WGMMA_STAGES * self.step)
                     * self.head_dim + 1024)
@@ -371,7 +372,67 @@ def _table() -> dict:
     return table
 
 
-TABLE = _table()
+# ---- the fused backward (flash_bwd_fused_wgmma.cu): beside the two-kernel one, chosen only where
+# FUSED_BACKWARD is on (the environment variable FUSED_BACKWARD_ENV = 1, or set at run time;
+# plans made before a change keep their kernels: a backend's `table` setter renews them). The
+# dK/dV kernel's geometry, each computing warpgroup adding its dQ_part = dS K into a float32 dQ
+# in a fixed order; a pre-kernel (Delta, LSE, zeroed workspace) and a post-kernel (grad_q) of
+# FUSED_THREADS per (batch, head, query tile). Workspace beside the stats: dq_accum, float32
+# [batch * heads * q_tiles * step, head_dim]; dq_semaphores, a uint32 per (batch, head, query
+# tile) (float32-sized words).
+BACKWARD_FUSED = "backward_fused"
+FUSED_SOURCE = "flash_bwd_fused_wgmma.cu"
+FUSED_PRE_KERNEL, FUSED_POST_KERNEL, FUSED_THREADS = "flash_bwd_fused_pre", "flash_bwd_fused_post", 128
+FUSED_BACKWARD_ENV = "FERROCUPY_FUSED_BACKWARD"
+FUSED_BACKWARD = os.environ.get(FUSED_BACKWARD_ENV, "0") not in ("", "0")
+ARGS[BACKWARD_FUSED] = ARGS[BACKWARD_DKDV] + ("dq_accum", "dq_semaphores")
+_SOURCES[(BACKWARD_FUSED, True, WGMMA)] = (FUSED_SOURCE, "flash_bwd_fused_wgmma")
+FUSED_PRE_ARGS = ("out", "grad_out", "lse", "stats", "dq_accum", "dq_semaphores")
+FUSED_POST_ARGS = ("dq_accum", "grad_q")
+
+
+def fused_ds_bytes(v: Variant) -> int:
+    """Shared memory the fused kernel adds to the dK/dV kernel's: each computing warpgroup's dS
+    tile (step query rows x 64 keys)."""
+    return v.dtype.itemsize * (v.warps // 4) * 64 * v.step if v.op == BACKWARD_FUSED else 0
+
+
+def fused_workspace(params, v: Variant) -> dict:
+    """The fused backward's workspace beyond the stats: name -> float32 shape."""
+    bh = int(params["batch"]) * int(params["heads"])
+    q_tiles = -(-int(params["seq_q"]) // v.step)
+    return {"dq_accum": (bh * q_tiles * v.step, v.head_dim), "dq_semaphores": (bh * q_tiles,)}
+
+
+def fused_tiles(params, v: Variant) -> int:
+    """Blocks of the pre- and post-kernels: one per (batch, head, query tile)."""
+    return int(params["batch"]) * int(params["heads"]) * -(-int(params["seq_q"]) // v.step)
+
+
+def select_fused(dtype, head_dim: int, smem_limit: int, table: dict | None = None,
+                 capability: int = 0, copy_bytes: int = 0, plain: bool = False,
+                 mods: bool = False, lse_given: bool = True) -> Variant | None:
+    """The fused backward's variant for the call, or None where FUSED_BACKWARD is off or no
+    variant serves it (float32, a head_dim without a wgmma variant, not sm_90a, rows narrower
+    than 16 bytes, no forward lse: the two-kernel backward then runs)."""
+    if not FUSED_BACKWARD or not lse_given:
+        return None
+    key = (BACKWARD_FUSED, np.dtype(dtype), padded_head_dim(head_dim))
+    for v in (TABLE if table is None else table).get(key, ()):
+        if (v.plain and not plain) or (mods and not v.mods):
+            continue
+        if v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes):
+            return v
+    return None
+
+
+def _fused_table() -> dict:
+    return {(BACKWARD_FUSED, dtype, dp): tuple(dataclasses.replace(v, op=BACKWARD_FUSED)
+                                               for v in _wgmma(BACKWARD_DKDV, dtype, dp))
+            for dtype in (FLOAT16, BFLOAT16) for dp in HEAD_DIMS}
+
+
+TABLE = {**_table(), **_fused_table()}
 
 
 def padded_head_dim(d: int) -> int:

@@ -15,6 +15,12 @@
 // The [Delta, LSE] per query row come from the dQ kernel's stats. The products and roundings are
 // the mma.sync kernel's (flash_bwd_dkdv.cu, half build; P's exponent is one fma here);
 // geometry from cuda/configs.py.
+// Built with FERRO_FUSED_DQ (flash_bwd_fused_wgmma.cu) it is the fused backward's main kernel:
+// each warpgroup also forms dQ_part = dS K over its 64 keys per step and adds it into a float32
+// dQ in global memory, in a fixed order (ferro_dq_order.cuh).
+#ifndef FERRO_FUSED_DQ
+#define FERRO_FUSED_DQ 0
+#endif
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
@@ -24,6 +30,12 @@
 #include "ferro_mma_f16.cuh"
 #include "ferro_wgmma.cuh"
 #include "ferro_mbarrier.cuh"
+#if FERRO_FUSED_DQ
+#include "ferro_dq_order.cuh"
+#define FERRO_DKDV_KERNEL flash_bwd_fused_wgmma
+#else
+#define FERRO_DKDV_KERNEL flash_bwd_dkdv_wgmma
+#endif
 
 namespace {
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BQ = FERRO_BN, STAGES = FERRO_STAGES;
@@ -36,18 +48,25 @@ constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 keys per warp");
 static_assert((DP == 64 || DP == 128) && BQ == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
-// K and V, the ring of Q and dO (swizzled), the ring of [Delta, LSE], 1 KB to align the base.
-static_assert(2 * (2 * KV_ELEMS + 2 * STAGES * Q_ELEMS) + 8 * STAGES * BQ + 1024 == FERRO_SMEM_BYTES,
+constexpr int GROUPS = WARPS / 4, DS_ELEMS = FERRO_FUSED_DQ ? 64 * BQ : 0;  // (fused) dS, BQ x 64
+// K and V, the ring of Q and dO (swizzled), the ring of [Delta, LSE], (fused) each warpgroup's
+// dS tile, 1 KB to align the base.
+static_assert(2 * (2 * KV_ELEMS + 2 * STAGES * Q_ELEMS + GROUPS * DS_ELEMS) + 8 * STAGES * BQ + 1024 ==
+                  FERRO_SMEM_BYTES,
               "configs.py's shared memory");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
-                     const u16* __restrict__ v, const u16* __restrict__ grad_out,
-                     u16* __restrict__ grad_k, u16* __restrict__ grad_v,
-                     const void* __restrict__ mask, const float* __restrict__ stats,
-                     const float* __restrict__ alibi, const u32 vec, const u32 mask_kind,
-                     const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
+FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
+                  const u16* __restrict__ v, const u16* __restrict__ grad_out,
+                  u16* __restrict__ grad_k, u16* __restrict__ grad_v,
+                  const void* __restrict__ mask, const float* __restrict__ stats,
+                  const float* __restrict__ alibi,
+#if FERRO_FUSED_DQ
+                  float* __restrict__ dq_accum, u32* __restrict__ dq_sem,
+#endif
+                  const u32 vec, const u32 mask_kind, const AttnLayout lay,
+                  const FlashBwdParams p, const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
     __shared__ u64 kv_full, full[STAGES], empty[STAGES];
     const u32 raw = smem_u32(smem_w);
@@ -55,7 +74,8 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
     u16* sV = sK + KV_ELEMS;
     u16* sQ = sV + KV_ELEMS;            // [STAGES][BQ x DP], swizzled
     u16* sdO = sQ + STAGES * Q_ELEMS;   // [STAGES][BQ x DP], swizzled
-    float* sSt = reinterpret_cast<float*>(sdO + STAGES * Q_ELEMS);  // [STAGES][BQ][Delta, LSE]
+    u16* sdS = sdO + STAGES * Q_ELEMS;  // (fused) [warpgroup][BQ x 64], swizzled
+    float* sSt = reinterpret_cast<float*>(sdS + GROUPS * DS_ELEMS);  // [STAGES][BQ][Delta, LSE]
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, nullptr);
     const Lane L = lane_ids();
@@ -211,6 +231,9 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
             }
         }
         to_a_fragments<NT>(dpT, da);
+#if FERRO_FUSED_DQ
+        store_ds_transposed<NT>(sdS + (wg - 1) * DS_ELEMS, da, L);
+#endif
 
         wgmma_fence();
 #pragma unroll
@@ -222,6 +245,22 @@ flash_bwd_dkdv_wgmma(const u16* __restrict__ q, const u16* __restrict__ k,
         wgmma_pin(dv);
         wgmma_pin(dk);
         ring_release(empty, t);  // done with this step's Q, dO and stats
+#if FERRO_FUSED_DQ
+        {
+            float dq[DT][4];  // dS K over this warpgroup's 64 keys: [BQ query rows x DP]
+            fence_proxy_async();  // this warpgroup's dS stores, to the tensor cores' view
+            warpgroup_sync(wg);
+            const u32 ds_tile = smem_u32(sdS + (wg - 1) * DS_ELEMS);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                wgmma_ss_mn(dq, desc_k_major<BQ>(ds_tile, kk), desc_mn_major<BK>(k_slice, kk), kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(dq);
+            add_dq_in_order<BK, BQ, GROUPS, DT>(s, dq_accum, dq_sem, bh, tile, wg - 1, i0, dq, L);
+        }
+#endif
     }
 
     const Rows gk = rows_of(lay.grad_k, b, hk), gv = rows_of(lay.grad_v, b, hk);

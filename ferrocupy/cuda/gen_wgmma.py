@@ -30,6 +30,22 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[{n // 8}][4], u64 desc_a, u6
 '''
 
 
+def ss_mn(n: int) -> str:
+    regs, ops = _acc(n)
+    k = n // 2
+    return f'''// D (64 x {n}) {{=, +=}} A B: A 64 x 16 K-major and B 16 x {n} MN-major, both in shared memory.
+__device__ __forceinline__ void wgmma_ss_mn(float (&d)[{n // 8}][4], u64 desc_a, u64 desc_b,
+                                            int accumulate) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32." FERRO_WG_AB "." FERRO_WG_AB " "
+        "{{{regs}}}, %{k}, %{k + 1}, p, 1, 1, 0, 1;\\n}}\\n"
+        : {ops}
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}}
+'''
+
+
 def rs(n: int) -> str:
     regs, ops = _acc(n)
     k = n // 2
@@ -52,7 +68,7 @@ def header() -> str:
              "// with float32 accumulators; ferro_wgmma.cuh says how the kernels use them.\n"
              "#pragma once\n\n"]
     for n in NS:
-        parts.append(ss(n) + "\n" + rs(n) + "\n")
+        parts.append(ss(n) + "\n" + ss_mn(n) + "\n" + rs(n) + "\n")
     return "".join(parts).rstrip() + "\n"
 
 
