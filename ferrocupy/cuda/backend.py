@@ -37,6 +37,7 @@ _COUNTER_LOCK = threading.Lock()  # two threads meeting new streams get differen
 class CudaBackend:
     name = "cuda"
     dtypes = ATTENTION_DTYPES
+    _fused_backward = None  # None: configs.FUSED_BACKWARD decides (see fused_backward)
 
     def __init__(self, table: dict | None = None):
         import cupy
@@ -73,6 +74,17 @@ class CudaBackend:
         self._table = table
         self._kernels = {}
         self.generation += 1  # plans made with the old table are made again
+
+    @property
+    def fused_backward(self) -> bool:
+        """Whether the backward takes the fused kernels where they serve the call (default
+        configs.FUSED_BACKWARD, the environment's switch); setting it renews the plans."""
+        return configs.FUSED_BACKWARD if self._fused_backward is None else self._fused_backward
+
+    @fused_backward.setter
+    def fused_backward(self, on: bool) -> None:
+        self._fused_backward = bool(on)
+        self.generation += 1  # plans made before choose their backward again
 
     def device_name(self) -> str:
         props = self.xp.cuda.runtime.getDeviceProperties(self._id)
@@ -307,7 +319,7 @@ class CudaBackend:
         """The fused backward's variant for this call (configs.select_fused), or None: the
         two-kernel backward runs."""
         extras = seed_extras(params) if extras is None else extras
-        if not configs.FUSED_BACKWARD or not int(params["seq_k"]) or not int(params["seq_q"]):
+        if not self.fused_backward or not int(params["seq_k"]) or not int(params["seq_q"]):
             return None
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)

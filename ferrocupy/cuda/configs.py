@@ -384,7 +384,12 @@ BACKWARD_FUSED = "backward_fused"
 FUSED_SOURCE = "flash_bwd_fused_wgmma.cu"
 FUSED_PRE_KERNEL, FUSED_POST_KERNEL, FUSED_THREADS = "flash_bwd_fused_pre", "flash_bwd_fused_post", 128
 FUSED_BACKWARD_ENV = "FERROCUPY_FUSED_BACKWARD"
-FUSED_BACKWARD = os.environ.get(FUSED_BACKWARD_ENV, "0") not in ("", "0")
+def fused_backward_wanted(environ=os.environ) -> bool:
+    """The environment's switch: FUSED_BACKWARD_ENV set to anything but "" or "0"."""
+    return environ.get(FUSED_BACKWARD_ENV, "0") not in ("", "0")
+
+
+FUSED_BACKWARD = fused_backward_wanted()
 ARGS[BACKWARD_FUSED] = ARGS[BACKWARD_DKDV] + ("dq_accum", "dq_semaphores")
 _SOURCES[(BACKWARD_FUSED, True, WGMMA)] = (FUSED_SOURCE, "flash_bwd_fused_wgmma")
 FUSED_PRE_ARGS = ("out", "grad_out", "lse", "stats", "dq_accum", "dq_semaphores")
@@ -412,10 +417,10 @@ def fused_tiles(params, v: Variant) -> int:
 def select_fused(dtype, head_dim: int, smem_limit: int, table: dict | None = None,
                  capability: int = 0, copy_bytes: int = 0, plain: bool = False,
                  mods: bool = False, lse_given: bool = True) -> Variant | None:
-    """The fused backward's variant for the call, or None where FUSED_BACKWARD is off or no
-    variant serves it (float32, a head_dim without a wgmma variant, not sm_90a, rows narrower
-    than 16 bytes, no forward lse: the two-kernel backward then runs)."""
-    if not FUSED_BACKWARD or not lse_given:
+    """The fused backward's variant for the call, or None where none serves it (float32, a
+    head_dim without a wgmma variant, not sm_90a, rows narrower than 16 bytes, no forward lse:
+    the two-kernel backward then runs). The backend asks only where its switch is on."""
+    if not lse_given:
         return None
     key = (BACKWARD_FUSED, np.dtype(dtype), padded_head_dim(head_dim))
     for v in (TABLE if table is None else table).get(key, ()):
