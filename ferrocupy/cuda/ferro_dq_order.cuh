@@ -8,11 +8,10 @@
 // in one fixed order: key block n's warpgroup 0, its warpgroup 1, ..., then key block n + 1's.
 // A counter per (batch, head, query tile), dq_sem (zeroed by the pre-kernel), counts the adds
 // done; the add of rank GROUPS (n - first) + w waits until the counter reads its rank. `first` is
-// the first key block that visits the tile, from the same visibility rule (visible_row_range)
-// that decides which tiles a block visits: with causal, an offset or windows it is not block 0.
-// Block n visits query tiles [lo_n / BQ, ceil(hi_n / BQ)) of its rows [lo_n, hi_n) (hi_n >= lo_n
-// after the clamp); both ends are nondecreasing in n, so a tile's visitors are consecutive blocks
-// and the first is the least n with hi_n > the tile's first row: a binary search.
+// the first key block that visits the tile (ferro_visibility.cuh's first_key_block, from the rule
+// that decides which tiles a block visits): with causal, an offset or windows it is not block 0.
+// A block also visits a tile past seq_q where its rows' range is empty and starts inside one
+// (visible_row_range's clamp): it adds nothing there, and has no counter to wait on.
 //
 // No deadlock. (1) A warpgroup waits only for adds of the same (batch, KV head)'s blocks with a
 // smaller key-block index, or of a lower warpgroup of its own block. (2) block_coords
@@ -49,22 +48,6 @@ __device__ __forceinline__ void store_ds_transposed(u16* tile, const u32 (&a)[NT
             const u32 w = a[nt >> 1][(nt & 1) * 2 + (r >> 1)];
             tile[c * 64 + (((kj >> 3) ^ (c & 7)) << 3) + (kj & 7)] = (u16)(w >> (16 * (r & 1)));
         }
-}
-
-// The first key block (BK keys each) that visits the query tile starting at row m0, given that
-// block n visits it.
-template <int BK>
-__device__ __forceinline__ u32 first_key_block(const AttnShape& s, long long m0, u32 n) {
-    u32 lo = 0, hi = n;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) >> 1;
-        const long long k0 = (long long)mid * BK;
-        long long r_lo, r_hi;
-        visible_row_range(s, k0, min((long long)s.seq_k, k0 + BK) - 1, r_lo, r_hi);
-        if (r_hi > m0) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo;
 }
 
 __device__ __forceinline__ u32 load_acquire(const u32* p) {

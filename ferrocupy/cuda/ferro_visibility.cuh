@@ -31,6 +31,25 @@ __device__ __forceinline__ void visible_row_range(const AttnShape& s, long long 
     if (hi < lo) hi = lo;
 }
 
+// The first of the key blocks (BK keys each, from 0) whose dK/dV block visits the query tile
+// starting at row m0, given that block n visits it. Block n visits the query tiles
+// [lo_n / BQ, ceil(hi_n / BQ)) of its rows [lo_n, hi_n) (visible_row_range; hi_n >= lo_n after
+// its clamp); both ends are nondecreasing in n, so a tile's visitors are consecutive blocks and
+// the first is the least n with hi_n > m0: a binary search over [0, n].
+template <int BK>
+__device__ __forceinline__ unsigned first_key_block(const AttnShape& s, long long m0, unsigned n) {
+    unsigned lo = 0, hi = n;
+    while (lo < hi) {
+        const unsigned mid = (lo + hi) >> 1;
+        const long long k0 = (long long)mid * BK;
+        long long r_lo, r_hi;
+        visible_row_range(s, k0, min((long long)s.seq_k, k0 + BK) - 1, r_lo, r_hi);
+        if (r_hi > m0) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
 // The keys row i sees among [j0, j0 + n), as columns [lo, hi] counted from j0 (lo > hi: none).
 // The window's sides and the keys' end each bound one side, so a row's visible keys are one
 // interval and a tile without an additive mask needs two integer compares per element, not

@@ -246,7 +246,7 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
         wgmma_pin(dk);
         ring_release(empty, t);  // done with this step's Q, dO and stats
 #if FERRO_FUSED_DQ
-        {
+        if (i0 < s.seq_q) {  // (a tile past seq_q: see ferro_dq_order.cuh)
             float dq[DT][4];  // dS K over this warpgroup's 64 keys: [BQ query rows x DP]
             fence_proxy_async();  // this warpgroup's dS stores, to the tensor cores' view
             warpgroup_sync(wg);
