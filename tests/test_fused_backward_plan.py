@@ -70,7 +70,7 @@ def test_switched_on_the_backward_is_three_fused_launches(dtype, d):
     assert main.smem == v.shared_bytes
     dkdv = configs.select(configs.BACKWARD_DKDV, dtype, d, b._smem_limit, capability=90,
                           copy_bytes=16, plain=True)
-    assert v.shared_bytes == dkdv.shared_bytes + dtype.itemsize * 2 * 64 * v.step  # two dS tiles
+    assert v.shared_bytes == dkdv.shared_bytes + dtype.itemsize * 2 * 128 * v.step  # 2 dS buffers
     assert [a.name for a in pre.args[:6]] == list(configs.FUSED_PRE_ARGS)
     assert [a.name for a in post.args[:2]] == list(configs.FUSED_POST_ARGS)
     names = [getattr(a, "name", None) for a in main.args[:11]]

@@ -397,9 +397,9 @@ FUSED_POST_ARGS = ("dq_accum", "grad_q")
 
 
 def fused_ds_bytes(v: Variant) -> int:
-    """Shared memory the fused kernel adds to the dK/dV kernel's: each computing warpgroup's dS
-    tile (step query rows x 64 keys)."""
-    return v.dtype.itemsize * (v.warps // 4) * 64 * v.step if v.op == BACKWARD_FUSED else 0
+    """Shared memory the fused kernel adds to the dK/dV kernel's: two buffers of a step's dS
+    (step query rows x the block's keys)."""
+    return v.dtype.itemsize * 2 * v.block_rows * v.step if v.op == BACKWARD_FUSED else 0
 
 
 def fused_workspace(params, v: Variant) -> dict:

@@ -16,8 +16,9 @@
 // the mma.sync kernel's (flash_bwd_dkdv.cu, half build; P's exponent is one fma here);
 // geometry from cuda/configs.py.
 // Built with FERRO_FUSED_DQ (flash_bwd_fused_wgmma.cu) it is the fused backward's main kernel:
-// each warpgroup also forms dQ_part = dS K over its 64 keys per step and adds it into a float32
-// dQ in global memory, in a fixed order (ferro_dq_order.cuh).
+// each warpgroup also stores its dS (rounded, transposed) to shared memory, and per step one
+// warpgroup in turn forms dQ_part = dS K over the block's BK keys and adds it into a float32 dQ
+// in global memory, in a fixed order (ferro_dq_order.cuh).
 #ifndef FERRO_FUSED_DQ
 #define FERRO_FUSED_DQ 0
 #endif
@@ -48,10 +49,14 @@ constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 keys per warp");
 static_assert((DP == 64 || DP == 128) && BQ == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
-constexpr int GROUPS = WARPS / 4, DS_ELEMS = FERRO_FUSED_DQ ? 64 * BQ : 0;  // (fused) dS, BQ x 64
-// K and V, the ring of Q and dO (swizzled), the ring of [Delta, LSE], (fused) each warpgroup's
-// dS tile, 1 KB to align the base.
-static_assert(2 * (2 * KV_ELEMS + 2 * STAGES * Q_ELEMS + GROUPS * DS_ELEMS) + 8 * STAGES * BQ + 1024 ==
+// (fused) dS of a step: BQ query rows x BK keys, one swizzled column block of 64 keys per
+// warpgroup; two buffers, by the step's parity.
+constexpr int GROUPS = WARPS / 4, DS_ELEMS = FERRO_FUSED_DQ ? BQ * BK : 0;
+static_assert(!FERRO_FUSED_DQ || GROUPS == 2,
+              "dQ_part's k-steps: the two warpgroups' 64-key blocks of dS");
+// K and V, the ring of Q and dO (swizzled), the ring of [Delta, LSE], (fused) the two dS
+// buffers, 1 KB to align the base.
+static_assert(2 * (2 * KV_ELEMS + 2 * STAGES * Q_ELEMS + 2 * DS_ELEMS) + 8 * STAGES * BQ + 1024 ==
                   FERRO_SMEM_BYTES,
               "configs.py's shared memory");
 }  // namespace
@@ -74,8 +79,8 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
     u16* sV = sK + KV_ELEMS;
     u16* sQ = sV + KV_ELEMS;            // [STAGES][BQ x DP], swizzled
     u16* sdO = sQ + STAGES * Q_ELEMS;   // [STAGES][BQ x DP], swizzled
-    u16* sdS = sdO + STAGES * Q_ELEMS;  // (fused) [warpgroup][BQ x 64], swizzled
-    float* sSt = reinterpret_cast<float*>(sdS + GROUPS * DS_ELEMS);  // [STAGES][BQ][Delta, LSE]
+    u16* sdS = sdO + STAGES * Q_ELEMS;  // (fused) [2][BQ x BK], swizzled
+    float* sSt = reinterpret_cast<float*>(sdS + 2 * DS_ELEMS);  // [STAGES][BQ][Delta, LSE]
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, nullptr);
     const Lane L = lane_ids();
@@ -232,7 +237,8 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
         }
         to_a_fragments<NT>(dpT, da);
 #if FERRO_FUSED_DQ
-        store_ds_transposed<NT>(sdS + (wg - 1) * DS_ELEMS, da, L);
+        u16* const ds_step = sdS + (t & 1) * DS_ELEMS;  // this step's dS buffer
+        store_ds_transposed<NT>(ds_step + (wg - 1) * 64 * BQ, da, L);
 #endif
 
         wgmma_fence();
@@ -246,19 +252,23 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
         wgmma_pin(dk);
         ring_release(empty, t);  // done with this step's Q, dO and stats
 #if FERRO_FUSED_DQ
-        if (i0 < s.seq_q) {  // (a tile past seq_q: see ferro_dq_order.cuh)
-            float dq[DT][4];  // dS K over this warpgroup's 64 keys: [BQ query rows x DP]
-            fence_proxy_async();  // this warpgroup's dS stores, to the tensor cores' view
-            warpgroup_sync(wg);
-            const u32 ds_tile = smem_u32(sdS + (wg - 1) * DS_ELEMS);
+        // Both warpgroups' dS of this step in place. The buffer of step t is written again at
+        // step t + 2, after this barrier of step t + 1, which the warpgroup reading it at step t
+        // reaches only once its product is done.
+        fence_proxy_async();
+        computing_sync<GROUPS>();
+        if (i0 < s.seq_q && t % GROUPS == wg - 1) {  // (a tile past seq_q: ferro_dq_order.cuh)
+            float dq[DT][4];  // dS K over the block's BK keys: [BQ query rows x DP]
+            const u32 ds_tile = smem_u32(ds_step);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss_mn(dq, desc_k_major<BQ>(ds_tile, kk), desc_mn_major<BK>(k_slice, kk), kk > 0);
+            for (int kk = 0; kk < BK / 16; ++kk)
+                wgmma_ss_mn(dq, desc_k_major<BQ>(ds_tile, kk), desc_mn_major<BK>(smem_u32(sK), kk),
+                            kk > 0);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(dq);
-            add_dq_in_order<BK, BQ, GROUPS, DT>(s, dq_accum, dq_sem, bh, tile, wg - 1, i0, dq, L);
+            add_dq_in_order<BK, BQ, DT>(s, dq_accum, dq_sem, bh, tile, wg, i0, dq, L);
         }
 #endif
     }

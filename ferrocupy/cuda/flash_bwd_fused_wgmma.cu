@@ -38,7 +38,8 @@ flash_bwd_fused_pre(const u16* __restrict__ out, const u16* __restrict__ grad_ou
     const AttnShape s = attn_shape(p, ex, 0);
     const FusedTile f = fused_tile(s);
     float4* acc = reinterpret_cast<float4*>(dq_accum + ((u64)f.bh * f.q_tiles * BQ + f.m0) * DP);
-    for (int i = threadIdx.x; i < BQ * DP / 4; i += FUSED_THREADS) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = threadIdx.x; i < BQ * DP / 4; i += FUSED_THREADS)
+        acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (threadIdx.x == 0) dq_sem[(u64)f.bh * f.q_tiles + f.m0 / BQ] = 0u;
 
     // Delta_i = grad_out_i . out_i (both as stored, summed in float32); the forward's LSE.
