@@ -18,31 +18,14 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cuda_on_host import build  # noqa: E402
+from test_visibility_on_host import SHIM as VISIBILITY_SHIM  # noqa: E402
+from test_visibility_on_host import Opt  # noqa: E402
 
 BK, BQ = 128, 64  # the fused kernel's geometry (configs.py: 8 warps of 16 keys, 64-row steps)
 
-SHIM = r"""
-#include "ferro_visibility.cuh"
-
-struct Opt { int causal, offset, seq_q, seq_k, left, right; };
-
-static AttnShape shape(const Opt& o) {
-    FlashBwdParams p;
-    std::memset(&p, 0, sizeof p);
-    p.batch = p.heads = p.kv_heads = 1;
-    p.head_dim = 8;
-    p.scale = 1.f;
-    p.seq_q = o.seq_q;
-    p.seq_k = o.seq_k;
-    p.causal = o.causal;
-    p.causal_offset = (u32)o.offset;
-    AttnExtras ex;
-    std::memset(&ex, 0, sizeof ex);
-    ex.window_left = o.left;
-    ex.window_right = o.right;
-    return attn_shape(p, ex, MASK_F32);
-}
-
+# test_visibility_on_host.py's shim (its Opt and shape(): one call's options as an AttnShape),
+# then the dK/dV kernel's rule for the tiles a key block visits, and first_key_block.
+SHIM = VISIBILITY_SHIM + r"""
 extern "C" {
 // The query tiles [first, first + count) key block n visits: flash_bwd_dkdv_wgmma.cu's rule.
 void visits(const Opt* o, unsigned n, long long* r) {
@@ -62,19 +45,19 @@ unsigned first(const Opt* o, long long m0, unsigned n) {
 """
 
 
-class Opt(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int) for n in ("causal", "offset", "seq_q", "seq_k", "left", "right")]
-
-
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     shim = f"constexpr int BK = {BK}, BQ = {BQ};\n" + SHIM
-    lib = build(tmp_path_factory.mktemp("dq_order_host"), "#include <cstring>\n" + shim,
-                "the fused backward's add order")
+    lib = build(tmp_path_factory.mktemp("dq_order_host"), shim, "the fused backward's add order")
     lib.visits.argtypes = [ctypes.POINTER(Opt), ctypes.c_uint, ctypes.POINTER(ctypes.c_longlong)]
     lib.first.argtypes = [ctypes.POINTER(Opt), ctypes.c_longlong, ctypes.c_uint]
     lib.first.restype = ctypes.c_uint
     return lib
+
+
+def options(causal, offset, seq_q, seq_k, left, right) -> Opt:
+    """A call of SPEC's window_left / window_right (no seed window, no kv_lens)."""
+    return Opt(causal, 0, offset, seq_q, seq_k, -1, left, right)
 
 
 def check_order(lib, opt: Opt) -> None:
@@ -102,7 +85,7 @@ SIDES = st.one_of(st.just(-1), st.integers(0, 600))
        seq_k=st.integers(1, 2000), left=SIDES, right=SIDES)
 def test_visitors_are_consecutive_and_agree_on_the_first(lib, causal, offset, seq_q, seq_k, left,
                                                           right):
-    check_order(lib, Opt(int(causal), offset, seq_q, seq_k, left, right))
+    check_order(lib, options(int(causal), offset, seq_q, seq_k, left, right))
 
 
 @pytest.mark.parametrize("case", [
@@ -111,4 +94,4 @@ def test_visitors_are_consecutive_and_agree_on_the_first(lib, causal, offset, se
     (1, 0, 4096, 4096, -1, -1), (0, 0, 1000, 1000, 299, 0), (1, 2**31 - 1, 100, 300, -1, -1),
     (0, -(2**31), 100, 300, -1, -1)])
 def test_the_gpu_suites_shapes(lib, case):
-    check_order(lib, Opt(*case))
+    check_order(lib, options(*case))
