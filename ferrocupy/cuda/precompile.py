@@ -36,7 +36,15 @@ def main(argv=None) -> int:
             for defines in configs.rope_variants()
             if defines["FERRO_ROPE_DTYPE"] in {configs.ROPE_DTYPE_DEFINE[d] for d in wanted}}
     for (op, dtype, dp), candidates in configs.TABLE.items():
-        if dtype in wanted:
+        if op == configs.BACKWARD_FUSED:  # the fused backward: only where its switch is on
+            for plain, mods in ((True, False), (False, False), (False, True)):
+                v = configs.select_fused(dtype, dp, limit, capability=capability, copy_bytes=16,
+                                         plain=plain, mods=mods)
+                if v is not None and dtype in wanted and configs.FUSED_BACKWARD:
+                    defines = tuple(sorted(v.defines.items()))
+                    jobs.update((v.source, name, defines, v.options) for name in
+                                (v.kernel, configs.FUSED_PRE_KERNEL, configs.FUSED_POST_KERNEL))
+        elif dtype in wanted:
             for copy_bytes in (16, 4):  # aligned rows, and the fallback for views that are not
                 # a call without mask and dropout, one with; one with softcap, ALiBi or sinks
                 for plain, mods in ((True, False), (False, False), (False, True)):
