@@ -431,9 +431,14 @@ def select_fused(dtype, head_dim: int, smem_limit: int, table: dict | None = Non
     return None
 
 
+FUSED_HEAD_DIMS = (64, 128)  # the kernel's head_dims (flash_bwd_dkdv_wgmma.cu's static_assert)
+
+
 def _fused_table() -> dict:
+    """The dK/dV kernel's wgmma variants at FUSED_HEAD_DIMS, as the fused backward's."""
     return {(BACKWARD_FUSED, dtype, dp): tuple(dataclasses.replace(v, op=BACKWARD_FUSED)
-                                               for v in _wgmma(BACKWARD_DKDV, dtype, dp))
+                                               for v in _wgmma(BACKWARD_DKDV, dtype, dp)
+                                               if v.head_dim in FUSED_HEAD_DIMS)
             for dtype in (FLOAT16, BFLOAT16) for dp in HEAD_DIMS}
 
 
