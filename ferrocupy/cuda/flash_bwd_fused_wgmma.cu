@@ -15,7 +15,7 @@
 
 namespace {
 constexpr int ROW_LANES = 8;  // lanes per row in the pre- and post-kernels (16 bytes each)
-constexpr int FUSED_THREADS = 128;
+constexpr int FUSED_THREADS = 128;  // configs.FUSED_THREADS: the launch bound (loops use blockDim)
 static_assert(DP % 8 == 0, "rows of 16-byte chunks");
 
 struct FusedTile { u32 bh, b, h; long long m0; u64 q_tiles; };
@@ -38,14 +38,14 @@ flash_bwd_fused_pre(const u16* __restrict__ out, const u16* __restrict__ grad_ou
     const AttnShape s = attn_shape(p, ex, 0);
     const FusedTile f = fused_tile(s);
     float4* acc = reinterpret_cast<float4*>(dq_accum + ((u64)f.bh * f.q_tiles * BQ + f.m0) * DP);
-    for (int i = threadIdx.x; i < BQ * DP / 4; i += FUSED_THREADS)
+    for (int i = threadIdx.x; i < BQ * DP / 4; i += blockDim.x)
         acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (threadIdx.x == 0) dq_sem[(u64)f.bh * f.q_tiles + f.m0 / BQ] = 0u;
 
     // Delta_i = grad_out_i . out_i (both as stored, summed in float32); the forward's LSE.
     const Rows ro = rows_of(lay.out, f.b, f.h), rdo = rows_of(lay.grad_out, f.b, f.h);
     const int lane = threadIdx.x % ROW_LANES, D = s.head_dim;
-    for (int r = threadIdx.x / ROW_LANES; r < BQ; r += FUSED_THREADS / ROW_LANES) {
+    for (int r = threadIdx.x / ROW_LANES; r < BQ; r += blockDim.x / ROW_LANES) {
         const long long i = f.m0 + r;
         float sum = 0.f;
         if (i < s.seq_q)
@@ -73,7 +73,7 @@ flash_bwd_fused_post(const float* __restrict__ dq_accum, u16* __restrict__ grad_
     const FusedTile f = fused_tile(s);
     const Rows rq = rows_of(lay.grad_q, f.b, f.h);
     const int lane = threadIdx.x % ROW_LANES, D = s.head_dim;
-    for (int r = threadIdx.x / ROW_LANES; r < BQ; r += FUSED_THREADS / ROW_LANES) {
+    for (int r = threadIdx.x / ROW_LANES; r < BQ; r += blockDim.x / ROW_LANES) {
         const long long i = f.m0 + r;
         if (i >= s.seq_q) break;
         const float* row = dq_accum + ((u64)f.bh * f.q_tiles * BQ + i) * DP;
