@@ -29,8 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import dtypes as _dt
-from .params import (LAYOUT_TENSORS, MAX_HEAD_DIM, AttentionDims, check_seed, extras_params,
-                     layout_params)
+from .params import LAYOUT_TENSORS, AttentionDims, check_seed, extras_params, layout_params
 
 FORWARD, BACKWARD = "forward", "backward"
 # Argument names in call order; which are optional (None allowed), which are written.
@@ -518,8 +517,8 @@ def _check_per_head(specs: dict, dims) -> None:
 
 
 # What the CUDA kernels do not take yet (SPEC part 2 runs on the reference backend first): each
-# is refused when a plan is made, never run to a wrong answer.
-CUDA_MAX_HEAD_DIM = 128
+# is refused when a plan is made, never run to a wrong answer. (head_dim above MAX_HEAD_DIM is
+# refused for every backend, by AttentionDims.)
 _NOT_ON_GPU = "not on the GPU kernels yet; use ComputeEngine('reference')"
 
 
@@ -528,10 +527,6 @@ def check_backend_reach(backend, specs: dict, opts, dims) -> None:
     CUDA backend refuses)."""
     if backend.name != "cuda":
         return
-    if dims.head_dim > CUDA_MAX_HEAD_DIM:
-        raise ValueError(f"head_dim = {dims.head_dim} (q shape {specs['q'].shape}): the CUDA "
-                         f"kernels take head_dim <= {CUDA_MAX_HEAD_DIM} (the reference backend "
-                         f"up to {MAX_HEAD_DIM})")
     for name, what in (("cu_seqlens_q", "varlen"), ("block_table", "a paged KV cache"),
                        ("k_new", "a KV-cache append")):
         if specs.get(name) is not None:

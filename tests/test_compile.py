@@ -7,9 +7,10 @@ every dtype at the widest head_dim (the most registers) for both. A source the t
 know compiles as it stands (with its `// ferro-variants:` line, if any).
 
 Two runs share that matrix. The default run (`python -m pytest`) compiles, with NVRTC for sm_90
-(sm_90a for the wgmma kernels), each code path at the widest head_dim it is built for: a code
-path is a source and the defines that choose code (dtype, mask and dropout compiled out, swizzled
-rows, warps, m-tiles, decode rows), as against SIZE_DEFINES, which only size its tiles. Every
+(sm_90a for the wgmma kernels), each code path at the widest head_dim up to DEFAULT_RUN_HEAD_DIM
+it is built for (the narrowest above, for a code path built only there): a code path is a source
+and the defines that choose code (dtype, mask and dropout compiled out, swizzled rows, warps,
+m-tiles, decode rows, dK/dV column parts), as against SIZE_DEFINES, which only size its tiles. Every
 other case carries the `compile` marker, which pyproject.toml's addopts deselects:
 `python -m pytest -m compile` compiles them (the narrower head_dims, sm_80, and everything nvcc
 builds), and .ci/run runs it after the default run, so CI compiles every variant. (Naming one of
@@ -45,8 +46,11 @@ ARCHS = ("80", "90")
 DEFAULT_RUN_ARCH = "90"  # the GPUs the project is measured on (H100, H200); sm_90a rides along
 # Defines that size a variant's tiles (extents, buffers, shared memory) rather than choose its code.
 SIZE_DEFINES = frozenset({"FERRO_HEAD_DIM", "FERRO_SMEM_BYTES", "FERRO_BN", "FERRO_STAGES",
-                          "FERRO_KEY_LANES"})
+                          "FERRO_KEY_LANES", "FERRO_COMBINE_THREADS"})
 COMPILE_TIMEOUT_S = 900
+# The default run's widest head_dim: wider builds of the same code paths (up to 256) take about
+# twice as long each and go to the `compile` pass, keeping the README's test command quick.
+DEFAULT_RUN_HEAD_DIM = 128
 
 _VARIANTS_LINE = re.compile(r"^[ \t]*//[ \t]*ferro-variants:(.*)$", re.MULTILINE)
 
@@ -146,12 +150,14 @@ def nvcc():
 
 # --- the project's kernels ----------------------------------------------------------------------
 def _case_id(v, arch: str) -> str:
-    """The case's name: op, dtype, geometry, design (other than mma.sync), buffers, decode rows."""
+    """The case's name: op, dtype, geometry, design (other than mma.sync), buffers, decode rows,
+    dK/dV column parts."""
     from ferrocupy.cuda.configs import MMA
 
     design = "" if v.isa == MMA else f"-{v.isa}"
     return (f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}{design}"
             f"{f'-s{v.stages}' if v.stages else ''}{f'-r{v.rows}' if v.rows else ''}"
+            f"{f'-p{v.parts}' if v.parts > 1 else ''}"
             f"{'-plain' if v.plain else ''}{'-mods' if v.mods else ''}-sm_{arch}")
 
 
@@ -161,6 +167,9 @@ def _table_jobs() -> tuple[list, list]:
 
     nvrtc, nvcc, seen = [], [], set()
     widest, narrowest = max(configs.HEAD_DIMS), min(configs.HEAD_DIMS)
+    widest_of = {}  # per (source, design): the widest head_dim it is built for
+    for v in configs.all_variants():
+        widest_of[(v.source, v.isa)] = max(widest_of.get((v.source, v.isa), 0), v.head_dim)
     for v in configs.all_variants():
         defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
         if (v.source, defines) in seen:
@@ -174,7 +183,7 @@ def _table_jobs() -> tuple[list, list]:
         for arch in archs:
             job = (CUDA_DIR / v.source, arch, defines, _case_id(v, arch))
             nvrtc.append(job)
-            if first and v.head_dim == widest:
+            if first and v.head_dim == widest_of[(v.source, v.isa)]:
                 nvcc.append(job)
     names = {code: str(dtype) for dtype, code in configs.ROPE_DTYPE_DEFINE.items()}
     for defines in configs.rope_variants():
@@ -199,13 +208,19 @@ def _code_path(job) -> tuple:
 
 def default_run_jobs(jobs) -> set:
     """The NVRTC jobs the default run compiles: for sm_90 and sm_90a, each code path (source,
-    architecture, and the defines outside SIZE_DEFINES) at the widest head_dim it is built for,
-    in every size built there. That head_dim takes the most registers and shared memory."""
+    architecture, and the defines outside SIZE_DEFINES) at the widest head_dim up to
+    DEFAULT_RUN_HEAD_DIM it is built for (else the narrowest), in every size built there. The
+    widest takes the most registers and shared memory."""
+    def rank(hd: int) -> tuple:
+        return (hd <= DEFAULT_RUN_HEAD_DIM, hd if hd <= DEFAULT_RUN_HEAD_DIM else -hd)
+
     ours = [job for job in jobs if job[1].startswith(DEFAULT_RUN_ARCH)]
-    widest: dict = {}
+    chosen: dict = {}
     for job in ours:
-        widest[_code_path(job)] = max(widest.get(_code_path(job), 0), _head_dim(job[2]))
-    return {job[:3] for job in ours if _head_dim(job[2]) == widest[_code_path(job)]}
+        hd = _head_dim(job[2])
+        if _code_path(job) not in chosen or rank(hd) > rank(chosen[_code_path(job)]):
+            chosen[_code_path(job)] = hd
+    return {job[:3] for job in ours if _head_dim(job[2]) == chosen[_code_path(job)]}
 
 
 def _kernel_cases():
@@ -389,25 +404,35 @@ def test_default_run_builds_every_source_and_code_path():
         assert (tuple(case.values) in default) != any(m.name == "compile" for m in case.marks)
 
 
+# Shared-memory limits per block (bytes) and their compute capabilities: sm_86 / sm_89, sm_80,
+# sm_90.
+SMEM_LIMITS = ((99 * 1024, 86), (163 * 1024, 80), (227 * 1024, 90))
+
+
 def test_every_selectable_variant_is_compiled():
     """The compile cases cover whatever `configs.select` can return, for every dtype and
-    head_dim 1..128, at a small (99 KB, sm_86) and a large (227 KB, sm_90) shared-memory limit,
-    and (decode) KV groups of 1, 5 and 16 query rows, for calls with and without mask or dropout,
-    with and without softcap, ALiBi or sinks."""
+    head_dim 1..256, at sm_86's (99 KB), sm_80's (163 KB) and sm_90's (227 KB) shared-memory
+    limits, and (decode) KV groups of 1, 5 and 16 query rows, for calls with and without mask or
+    dropout, with and without softcap, ALiBi or sinks. (What 99 KB cannot hold is
+    tests/test_configs.py's.)"""
     from ferrocupy.cuda import configs
 
     compiled = {(p.name, a, d) for p, a, d in _NVRTC_JOBS}
     for op in (configs.FORWARD, configs.BACKWARD_DQ, configs.BACKWARD_DKDV, configs.DECODE):
         for dtype in configs.ROPE_DTYPE_DEFINE:
-            for hd in range(1, 129):
-                for limit, cap in ((99 * 1024, 86), (227 * 1024, 90)):
+            for hd in range(1, 257):
+                for limit, cap in SMEM_LIMITS:
                     for copy_bytes in (16, 4, 2):
                         for rows, plain, mods in itertools.product(
                                 (1, 5, 16) if op == configs.DECODE else (0,), (False, True),
                                 (False, True)):
-                            v = configs.select(op, dtype, hd, limit, capability=cap,
-                                               copy_bytes=copy_bytes, rows=rows,
-                                               plain=plain and not mods, mods=mods)
+                            try:
+                                v = configs.select(op, dtype, hd, limit, capability=cap,
+                                                   copy_bytes=copy_bytes, rows=rows,
+                                                   plain=plain and not mods, mods=mods)
+                            except ValueError:
+                                assert limit < 163 * 1024 and hd > 128, (op, dtype, hd, limit)
+                                continue
                             defines = tuple(f"{k}={x}" for k, x in sorted(v.defines.items()))
                             assert (v.source, v.arch or "90", defines) in compiled, v.describe()
 

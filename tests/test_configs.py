@@ -1,14 +1,19 @@
 """The CUDA backend's choices that need no GPU: which calls take the decode kernels and how
-their keys are split (ferrocupy/cuda/configs.py)."""
+their keys are split, and which variant every head_dim up to 256 gets within each GPU's shared
+memory (ferrocupy/cuda/configs.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrocupy import AttentionDims, AttentionOptions
 from ferrocupy.cuda import configs
+from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from ferrocupy.params import extras_params
 
 
@@ -69,3 +74,94 @@ def test_decode_splits_fill_one_wave_and_cover_every_key():
         splits, per = configs.decode_splits(pairs, keys, 32, slots)
         assert per % 32 == 0 and splits * per >= keys and (splits - 1) * per < keys
         assert per >= 4 * 32 or splits == 1
+
+
+# --- every head_dim up to SPEC's 256 --------------------------------------------------------------
+ATTENTION_OPS = (configs.FORWARD, configs.BACKWARD_DQ, configs.BACKWARD_DKDV, configs.DECODE)
+DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
+# (bytes of shared memory per block, compute capability): sm_80's and sm_90's opt-in limits
+LIMITS = ((163 * 1024, 80), (227 * 1024, 90))
+
+
+def _selections(op, dtype, hd, limit, cap):
+    """Every variant select returns for one (op, dtype, head_dim, GPU), over copy widths,
+    decode rows, many or few decode blocks, plain calls, model options and lse given or not."""
+    for copy_bytes in (16, 4, 2):
+        for rows in ((1, 4, 5, 8, 16) if op == configs.DECODE else (0,)):
+            for many, plain, mods, lse in itertools.product((False, True), repeat=4):
+                yield configs.select(op, dtype, hd, limit, capability=cap, copy_bytes=copy_bytes,
+                                     rows=rows, many_blocks=many, plain=plain and not mods,
+                                     mods=mods, lse_given=lse)
+
+
+@pytest.mark.parametrize("op", ATTENTION_OPS)
+def test_every_head_dim_up_to_256_has_a_variant_within_the_limits(op):
+    """sm_80 and sm_90 take every head_dim 1..256 in every dtype: a variant at least as wide
+    (mma.sync's: the padded head_dim) that fits the GPU's shared memory; above 128 never a wgmma one (mma.sync on Hopper
+    too) and dK/dV in two column ranges."""
+    for dtype in DTYPES:
+        for hd in range(1, 257):
+            for limit, cap in LIMITS:
+                for v in _selections(op, dtype, hd, limit, cap):
+                    assert v.head_dim >= hd, v.describe()  # wgmma's: 64 or 128 (zero-filled)
+                    assert v.isa == configs.WGMMA or v.head_dim == configs.padded_head_dim(hd)
+                    assert v.shared_bytes <= limit, v.describe()
+                    if hd > 128:
+                        assert v.isa != configs.WGMMA, v.describe()
+                    assert v.parts == (2 if op == configs.BACKWARD_DKDV and hd > 128 else 1)
+
+
+def test_sm86_takes_every_head_dim_but_float32_backward_and_wide_decode_groups():
+    """sm_86 / sm_89 (99 KB a block) take every head_dim in half precision, and in float32 the
+    forward and decode of up to 8 rows a group; above 144 the float32 backward and, above 160,
+    float32 decode of 9-16 rows a group need more: an error naming the op, dtype, head_dim and
+    the bytes, before anything runs."""
+    limit = 99 * 1024
+    for op in ATTENTION_OPS:
+        for dtype in DTYPES:
+            for hd in range(1, 257):
+                for rows in ((1, 8, 16) if op == configs.DECODE else (0,)):
+                    short = dtype == FLOAT32 and (
+                        (op in (configs.BACKWARD_DQ, configs.BACKWARD_DKDV) and hd > 144)
+                        or (op == configs.DECODE and rows > 8 and hd > 160))
+                    if not short:
+                        assert configs.select(op, dtype, hd, limit, capability=86,
+                                              copy_bytes=16, rows=rows).shared_bytes <= limit
+                        continue
+                    with pytest.raises(ValueError, match=rf"{op} in float32 at head_dim {hd}\b"
+                                                         rf".* needs at least \d+ bytes of "
+                                                         rf"shared memory per block; this GPU "
+                                                         rf"allows {limit}"):
+                        configs.select(op, dtype, hd, limit, capability=86, copy_bytes=16,
+                                       rows=rows)
+
+
+def test_the_table_keeps_head_dims_up_to_128_as_they_were():
+    """The variants of head_dim <= 128 carry no define the wide ones added (dK/dV's column
+    parts; the combine kernel's block stays 128 threads), and wgmma serves 64 and 128 still."""
+    for (op, dtype, dp), vs in configs.TABLE.items():
+        for v in vs:
+            if dp <= 128:
+                assert v.parts == 1 and "FERRO_DKDV_PARTS" not in v.defines, v.describe()
+                assert v.combine_threads == configs.COMBINE_THREADS
+            else:
+                assert v.isa != configs.WGMMA and v.combine_threads >= v.head_dim
+            assert v.shared_bytes <= configs.MAX_SHARED_BYTES, v.describe()
+    big = 227 * 1024
+    for hd in (64, 128):
+        assert configs.select(configs.FORWARD, BFLOAT16, hd, big, capability=90,
+                              copy_bytes=16).isa == configs.WGMMA
+    assert configs.select(configs.FORWARD, BFLOAT16, 129, big, capability=90,
+                          copy_bytes=16).isa == configs.MMA
+
+
+def test_dkdv_column_parts_double_its_blocks():
+    """Two column ranges of dK/dV: a block each, both of every key tile."""
+    q = np.zeros((2, 300, 8, 200), np.float32)
+    k = np.zeros((2, 500, 2, 200), np.float32)
+    p = AttentionDims.new(q, k).params(AttentionOptions())
+    v = configs.select(configs.BACKWARD_DKDV, BFLOAT16, 200, 163 * 1024, capability=80,
+                       copy_bytes=16)
+    assert v.parts == 2 and v.defines["FERRO_DKDV_PARTS"] == 2
+    assert v.tiles(p) == -(-500 // v.block_rows) * 2 * 2 * 2
+    assert v.blocks(p, 132) == v.tiles(p)

@@ -372,8 +372,27 @@ class _CudaRecorder:
 
 
 CUDA_REFUSALS = [
-    (dict(d=160), r"head_dim = 160 .*the CUDA kernels take head_dim <= 128"),
+    (dict(d=257), r"head_dim <= 256, got 257 \(q shape \(2, 3, 4, 257\)\)"),
 ]
+
+
+@pytest.mark.parametrize("d", [129, 136, 160, 200, 255, 256])
+@pytest.mark.parametrize("op", ["forward", "backward"])
+def test_cuda_backend_plans_every_head_dim_up_to_256(rng, op, d):
+    """head_dim up to SPEC's 256 plans on the CUDA backend, with the model options (what
+    test_cuda_backend_refuses_at_plan_time refuses at 257, and did above 128)."""
+    eng = _eng()
+    eng.backend = _CudaRecorder()
+    t = _case(rng, 2, 3, 4, 4, 2, d, alibi="h", sinks=True)
+    q, k, v = t["q"], t["k"], t["v"]
+    opts = AttentionOptions(causal=True, softcap=5.0)
+    named = dict(alibi_slopes=t["alibi_slopes"], sinks=t["sinks"])
+    if op == "forward":
+        plan = eng.plan_attention(q, k, v, np.zeros_like(q), opts, **named)
+    else:
+        plan = eng.plan_attention_backward(q, k, v, q, q, np.zeros_like(q), np.zeros_like(k),
+                                           np.zeros_like(v), opts, **named)
+    assert plan.dims.head_dim == d
 
 
 @pytest.mark.parametrize("change, match", CUDA_REFUSALS)

@@ -119,7 +119,7 @@ def test_opcheck_with_the_new_arguments(gen, with_sinks):
 
 
 def test_cuda_backend_refuses_the_keywords_through_torch(gen, monkeypatch):
-    """A stand-in CUDA backend (host memory): what the kernels don't take (head_dim > 128) is
+    """A stand-in CUDA backend (host memory): what the kernels don't take (head_dim > 256) is
     refused when the plan is made, before anything runs, whatever keywords come with it (a
     window side and a negative offset, which the kernels take)."""
 
@@ -135,8 +135,8 @@ def test_cuda_backend_refuses_the_keywords_through_torch(gen, monkeypatch):
     engine = ComputeEngine("reference", quiet=True)
     engine.backend = _CudaRecorder()
     monkeypatch.setattr(ft, "_engine", lambda device: engine)
-    q, k, v, *_ = _inputs(gen, alibi="h", D=160)
+    q, k, v, *_ = _inputs(gen, alibi="h", D=257)
     for kw in (dict(window_left=2), dict(causal=True, causal_offset=-1)):
-        with pytest.raises(ValueError, match=r"head_dim = 160 .*head_dim <= 128"):
+        with pytest.raises(ValueError, match=r"head_dim <= 256, got 257"):
             ft.attention(q, k, v, **kw)
     assert engine.backend.plans == []

@@ -398,7 +398,7 @@ class CudaBackend:
             if combine is None:
                 combine = self._kernels[v] = self.loader.function(v.source, v.combine_kernel,
                                                                   v.defines, v.options)
-            launches.append((combine, rows, configs.COMBINE_THREADS, 0,
+            launches.append((combine, rows, v.combine_threads, 0,
                              (part_o, part_ml, opt("out"), opt("lse"), opt("sinks"),
                               np.uint32(splits), layout)))
         return launches, workspace

@@ -29,8 +29,15 @@ FORWARD, BACKWARD_DQ, BACKWARD_DKDV, ROPE = "forward", "backward_dq", "backward_
 DECODE = "decode"  # the forward of few rows against many keys: split-KV, then the splits merged
 DECODE_ROWS = 16  # query rows of a KV group (heads / kv_heads * seq_q) the decode kernels take
 DECODE_MAX_SPLITS = 256  # key splits per (batch, KV head): more only lengthen the merge
-COMBINE_THREADS = 128  # the combine kernel's block (one per output row; the tiles design)
-HEAD_DIMS = tuple(range(16, 129, 16))  # padded head_dim of every attention variant
+COMBINE_THREADS = 128  # the combine kernel's least block (one per output row; the tiles design)
+HEAD_DIMS = tuple(range(16, 257, 16))  # padded head_dim of every attention variant
+# The widest padded head_dim lab/tile_sweep.py measured; wider ones take FlashAttention-2's sm80
+# tile shapes (flash_fwd_launch_template.h, flash_bwd_launch_template.h) until a sweep re-orders
+# them, and no wgmma variant (sm_90 runs them on mma.sync too).
+MEASURED_HEAD_DIM = 128
+# Shared memory per block that some target GPU allows (sm_90's opt-in; sm_80 allows 163 KB,
+# sm_86 / sm_89 99 KB): a candidate needing more is left out of the table.
+MAX_SHARED_BYTES = 227 * 1024
 
 ARGS = {
     FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens", "alibi_slopes", "sinks"),
@@ -101,6 +108,9 @@ class Variant:
     # them. The mma.sync and decode kernels come twice, without (first: what other calls take,
     # their registers untouched) and with; the wgmma ones' general variant has them.
     mods: bool = False
+    # dK/dV: column ranges of dK and dV, each a block of its own (FERRO_DKDV_PARTS): one range's
+    # two accumulators, not all DP columns', live in a thread's registers
+    parts: int = 1
 
     @property
     def half(self) -> bool:
@@ -220,7 +230,7 @@ class Variant:
         if self.op == DECODE:
             d["FERRO_ROWS"] = self.rows
             d["FERRO_STAGES"] = self.stages
-            d["FERRO_COMBINE_THREADS"] = COMBINE_THREADS
+            d["FERRO_COMBINE_THREADS"] = self.combine_threads
         if self.isa == STREAMS:
             d["FERRO_KEY_LANES"] = self.key_lanes
         if self.isa == TENSOR:
@@ -229,7 +239,14 @@ class Variant:
             d["FERRO_PLAIN"] = 1
         if self.mods:
             d["FERRO_MODS"] = 1
+        if self.parts > 1:
+            d["FERRO_DKDV_PARTS"] = self.parts
         return d
+
+    @property
+    def combine_threads(self) -> int:
+        """The decode combine kernel's block: a thread per column of O."""
+        return max(COMBINE_THREADS, self.head_dim)
 
     @property
     def persistent(self) -> bool:
@@ -237,10 +254,11 @@ class Variant:
         return self.isa == WGMMA and self.op == FORWARD
 
     def tiles(self, params) -> int:
-        """Work items: row tiles x (batch, head), or x (batch, KV head) for dK/dV."""
+        """Work items: row tiles x (batch, head), or x (batch, KV head) x column parts for
+        dK/dV."""
         rows = int(params["seq_k"] if self.per_kv_head else params["seq_q"])
         heads = int(params["kv_heads"] if self.per_kv_head else params["heads"])
-        return -(-rows // self.block_rows) * int(params["batch"]) * heads
+        return -(-rows // self.block_rows) * int(params["batch"]) * heads * self.parts
 
     def blocks(self, params, sm_count: int) -> int:
         """The grid: a block per tile, or for a persistent kernel at most one per SM. Its blocks
@@ -257,6 +275,7 @@ class Variant:
                 + (f", {self.rows} query rows" if self.rows else "")
                 + (", no mask, dropout or model options" if self.plain else "")
                 + (", softcap, ALiBi and sinks" if self.mods else "")
+                + (f", dK/dV in {self.parts} column ranges" if self.parts > 1 else "")
                 + f", {self.shared_bytes} B shared")
 
 
@@ -301,6 +320,8 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
     """
     if op == DECODE:  # tiles: 4 warps, 32 keys a tile (a key per lane in the softmax); 3 or 2 buffers
         return [(4, 1, 32, TILES, 3, DECODE_ROWS), (4, 1, 32, TILES, 2, DECODE_ROWS)]
+    if dp > MEASURED_HEAD_DIM:
+        return _wide_geometry(op, dtype, dp)
     if dtype == FLOAT32:
         return [{FORWARD: (4, 1, 64), BACKWARD_DQ: (4, 1, 32), BACKWARD_DKDV: (4, 1, 32)}[op]]
     small = dp <= 64
@@ -309,6 +330,38 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
     if op == BACKWARD_DQ:
         return [(4, 1, 64), (4, 1, 32)] if small else [(4, 2, 32), (4, 1, 32)]
     return [(4, 2, 32), (4, 1, 32)] if small else [(8, 1, 64), (4, 1, 32), (4, 1, 16)]
+
+
+def _wide_geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
+    """(warps, mt, step) candidates above MEASURED_HEAD_DIM, not timed yet: ordered by
+    FlashAttention-2's sm80 choices where ptxas spills nothing for them, then smaller tiles for
+    less shared memory (the last fits sm_86's 99 KB at head_dim 256 in half precision, sm_80's
+    163 KB in float32). A warp's accumulators are 16 * mt rows x dp columns, dp / 2 registers a
+    thread per m-tile, so these take one m-tile a warp; registers and spills of each are in
+    lab/results/head-dim-256-resources.md. A GPU sweep (lab/tile_sweep.py) re-orders them.
+
+    Forward: 8 warps x 128 rows, 64 keys a step (FA2's from head_dim 192 up; its 4-warp 128 x 32
+    at head_dim 160 is two m-tiles a warp here, which spilled 104 bytes), then FA2's 64 x 64
+    fallback. The backward (FA2: 64 keys x 64 query rows, one kernel) is two kernels here: dQ
+    steps 64 keys, dK/dV 64 query rows (in two column ranges: `_dkdv_parts`). float32 (3xTF32,
+    no FA2 counterpart) keeps 4 warps with fewer keys or query rows a step: its tiles take twice
+    the bytes."""
+    if dtype == FLOAT32:
+        return [{FORWARD: (4, 1, 32), BACKWARD_DQ: (4, 1, 16), BACKWARD_DKDV: (4, 1, 16)}[op]] \
+            + ([(4, 1, 16)] if op == FORWARD else [])
+    if op == FORWARD:
+        return [(8, 1, 64), (4, 1, 64), (4, 1, 32)]
+    if op == BACKWARD_DQ:
+        return [(4, 1, 64), (4, 1, 32)]
+    return [(4, 1, 64), (4, 1, 32), (4, 1, 16)]
+
+
+def _dkdv_parts(op: str, dp: int) -> int:
+    """dK/dV's column ranges: two above MEASURED_HEAD_DIM, where all dp columns of dK and dV
+    (dp registers a thread at one m-tile a warp) spilled 750-1800 bytes at head_dim 256 and
+    at most 16 in two ranges (lab/results/head-dim-256-resources.md); the two blocks of a key
+    tile each compute S and dP again (1.5x the products)."""
+    return 2 if op == BACKWARD_DKDV and dp > MEASURED_HEAD_DIM else 1
 
 
 DECODE_STAGE_BYTES = 8192  # at most this much K + V in one warp tile of the streams decode kernel
@@ -340,7 +393,8 @@ def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
     table: each warp streams tiles of 16 keys through buffers of its own; 8 warps where each
     block has an SM to itself, with 3 buffers (2 where shared memory is short: sm_80's 163 KB a
     block), 4 warps with 3 (two blocks an SM) beyond (`select`'s `many_blocks`): more copies in
-    flight a warp, as far as shared memory allows.
+    flight a warp, as far as shared memory allows. Above MEASURED_HEAD_DIM also 4 warps with 2
+    (sm_80 at head_dim 256); the table leaves out those past MAX_SHARED_BYTES.
 
     Why first, ahead of the streams kernel even at groups of up to 8 rows: decode is bound by
     copies, and the math must hide behind them. On the CUDA cores (the streams kernel) the math
@@ -350,9 +404,9 @@ def _decode_tensor(dtype: np.dtype, dp: int) -> list[Variant]:
     measurements."""
     if dtype == FLOAT32:
         return []
-    return [Variant(DECODE, dtype, dp, 8, 1, 8 * 16, TENSOR, 3, DECODE_ROWS),
-            Variant(DECODE, dtype, dp, 8, 1, 8 * 16, TENSOR, 2, DECODE_ROWS),
-            Variant(DECODE, dtype, dp, 4, 1, 4 * 16, TENSOR, 3, DECODE_ROWS)]
+    shapes = [(8, 3), (8, 2), (4, 3)] + ([(4, 2)] if dp > MEASURED_HEAD_DIM else [])
+    return [Variant(DECODE, dtype, dp, warps, 1, warps * 16, TENSOR, stages, DECODE_ROWS)
+            for warps, stages in shapes]
 
 
 def _table() -> dict:
@@ -364,8 +418,10 @@ def _table() -> dict:
             for dp in HEAD_DIMS:
                 others = ((_decode_tensor(dtype, dp) + _decode_streams(dtype, dp)
                            if op == DECODE else [])
-                          + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)))
+                          + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)),
+                                     parts=_dkdv_parts(op, dp))
                              for g in _geometry(op, dtype, dp)])
+                others = [v for v in others if v.shared_bytes <= MAX_SHARED_BYTES]
                 table[(op, dtype, dp)] = tuple(
                     _wgmma(op, dtype, dp) + others
                     + [dataclasses.replace(v, mods=True) for v in others])
@@ -465,6 +521,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     softcap, ALiBi or sinks for the call) admits only the variants built with them."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
+    need = []  # shared bytes of the candidates that fail only for it
     for v in candidates:
         if (many_blocks and v.isa in (STREAMS, TENSOR) and v.warps > 4) or (v.plain and not plain):
             continue
@@ -472,12 +529,14 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
             continue
         if v.isa == WGMMA and v.op == BACKWARD_DQ and not lse_given:
             continue
-        if (v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes)
-                and v.rows >= rows):
-            return v
-    raise ValueError(f"{op} in {dtype} at head_dim {head_dim} needs at least "
-                     f"{min(v.shared_bytes for v in candidates if v.isa == MMA)} bytes of shared memory per "
-                     f"block; this GPU allows {smem_limit}")
+        if v.runs_on(capability, copy_bytes) and v.rows >= rows:
+            if v.shared_bytes <= smem_limit:
+                return v
+            need.append(v.shared_bytes)
+    rows_said = f" with {rows} query rows a KV group" if rows else ""
+    raise ValueError(f"{op} in {dtype} at head_dim {head_dim}{rows_said} needs at least "
+                     f"{min(need, default=0)} bytes of shared memory per block; this GPU allows "
+                     f"{smem_limit}")
 
 
 def key_reach(params, extras) -> int:

@@ -1,10 +1,11 @@
 // Attention backward, second kernel, on mma.sync (sm_80+), one body for every dtype (float32 by
 // 3xTF32, float16 / bfloat16 by m16n8k16 with FERRO_BF16 defined; float32 accumulators). One
-// block = BK keys of one (batch, KV head), each warp 16*MT of them. Reads each query row's
-// [Delta, LSE] from the stats the dQ kernel wrote, loops over the query heads of its GQA group
-// and the query tiles (BQ rows) that can see its keys, and writes grad_k = scale * sum dS^T q and
-// grad_v = sum P'^T grad_out, each rounded once. No atomics: deterministic. Geometry (FERRO_*;
-// FERRO_BN is BQ here) comes from cuda/configs.py.
+// block = BK keys of one (batch, KV head), each warp 16*MT of them, and (FERRO_DKDV_PARTS) one
+// range of dK and dV's columns. Reads each query row's [Delta, LSE] from the stats the dQ kernel
+// wrote, loops over the query heads of its GQA group and the query tiles (BQ rows) that can see
+// its keys, and writes grad_k = scale * sum dS^T q and grad_v = sum P'^T grad_out, each rounded
+// once. No atomics: deterministic. Geometry (FERRO_*; FERRO_BN is BQ here) comes from
+// cuda/configs.py.
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
@@ -23,12 +24,22 @@ namespace {
 typedef Mma::T T;
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, MT = FERRO_MT, BQ = FERRO_BN;
 constexpr int THREADS = 32 * WARPS, BK = 16 * MT * WARPS, PITCH = DP + Mma::PAD;
-constexpr int NT = BQ / 8, DT = DP / 8;
+constexpr int NT = BQ / 8;
 // Each query row's [Delta, LSE]: float32 rows keep them in sdO's pad columns DP, DP + 1 (never
 // read by the products; the block stays at 99 KB of shared memory, the per-block limit of
 // sm_86/sm_89); 16-bit rows in a [BQ][2] array after sdO.
 constexpr bool STATS_IN_PAD = sizeof(T) == 4;
 static_assert(DP % 16 == 0 && DP <= 256 && BQ % 16 == 0, "tile geometry");
+// dK and dV in PARTS column ranges of DC columns, each a block of its own (blockIdx.x % PARTS):
+// one thread's two accumulators hold 16 * MT rows x DC columns, which at DP above 128 would
+// spill whole. Every part computes S^T and dP^T over all DP columns. Range `part` starts at
+// column part * (DP - DC), so the last ends at DP; where DP / 2 is an odd multiple of 8 the two
+// overlap by 16 columns, which both blocks compute alike and store as the same values.
+#ifndef FERRO_DKDV_PARTS
+#define FERRO_DKDV_PARTS 1
+#endif
+constexpr int PARTS = FERRO_DKDV_PARTS, DC = (DP / PARTS + 15) / 16 * 16, DCT = DC / 8;
+static_assert(PARTS == 1 || (PARTS == 2 && DC < DP), "one or two column ranges");
 static_assert(sizeof(T) * (2 * BK + 2 * BQ) * PITCH + (STATS_IN_PAD ? 0 : 8 * BQ) == FERRO_SMEM_BYTES,
               "shared memory = configs.py's");
 
@@ -58,7 +69,8 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
 
     const u32 k_tiles = (s.seq_k + BK - 1) / BK;
     u32 bhk, tile;  // the first key tiles are seen by the most queries
-    block_coords(blockIdx.x, k_tiles, s.batch * s.kv_heads, bhk, tile);
+    block_coords(blockIdx.x / PARTS, k_tiles, s.batch * s.kv_heads, bhk, tile);
+    const int c0 = (int)(blockIdx.x % PARTS) * (DP - DC);  // this block's first dK/dV column
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;
     const long long key0 = k0 + warp * 16 * MT + L.g;  // + 16 mt + 8 rr
@@ -79,11 +91,11 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
     const Dropout<OPT::DROPOUT> drop(s);
     const float keep_scale = drop.keep_scale();
 
-    float dk[MT][DT][4], dv[MT][DT][4];
+    float dk[MT][DCT][4], dv[MT][DCT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nd = 0; nd < DT; ++nd)
+        for (int nd = 0; nd < DCT; ++nd)
 #pragma unroll
             for (int r = 0; r < 4; ++r) dk[mt][nd][r] = dv[mt][nd][r] = 0.f;
 
@@ -153,11 +165,11 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
                 }
             }
         }
-        Mma::gemm_acc_ab<MT, NT, DP, PITCH>(dpT, sQ, dk);  // dpT holds dS^T
+        Mma::gemm_acc_ab<MT, NT, DC, PITCH>(dpT, sQ + c0, dk);  // dpT holds dS^T
         __syncthreads();  // every warp is done with Q_t
         if (more) load_q(t + 1);
         cp_async_commit();
-        Mma::gemm_acc_ab<MT, NT, DP, PITCH>(sT, sdO, dv);  // sT holds P'^T
+        Mma::gemm_acc_ab<MT, NT, DC, PITCH>(sT, sdO + c0, dv);  // sT holds P'^T
         __syncthreads();  // every warp is done with dO_t and its stats
         if (more) load_do(t + 1);
         cp_async_commit();
@@ -166,8 +178,8 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
     cp_async_wait<0>();  // (with no query step, the K/V copies are still in flight)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-        store_acc_tile2<T, DT>(grad_k, gk, dk[mt], s.scale, grad_v, gv, dv[mt], 1.f, key0 + 16 * mt,
-                               s.seq_k, L, D, vec > 1);
+        store_acc_tile2<T, DCT>(grad_k + c0, gk, dk[mt], s.scale, grad_v + c0, gv, dv[mt], 1.f,
+                                key0 + 16 * mt, s.seq_k, L, D - c0, vec > 1);
 }
 }  // namespace
 
