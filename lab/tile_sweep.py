@@ -3,6 +3,9 @@ to choose `ferrocupy/cuda/configs.py`'s table from measurements.
 
     python3 lab/tile_sweep.py [--dtype bfloat16] [--dims 64,128] [--seq 4096] [--ops forward]
 
+(`--dims 160,192,256`: the wide head_dims, whose table order is FA2's until swept; dK/dV there in
+configs.dkdv_parts' column ranges, no wgmma.)
+
 Shapes are the benchmark's: 16k tokens per batch (B = 16384 / S), hidden 2048 (H = 2048 / D).
 Each geometry is compiled (in parallel, first), forced as the table's only candidate
 (`tuning.forcing`), checked against the table's own choice on the same inputs, then its kernel
@@ -110,8 +113,11 @@ def main() -> None:
     rows = []
     for D in (int(x) for x in args.dims.split(",")):
         B, H = 16384 // S, 2048 // D
-        variants = {op: [v for v in (configs.Variant(op, dtype, D, *g) for g in gs)
-                         if v.runs_on(backend.capability, 16) and v.shared_bytes <= limit]
+        variants = {op: [v for v in (configs.Variant(op, dtype, D, *g,
+                                                     parts=configs.dkdv_parts(op, D))
+                                     for g in gs)
+                         if v.runs_on(backend.capability, 16) and v.shared_bytes <= limit
+                         and (v.isa != configs.WGMMA or D <= configs.MEASURED_HEAD_DIM)]
                     for op, gs in GEOMETRIES.items() if op in args.ops.split(",")}
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda v: backend.loader.function(v.source, v.kernel, v.defines,

@@ -446,6 +446,23 @@ def check_forward_with_lse(dev: Device, ref: Device, q, k, v, opts, mask=None, k
         assert err < tol, f"{name}: relative error {err:.2e} (tol {tol}) {what}"
 
 
+def check_decode_case(dev: Device, ref: Device, rng: np.random.Generator, dtype, b: int,
+                      sq: int, h: int, hkv: int, d: int, sk: int, opts: AttentionOptions,
+                      mask: bool, lens, what: str = "") -> None:
+    """check_forward_with_lse on fresh standard-normal inputs in `dtype` at a decode shape, with
+    a [b, 1, sq, sk] float32 mask if `mask`, and per-batch `lens` (kv_lens; NaN in k and v past
+    them) unless None."""
+    q = rng.standard_normal((b, sq, h, d)).astype(np.float32).astype(dtype)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
+    m = rng.standard_normal((b, 1, sq, sk)).astype(np.float32) if mask else None
+    kv_lens = None if lens is None else np.array(lens, np.int32)
+    if kv_lens is not None:
+        for i, n in enumerate(kv_lens):
+            k[i, n:], v[i, n:] = np.nan, np.nan
+    check_forward_with_lse(dev, ref, q, k, v, opts, m, kv_lens, what=what)
+
+
 def grad_floors(case: AttnCase) -> dict:
     """The norm each gradient would have without the `- Delta` cancellation, times 0.1.
 

@@ -16,7 +16,8 @@ import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import check_forward_with_lse, decoders, dev, gpu_pytestmark, ref  # noqa: F401
+from gpu_helpers import (check_decode_case, check_forward_with_lse, decoders,  # noqa: F401
+                         dev, gpu_pytestmark, ref)
 
 pytestmark = gpu_pytestmark()
 
@@ -89,16 +90,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_matches_the_reference(decoders, ref, rng, dtype, name):  # noqa: F811
     b, sq, h, hkv, d, sk, opts, mask, lens = CASES[name]
-    opts = AttentionOptions(**opts)
-    q = rng.standard_normal((b, sq, h, d)).astype(np.float32).astype(dtype)
-    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
-    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
-    m = rng.standard_normal((b, 1, sq, sk)).astype(np.float32) if mask else None
-    kv_lens = None if lens is None else np.array(lens, np.int32)
-    if kv_lens is not None:
-        for i, n in enumerate(kv_lens):
-            k[i, n:], v[i, n:] = np.nan, np.nan
-    check_forward_with_lse(decoders, ref, q, k, v, opts, m, kv_lens, what=name)
+    check_decode_case(decoders, ref, rng, dtype, b, sq, h, hkv, d, sk, AttentionOptions(**opts),
+                      bool(mask), lens, what=name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

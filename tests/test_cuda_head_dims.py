@@ -2,7 +2,7 @@
 float16 and bfloat16, and decode, against the float64 reference with every output NaN-poisoned
 first; half precision by SPEC's rule (tests/half_rule.py). The wide head_dims run the mma.sync
 kernels on every GPU (no wgmma variant is built above 128) with dK/dV in two column ranges
-(configs.py `_dkdv_parts`): head_dim 136 and 200 pad to 144 and 208, whose ranges overlap by 16
+(configs.py `dkdv_parts`): head_dim 136 and 200 pad to 144 and 208, whose ranges overlap by 16
 columns; 255 (forward and backward) copies one element at a time in half precision (an odd
 row).
 
@@ -12,12 +12,11 @@ reference (see tests/gpu_helpers.py).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import (DROPOUT_SEED, check_backward, check_forward, check_forward_with_lse,
+from gpu_helpers import (DROPOUT_SEED, check_backward, check_decode_case, check_forward,
                          decoders, dev, gpu_pytestmark, make_case, ref)
 from half_rule import rounded
 from test_cuda_half import check_half
@@ -84,13 +83,5 @@ DECODE_CASES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_wide_head_dim_decode(decoders, ref, rng, dtype, d, name):
     b, sq, h, hkv, sk, opts, mask, lens = DECODE_CASES[name]
-    q = rng.standard_normal((b, sq, h, d)).astype(np.float32).astype(dtype)
-    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
-    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32).astype(dtype)
-    m = rng.standard_normal((b, 1, sq, sk)).astype(np.float32) if mask else None
-    kv_lens = None if lens is None else np.array(lens, np.int32)
-    if kv_lens is not None:
-        for i, n in enumerate(kv_lens):
-            k[i, n:], v[i, n:] = np.nan, np.nan
-    check_forward_with_lse(decoders, ref, q, k, v, AttentionOptions(**opts), m, kv_lens,
-                           what=f"{name} d{d}")
+    check_decode_case(decoders, ref, rng, dtype, b, sq, h, hkv, d, sk, AttentionOptions(**opts),
+                      mask, lens, what=f"{name} d{d}")

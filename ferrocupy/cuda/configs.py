@@ -343,7 +343,7 @@ def _wide_geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, in
     Forward: 8 warps x 128 rows, 64 keys a step (FA2's from head_dim 192 up; its 4-warp 128 x 32
     at head_dim 160 is two m-tiles a warp here, which spilled 104 bytes), then FA2's 64 x 64
     fallback. The backward (FA2: 64 keys x 64 query rows, one kernel) is two kernels here: dQ
-    steps 64 keys, dK/dV 64 query rows (in two column ranges: `_dkdv_parts`). float32 (3xTF32,
+    steps 64 keys, dK/dV 64 query rows (in two column ranges: `dkdv_parts`). float32 (3xTF32,
     no FA2 counterpart) keeps 4 warps with fewer keys or query rows a step: its tiles take twice
     the bytes."""
     if dtype == FLOAT32:
@@ -356,11 +356,11 @@ def _wide_geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, in
     return [(4, 1, 64), (4, 1, 32), (4, 1, 16)]
 
 
-def _dkdv_parts(op: str, dp: int) -> int:
+def dkdv_parts(op: str, dp: int) -> int:
     """dK/dV's column ranges: two above MEASURED_HEAD_DIM, where all dp columns of dK and dV
-    (dp registers a thread at one m-tile a warp) spilled 750-1800 bytes at head_dim 256 and
-    at most 16 in two ranges (lab/results/head-dim-256-resources.md); the two blocks of a key
-    tile each compute S and dP again (1.5x the products)."""
+    (dp registers a thread at one m-tile a warp) spilled 620-1780 bytes a thread at head_dim
+    256, and two ranges 0-72 (lab/results/head-dim-256-resources.md); the two blocks of a key
+    tile each compute S and dP (1.5x the products of one block)."""
     return 2 if op == BACKWARD_DKDV and dp > MEASURED_HEAD_DIM else 1
 
 
@@ -419,7 +419,7 @@ def _table() -> dict:
                 others = ((_decode_tensor(dtype, dp) + _decode_streams(dtype, dp)
                            if op == DECODE else [])
                           + [Variant(op, dtype, dp, *g[:3], *(g[3:] or (MMA,)),
-                                     parts=_dkdv_parts(op, dp))
+                                     parts=dkdv_parts(op, dp))
                              for g in _geometry(op, dtype, dp)])
                 others = [v for v in others if v.shared_bytes <= MAX_SHARED_BYTES]
                 table[(op, dtype, dp)] = tuple(
