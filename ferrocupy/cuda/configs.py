@@ -333,8 +333,8 @@ def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
 
 
 def _wide_geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
-    """(warps, mt, step) candidates above MEASURED_HEAD_DIM, not timed yet: ordered by
-    FlashAttention-2's sm80 choices where ptxas spills nothing for them, then smaller tiles for
+    """(warps, mt, step) candidates above MEASURED_HEAD_DIM, not timed yet (no GPU): ordered by
+    FlashAttention-2's sm80 choices (but one that spilled, below), then smaller tiles for
     less shared memory (the last fits sm_86's 99 KB at head_dim 256 in half precision, sm_80's
     163 KB in float32). A warp's accumulators are 16 * mt rows x dp columns, dp / 2 registers a
     thread per m-tile, so these take one m-tile a warp; registers and spills of each are in
