@@ -527,10 +527,27 @@ def check_backend_reach(backend, specs: dict, opts, dims) -> None:
     CUDA backend refuses)."""
     if backend.name != "cuda":
         return
-    for name, what in (("cu_seqlens_q", "varlen"), ("block_table", "a paged KV cache"),
-                       ("k_new", "a KV-cache append")):
+    for name, what in (("cu_seqlens_q", "varlen"), ("k_new", "a KV-cache append")):
         if specs.get(name) is not None:
             raise ValueError(f"{name} (shape {specs[name].shape}), {what}: {_NOT_ON_GPU}")
+    _check_paged_reach(specs, dims)
+
+
+def _check_paged_reach(specs: dict, dims) -> None:
+    """A paged KV cache runs on the decode kernels (a KV group of at most DECODE_ROWS query
+    rows); the forward (prefill) kernels do not read one yet."""
+    table = specs.get("block_table")
+    if table is None:
+        return
+    from .cuda.configs import DECODE_ROWS
+
+    group_rows = dims.heads // dims.kv_heads * dims.seq_q
+    if group_rows > DECODE_ROWS and dims.seq_k:
+        raise ValueError(f"block_table (shape {table.shape}), a paged KV cache with "
+                         f"{group_rows} query rows per KV group (q shape {specs['q'].shape}, "
+                         f"{dims.heads // dims.kv_heads} heads per KV head): the CUDA kernels "
+                         f"read a paged cache in decode, at most {DECODE_ROWS} rows per KV "
+                         f"group; prefill over one is {_NOT_ON_GPU}")
 
 
 def check_device(backend, name: str, t) -> None:

@@ -3,7 +3,8 @@
 float64 oracle (tests/dense_options.py) on the pages gathered into a contiguous cache; every
 page size; blocks no sequence reaches hold NaN and block-table entries past a sequence's reach
 hold garbage, neither read; hypothesis over page sizes, tables and options; bad block ids and
-shapes refused by name with nothing written; the CUDA backend's refusal at plan time."""
+shapes refused by name with nothing written; the CUDA backend plans paged decode and refuses
+paged prefill at plan time (tests/test_cuda_paged.py runs paged decode on the GPU)."""
 
 from __future__ import annotations
 
@@ -225,30 +226,38 @@ def forward_into(t, out):
                                    block_table=t["block_table"])
 
 
-# --- CUDA refuses paged KV when the plan is made --------------------------------------------------
-def test_cuda_backend_refuses_paged_kv_at_plan_time(rng):
+# --- CUDA: paged KV on the decode kernels, prefill over pages refused when the plan is made -------
+PREFILL_REFUSAL = (r"block_table \(shape \(2, 3\)\), a paged KV cache with 18 query rows per KV "
+                   r"group .*at most 16 rows per KV group; prefill over one is not on the GPU "
+                   r"kernels yet")
+
+
+def test_cuda_backend_plans_paged_decode_and_refuses_paged_prefill(rng):
     eng = _eng()
     eng.backend = rec = _CudaRecorder()
-    t = paged_case(rng, 2, 1, 2, 1, 8, 4, 3, [9, 2])
+    t = paged_case(rng, 2, 1, 2, 1, 8, 4, 3, [9, 2])  # a KV group of 2 rows: decode
+    eng.plan_attention(t["q"], t["k"], t["v"], np.zeros_like(t["q"]), kv_lens=t["kv_lens"],
+                       block_table=t["block_table"])
+    assert rec.plans == ["forward"]
+    t = paged_case(rng, 2, 9, 2, 1, 8, 4, 3, [9, 2])  # 18 rows: the forward kernels' call
     out = np.zeros_like(t["q"])
-    match = r"block_table \(shape \(2, 3\)\), a paged KV cache: not on the GPU kernels yet"
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=PREFILL_REFUSAL):
         eng.plan_attention(t["q"], t["k"], t["v"], out, kv_lens=t["kv_lens"],
                            block_table=t["block_table"])
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=PREFILL_REFUSAL):
         eng.flash_attention_v2_with(t["q"], t["k"], t["v"], out, kv_lens=t["kv_lens"],
                                     block_table=t["block_table"])
-    assert rec.plans == [] and not out.any()
+    assert rec.plans == ["forward"] and not out.any()
 
 
 @pytest.mark.gpu
-def test_the_cuda_backend_refuses_paged_kv_on_the_gpu(rng):
+def test_the_cuda_backend_refuses_paged_prefill_on_the_gpu(rng):
     import cupy
 
     eng = ComputeEngine("cuda", quiet=True)
-    t = {n: cupy.asarray(a) for n, a in paged_case(rng, 2, 1, 2, 1, 8, 4, 3, [9, 2]).items()}
+    t = {n: cupy.asarray(a) for n, a in paged_case(rng, 2, 9, 2, 1, 8, 4, 3, [9, 2]).items()}
     out = cupy.zeros_like(t["q"])
-    with pytest.raises(ValueError, match=r"block_table .*a paged KV cache: not on the GPU"):
+    with pytest.raises(ValueError, match=PREFILL_REFUSAL):
         eng.flash_attention_v2_with(t["q"], t["k"], t["v"], out, kv_lens=t["kv_lens"],
                                     block_table=t["block_table"])
     assert not out.any()

@@ -181,7 +181,7 @@ def test_attention_with_kvcache_op_under_opcheck_and_compile(rng):
 
 
 def test_cuda_backend_refuses_them_through_torch(rng, monkeypatch):
-    """A stand-in CUDA backend (host memory): varlen, paged and the append are refused when
+    """A stand-in CUDA backend (host memory): varlen, paged prefill and the append are refused when
     the plan is made, naming the argument, nothing written."""
     engine = ComputeEngine("reference", quiet=True)
     engine.backend = varlen._CudaRecorder()
@@ -191,8 +191,8 @@ def test_cuda_backend_refuses_them_through_torch(rng, monkeypatch):
         ft.attention(tt["q"], tt["k"], tt["v"], cu_seqlens_q=tt["cu_seqlens_q"],
                      cu_seqlens_k=tt["cu_seqlens_k"], max_seqlen_q=5, max_seqlen_k=6)
     p = {n: torch.from_numpy(a) for n, a in
-         paged.paged_case(rng, 2, 1, 2, 1, 8, 4, 3, [9, 2]).items()}
-    with pytest.raises(ValueError, match=r"block_table .*a paged KV cache: not on the GPU"):
+         paged.paged_case(rng, 2, 9, 2, 1, 8, 4, 3, [9, 2]).items()}  # prefill: 18 rows
+    with pytest.raises(ValueError, match=r"block_table .*a paged KV cache with 18 query rows"):
         ft.attention(p["q"], p["k"], p["v"], kv_lens=p["kv_lens"], block_table=p["block_table"])
     a = {n: torch.from_numpy(x) for n, x in
          append.case(rng, 2, 1, 2, 2, 1, 8, [3, 6], capacity=8).items()}

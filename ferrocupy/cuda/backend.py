@@ -23,7 +23,7 @@ GRID_X_MAX = 2**31 - 1
 _PLANS_MAX = 256  # RoPE plans kept per backend (a long-running job sees few call shapes)
 # buffers whose alignment picks no copy width
 _NOT_ROWS = ("mask", "lse", "kv_lens", "stats", "alibi_slopes", "sinks", "grad_sinks",
-             "dq_accum", "dq_semaphores")
+             "dq_accum", "dq_semaphores", "block_table")
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
 # a launch on any further stream passes none, and its blocks take tiles in a fixed turn. Launches
@@ -390,7 +390,8 @@ class CudaBackend:
             return NULL if buffers.get(name) is None else Slot(name)
 
         args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, tickets, opt("out"),
-                opt("lse"), opt("mask"), opt("kv_lens"), opt("alibi_slopes"), opt("sinks"),
+                opt("lse"), opt("mask"), opt("kv_lens"), opt("block_table"), opt("alibi_slopes"),
+                opt("sinks"),
                 np.uint32(splits), np.uint32(split_keys), np.uint32(vec), mask_kind, layout)
         launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
         if combine_launch:

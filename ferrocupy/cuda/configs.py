@@ -46,7 +46,7 @@ ARGS = {
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats",
                     "alibi_slopes"),
     DECODE: ("q", "k", "v", "part_o", "part_ml", "tickets", "out", "lse", "mask", "kv_lens",
-             "alibi_slopes", "sinks", "splits", "split_keys"),
+             "block_table", "alibi_slopes", "sinks", "splits", "split_keys"),
 }
 # Every attention kernel takes, after its buffers, `vec`, `mask_kind`, the layout, the seed's
 # struct and the AttnExtras struct (softcap; whether alibi_slopes is [batch, heads]).

@@ -35,13 +35,20 @@ __device__ __forceinline__ void split_keys_range(const AttnShape& s, u32 split, 
 // go in (batch, KV head, split) order. (The KV head fastest, so that blocks running at once read
 // neighbouring heads' slices of the same keys, measured 1-4% slower in 7 of the 9 compare.py
 // decode cases, H200, 2026-12-03.) `s` becomes batch b's shape (its kv_lens entry).
+// A paged cache (SPEC "Paged KV cache"; `pages` non-null): key j lies in row j % page of block
+// pages[j / page], at element block * k_block + row * rk.stride from rk.off (the KV head's
+// column); a contiguous one is a single page of every key (block 0, row j).
 struct DecodeBlock {
     u32 b, hk, G;          // G: query heads per KV head
     int R;                 // rows: row r is head hk * G + r / seq_q, query r % seq_q
-    Rows rk, rv;           // (b, hk)'s rows of K and V
+    Rows rk, rv;           // (b, hk)'s rows of K and V (paged: hk's column of a block)
     long long j_lo, j_hi;  // this split's keys
+    const int* pages;      // batch b's row of block_table (null: contiguous)
+    u32 page, page_shift;  // rows per block; log2 of it when a power of two, else 32
+    u64 k_block, v_block;  // elements from one block to the next (0: contiguous)
 };
 __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_lens,
+                                                    const int* block_table, const AttnExtras& ex,
                                                     const AttnLayout& lay, u32 splits,
                                                     u32 split_keys) {
     DecodeBlock d;
@@ -50,10 +57,51 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
     for_batch(s, kv_lens, d.b);
     d.G = s.heads / s.kv_heads;
     d.R = (int)(d.G * s.seq_q);
-    d.rk = rows_of(lay.k, d.b, d.hk), d.rv = rows_of(lay.v, d.b, d.hk);
+    d.pages = nullptr, d.page = 0, d.page_shift = 32, d.k_block = d.v_block = 0;
+    if (block_table && ex.page_size) {  // seq_k is the capacity: max_blocks * page_size
+        d.page = ex.page_size;
+        d.page_shift = (d.page & (d.page - 1)) ? 32u : (u32)(__ffs(d.page) - 1);
+        d.pages = block_table + (u64)d.b * (s.seq_k / d.page);
+        d.k_block = lay.k.b, d.v_block = lay.v.b;
+        d.rk = rows_of(lay.k, 0, d.hk), d.rv = rows_of(lay.v, 0, d.hk);
+    } else {
+        d.rk = rows_of(lay.k, d.b, d.hk), d.rv = rows_of(lay.v, d.b, d.hk);
+    }
     split_keys_range(s, split, split_keys, d.j_lo, d.j_hi);
     return d;
 }
+
+// Where key j (one that exists: j < kv_len) lies: its block (the table read) and row.
+__device__ __forceinline__ void key_slot(const DecodeBlock& d, long long j, u64& block, u64& row) {
+    if (!d.pages) {
+        block = 0, row = (u64)j;
+        return;
+    }
+    const u64 jj = (u64)j;
+    const u64 t = d.page_shift < 32 ? jj >> d.page_shift : jj / d.page;
+    row = d.page_shift < 32 ? jj & (d.page - 1) : jj - t * d.page;
+    block = (u64)(u32)__ldg(d.pages + t);
+}
+
+// The keys of one tile [jt, jt + n) (jt < j_hi): translated once when they lie in one page (a
+// contiguous cache, or a page that holds the tile: its keys are consecutive rows of one block),
+// else each key on its own (`at`). Element offsets of key j's K and V rows (from rk.off, rv.off).
+struct TileKeys {
+    bool one_page;
+    long long jt;
+    u64 block, row;  // jt's
+    __device__ __forceinline__ TileKeys(const DecodeBlock& d, long long jt_, int n) : jt(jt_) {
+        key_slot(d, jt, block, row);
+        one_page = !d.pages || row + (u64)n <= d.page;
+    }
+    __device__ __forceinline__ void at(const DecodeBlock& d, long long j, u64& k_off,
+                                       u64& v_off) const {
+        u64 bl = block, r = row + (u64)(j - jt);
+        if (!one_page) key_slot(d, j, bl, r);
+        k_off = bl * d.k_block + r * d.rk.stride;
+        v_off = bl * d.v_block + r * d.rv.stride;
+    }
+};
 
 // Row `row`'s column d merged over the splits' parts in the workspace (unnormalised O
 // [splits][rows_total][FERRO_HEAD_DIM], (max, sum) [splits][rows_total][2]): each thread reads

@@ -69,8 +69,9 @@ static_assert(sizeof(FlashBwdParams) == 80, "FlashBwdParams is 20 words");
 
 // The third struct (params.py's ATTN_EXTRAS): the options the seed's words have no room for.
 // The window's sides (every kernel: attn_shape), softcap (0: none) and the flags' ALiBi and sinks
-// bits are read here; page_size, new_keys and rotary_dim are for options the kernels refuse at
-// plan time (ferrocupy/plan.py check_backend_reach).
+// bits are read here; page_size by the decode kernels (a paged cache: ferro_decode.cuh's
+// DecodeBlock); new_keys and rotary_dim are for options the kernels refuse at plan time
+// (ferrocupy/plan.py check_backend_reach).
 struct AttnExtras {
     int window_left, window_right;
     float softcap;

@@ -9,7 +9,7 @@
 // unnormalised O and its (max, sum) to a float32 workspace; `flash_decode_combine` merges the
 // splits of each row through them and writes out (and lse); `tickets` is for the other designs
 // (their last block of a pair merges the splits) and unused here. Every forward option holds: causal
-// + offset, window, mask, dropout (the same keep mask), kv_lens, dead rows -> 0.
+// + offset, window, mask, dropout (the same keep mask), kv_lens, a paged cache, dead rows -> 0.
 // Element type: float32, or float16 / bfloat16 with FERRO_BF16 defined. Geometry from configs.py.
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
@@ -36,7 +36,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              float* __restrict__ part_o, float* __restrict__ part_ml, u32* __restrict__ tickets,
              T* __restrict__ out, float* __restrict__ lse, const void* __restrict__ mask,
-             const int* __restrict__ kv_lens, const float* __restrict__ alibi,
+             const int* __restrict__ kv_lens, const int* __restrict__ block_table,
+             const float* __restrict__ alibi,
              const float* __restrict__ sinks, const u32 splits, const u32 split_keys,
              const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
              const AttnExtras ex) {
@@ -51,7 +52,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
-    const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
+    const DecodeBlock blk = decode_block(s, kv_lens, block_table, ex, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R;
     const int D = s.head_dim, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -80,13 +81,25 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     // Tiles t + 1 .. t + STAGES - 1 load while tile t is used; one commit group per tile (maybe
     // empty), so waiting for all but the newest STAGES - 1 groups means tile t has landed.
+    // A paged cache: each key row translated on its own (this design's copies go a chunk per
+    // thread, not a tile per warp).
+    auto k_row = [&](long long j) {
+        u64 bl, r;
+        key_slot(blk, j, bl, r);
+        return bl * blk.k_block + r * rk.stride;
+    };
+    auto v_row = [&](long long j) {
+        u64 bl, r;
+        key_slot(blk, j, bl, r);
+        return bl * blk.v_block + r * rv.stride;
+    };
     auto load_kv = [&](int t) {
         if (t < n_tiles) {
             const long long j = j_lo + (long long)t * BN;
-            load_tile<T, BN, DP, PITCH, THREADS>(sK + (t % STAGES) * KV_ELEMS, kb, rk.stride, j,
-                                                 j_hi, D, vec);
-            load_tile<T, BN, DP, PITCH, THREADS>(sV + (t % STAGES) * KV_ELEMS, vb, rv.stride, j,
-                                                 j_hi, D, vec);
+            load_tile_at<T, BN, DP, PITCH, THREADS>(sK + (t % STAGES) * KV_ELEMS, kb, k_row, j,
+                                                    j_hi, D, vec);
+            load_tile_at<T, BN, DP, PITCH, THREADS>(sV + (t % STAGES) * KV_ELEMS, vb, v_row, j,
+                                                    j_hi, D, vec);
         }
         cp_async_commit();
     };

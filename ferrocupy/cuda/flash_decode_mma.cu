@@ -13,7 +13,7 @@
 // O += P V with P rounded to the dtype (as every half-precision forward here does). The warps'
 // results merge through shared memory at the end (decode_finish); with several splits, the
 // pair's last block to finish merges the splits (decode_finish's tickets). Every forward option holds: causal + offset, window,
-// mask, dropout, kv_lens, dead rows -> 0; keys past the split's reach are never read.
+// mask, dropout, kv_lens, a paged cache (TileKeys), dead rows -> 0; keys past the split's reach are never read.
 // Rows of K and V take 16-byte copies (the backend checks). Geometry from configs.py.
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
@@ -54,7 +54,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  float* __restrict__ part_o, float* __restrict__ part_ml,
                  u32* __restrict__ tickets, T* __restrict__ out, float* __restrict__ lse,
                  const void* __restrict__ mask, const int* __restrict__ kv_lens,
-                 const float* __restrict__ alibi, const float* __restrict__ sinks, const u32 splits,
+                 const int* __restrict__ block_table, const float* __restrict__ alibi, const float* __restrict__ sinks, const u32 splits,
                  const u32 split_keys, const u32 vec, const u32 mask_kind, const AttnLayout lay,
                  const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_d[];
@@ -66,7 +66,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
-    const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
+    const DecodeBlock blk = decode_block(s, kv_lens, block_table, ex, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
     const T* kb = k + blk.rk.off;
@@ -109,17 +109,20 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
             u16* sK = ring + (u % STAGES) * TILE;
             u16* sV = sK + TK * KPITCH;
+            const TileKeys tk(blk, jt, TK);
 #pragma unroll
             for (int i = 0; i < TK * CHUNKS / 32; ++i) {
                 const int c = lane + 32 * i, key = c / CHUNKS, ch = c % CHUNKS;
                 const long long j = jt + key;
                 const bool ok = j < j_hi && ch * 8 < D;
-                const u64 jj = ok ? (u64)j : 0, d0 = ok ? ch * 8 : 0;
+                const u64 d0 = ok ? ch * 8 : 0;
+                u64 ko = 0, vo = 0;
+                if (ok) tk.at(blk, j, ko, vo);
                 int at;
                 if constexpr (SWZ) at = swz_at<DP>(key, ch);
                 else at = key * PITCH + ch * 8;
-                cp_async<16>(sK + at, kb + (ok ? jj * blk.rk.stride + d0 : 0), ok);
-                cp_async<16>(sV + at, vb + (ok ? jj * blk.rv.stride + d0 : 0), ok);
+                cp_async<16>(sK + at, kb + ko + d0, ok);
+                cp_async<16>(sV + at, vb + vo + d0, ok);
             }
         }
         cp_async_commit();  // one group per tile, maybe empty: the wait below counts tiles

@@ -14,7 +14,8 @@
 // With one split the block writes out (rounded once) and lse itself; with more, its unnormalised
 // O and (max, sum) go to the workspace and the pair's last block to finish merges them
 // (decode_finish's tickets). Every forward option
-// holds: causal + offset, window, mask, dropout (the same keep mask), kv_lens, dead rows -> 0.
+// holds: causal + offset, window, mask, dropout (the same keep mask), kv_lens, a paged cache
+// (TileKeys), dead rows -> 0.
 // Rows of K and V must take 16-byte copies (head_dim * element size a multiple of 16, aligned);
 // other calls take flash_decode.cu. Geometry (ROWS, TX, the tile, STAGES) from configs.py.
 #include "ferro_params.cuh"
@@ -50,7 +51,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      float* __restrict__ part_o, float* __restrict__ part_ml,
                      u32* __restrict__ tickets, T* __restrict__ out, float* __restrict__ lse,
                      const void* __restrict__ mask, const int* __restrict__ kv_lens,
-                     const float* __restrict__ alibi, const float* __restrict__ sinks,
+                     const int* __restrict__ block_table, const float* __restrict__ alibi, const float* __restrict__ sinks,
                      const u32 splits, const u32 split_keys, const u32 vec, const u32 mask_kind,
                      const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_d[];
@@ -60,12 +61,11 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
-    const DecodeBlock blk = decode_block(s, kv_lens, lay, splits, split_keys);
+    const DecodeBlock blk = decode_block(s, kv_lens, block_table, ex, lay, splits, split_keys);
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
-    const Rows rk = blk.rk, rv = blk.rv;
-    const T* kb = k + rk.off;
-    const T* vb = v + rv.off;
+    const T* kb = k + blk.rk.off;
+    const T* vb = v + blk.rv.off;
     // This split's keys; the warp's share of its tiles.
     const long long j_lo = blk.j_lo, j_hi = blk.j_hi;
     const int n_tiles = j_hi > j_lo ? (int)((j_hi - j_lo + TK - 1) / TK) : 0;
@@ -77,11 +77,13 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (u < n_mine) {
             const long long jt = j_lo + (long long)(warp + WARPS * u) * TK;
             unsigned char* buf = ring + (u % STAGES) * TILE_BYTES;
+            const TileKeys tk(blk, jt, TK);
 #pragma unroll
             for (int c = 0; c < C; ++c) {
                 const long long j = jt + c * KW + g;
                 const bool key_ok = j < j_hi;
-                const u64 jj = key_ok ? (u64)j : 0;
+                u64 ko = 0, vo = 0;
+                if (key_ok) tk.at(blk, j, ko, vo);
 #pragma unroll
                 for (int cc = 0; cc < CH; ++cc) {
                     const int ch = x + TX * cc;
@@ -89,8 +91,8 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
                         const int off = ((c * KW + g) * ROW_CHUNKS + ch) * 16;
                         const bool ok = key_ok && ch * VEC < D;
                         const u64 d0 = ok ? ch * VEC : 0;
-                        cp_async<16>(buf + off, kb + (ok ? jj * rk.stride + d0 : 0), ok);
-                        cp_async<16>(buf + TK * ROW_BYTES + off, vb + (ok ? jj * rv.stride + d0 : 0), ok);
+                        cp_async<16>(buf + off, kb + (ok ? ko + d0 : 0), ok);
+                        cp_async<16>(buf + TK * ROW_BYTES + off, vb + (ok ? vo + d0 : 0), ok);
                     }
                 }
             }
