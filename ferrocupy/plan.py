@@ -527,9 +527,9 @@ def check_backend_reach(backend, specs: dict, opts, dims) -> None:
     CUDA backend refuses)."""
     if backend.name != "cuda":
         return
-    for name, what in (("cu_seqlens_q", "varlen"), ("k_new", "a KV-cache append")):
-        if specs.get(name) is not None:
-            raise ValueError(f"{name} (shape {specs[name].shape}), {what}: {_NOT_ON_GPU}")
+    if specs.get("cu_seqlens_q") is not None:
+        raise ValueError(f"cu_seqlens_q (shape {specs['cu_seqlens_q'].shape}), varlen: "
+                         f"{_NOT_ON_GPU}")
     _check_paged_reach(specs, dims)
 
 

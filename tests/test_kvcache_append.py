@@ -5,7 +5,7 @@ attends bottom-right over cache_seqlens[b] + new keys. Checked against an indepe
 (flash-attn's own torch formula for the rotation, the dense float64 oracle of
 tests/dense_options.py for the attention) with every other cache slot unchanged bit for bit;
 hypothesis over layouts and options; bad inputs refused by name with nothing written (the cache
-included); the CUDA backend's refusal at plan time."""
+included); the CUDA backend plans it (tests/test_cuda_append.py runs it on the GPU)."""
 
 from __future__ import annotations
 
@@ -405,29 +405,13 @@ def test_plans_are_kept_by_rotary_interleaved(rng):
     assert int(plan(False).params["causal_offset"]) == 4 - 1
 
 
-# --- CUDA refuses the append when the plan is made ------------------------------------------------
-def test_cuda_backend_refuses_the_append_at_plan_time(rng):
+# --- CUDA plans the append (tests/test_cuda_append.py runs it) -----------------------------------
+def test_cuda_backend_plans_the_append(rng):
     eng = _eng()
     eng.backend = rec = _CudaRecorder()
-    t = case(rng, 2, 1, 2, 2, 1, 8, [3, 6], capacity=8, rotary_dim=8)
-    k_cache = t["k_cache"].copy()
-    out = np.zeros_like(t["q"])
-    with pytest.raises(ValueError, match=r"k_new \(shape \(2, 2, 1, 8\)\), a KV-cache append: "
-                                         r"not on the GPU kernels yet"):
-        eng.attention_with_kvcache(t["q"], k_cache, t["v_cache"], out, **_kwargs(t))
-    assert rec.plans == [] and not out.any()
-    assert np.array_equal(k_cache, t["k_cache"], equal_nan=True)
-
-
-@pytest.mark.gpu
-def test_the_cuda_backend_refuses_the_append_on_the_gpu(rng):
-    import cupy
-
-    eng = ComputeEngine("cuda", quiet=True)
-    t = {n: cupy.asarray(a) for n, a in case(rng, 2, 1, 2, 2, 1, 8, [3, 6], capacity=8,
-                                              rotary_dim=8).items()}
-    before = t["k_cache"].copy()
-    out = cupy.zeros_like(t["q"])
-    with pytest.raises(ValueError, match=r"k_new .*a KV-cache append: not on the GPU"):
-        eng.attention_with_kvcache(t["q"], t["k_cache"], t["v_cache"], out, **_kwargs(t))
-    assert not out.any() and bool(cupy.array_equal(t["k_cache"], before, equal_nan=True))
+    for page in (None, 4):
+        t = case(rng, 2, 1, 2, 2, 1, 8, [3, 6], capacity=8, page_size=page, rotary_dim=8)
+        plan = eng.plan_attention_with_kvcache(t["q"], t["k_cache"], t["v_cache"],
+                                               np.zeros_like(t["q"]), **_kwargs(t))
+        assert plan.written == ("out", "k", "v")
+    assert rec.plans == []  # (the launches come on the first run)

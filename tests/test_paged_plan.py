@@ -1,15 +1,17 @@
 """A paged KV cache on the CUDA backend, planned without a GPU (tests/test_backend_plan.py's fake
 device): a decode-shaped paged call plans the decode kernel with `block_table` as an argument
 filled in on each run and `page_size` in its AttnExtras; a contiguous call passes no table;
-paged prefill (more than DECODE_ROWS query rows a KV group) and the append stay refused, by
-name, before anything is planned. tests/test_cuda_paged.py runs the kernels."""
+paged prefill (more than DECODE_ROWS query rows a KV group) stays refused, by name, before
+anything is planned. The append's plan: its launch first (append_kv.cu), then the attention,
+which with RoPE reads the rotated q from the workspace. tests/test_cuda_paged.py and
+tests/test_cuda_append.py run the kernels."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ferrocupy import AttentionOptions, ComputeEngine
+from ferrocupy import AttentionOptions
 from ferrocupy.cuda import configs
 from ferrocupy.cuda.launch import NULL
 from ferrocupy.dtypes import BFLOAT16, FLOAT32
@@ -76,14 +78,59 @@ def test_paged_calls_plan_exactly_where_the_decode_kernels_take_them(sq, h, hkv,
         AttentionPlan(rec, "forward", specs, AttentionOptions())
 
 
-def test_the_append_is_still_refused_on_cuda(rng):
-    eng = ComputeEngine("reference", quiet=True)
-    eng.backend = rec = _CudaRecorder()
-    q = np.zeros((2, 1, 4, 8), np.float32)
-    cache = np.zeros((2, 16, 2, 8), np.float32)
-    new = np.zeros((2, 1, 2, 8), np.float32)
-    with pytest.raises(ValueError, match=r"k_new \(shape \(2, 1, 2, 8\)\), a KV-cache append"):
-        eng.plan_attention_with_kvcache(q, cache, cache.copy(), np.zeros_like(q),
-                                        cache_seqlens=np.zeros(2, np.int32), k_new=new,
-                                        v_new=new.copy())
-    assert rec.plans == []
+def _append_plan(b, *, sq, rotary_dim, page=None, dtype=BFLOAT16, causal=True):
+    """The fake backend's plan of an append of 2 keys a sequence (rotated when `rotary_dim`)
+    into a contiguous cache of 64, or paged with `page`; q a strided view (heads outermost)."""
+    B, H, HKV, D = 2, 8, 2, 64
+    c = lambda shape, dt=dtype: TensorSpec.contiguous(shape, dt, "cpu")  # noqa: E731
+    q = TensorSpec((B, sq, H, D), (sq * D, D, B * sq * D, 1), dtype, "cpu")  # heads outermost
+    specs = dict(q=q, out=c((B, sq, H, D)), kv_lens=c((B,), np.int32),
+                 k_new=c((B, 2, HKV, D)), v_new=c((B, 2, HKV, D)))
+    if page:
+        specs |= dict(k=c((9, page, HKV, D)), v=c((9, page, HKV, D)),
+                      block_table=c((B, 64 // page), np.int32))
+    else:
+        specs |= dict(k=c((B, 64, HKV, D)), v=c((B, 64, HKV, D)))
+    if rotary_dim:
+        specs |= dict(rotary_cos=c((80, rotary_dim // 2), FLOAT32),
+                      rotary_sin=c((80, rotary_dim // 2), FLOAT32))
+    opts = AttentionOptions(causal=causal, causal_offset=64 - sq)
+    plan = AttentionPlan(_CudaRecorder(), "forward", specs, opts)
+    bufs = {n: None if s is None else buf(s.shape, s.dtype) for n, s in plan.specs.items()}
+    return plan, b.plan("forward", bufs, plan.params, plan.layout, ptrs(bufs), plan.extras)
+
+
+@pytest.mark.parametrize("page, sq", [(None, 1), (None, 40), (16, 1)],
+                         ids=["contiguous-decode", "contiguous-prefill", "page16-decode"])
+def test_the_append_launches_first_and_the_attention_reads_the_rotated_q(page, sq):
+    plan, made = _append_plan(backend(), sq=sq, rotary_dim=32, page=page)
+    first, *attention = made.launches
+    assert first.fn.name == "append_kv" and attention
+    names = [a.name if hasattr(a, "name") else a for a in first.args]
+    assert names[:10] == ["q", "k", "v", "k_new", "v_new", configs.Q_ROTATED, "kv_lens",
+                          NULL if not page else "block_table", "rotary_cos", "rotary_sin"]
+    assert int(first.args[10]) == 1  # float32 tables
+    assert first.args[11].tobytes() == plan.layout.tobytes()  # the append reads the call's q
+    # q_rot: the rotated q, C-contiguous, in float32 words
+    assert made.workspace[configs.Q_ROTATED] == (2 * sq * 8 * 64 * 2 // 4,)
+    for launch in attention[:1]:
+        slots = [a.name for a in launch.args if hasattr(a, "name")]
+        assert configs.Q_ROTATED in slots and "q" not in slots
+        lay = next(a for a in launch.args if getattr(a, "dtype", None) == plan.layout.dtype)
+        assert (int(lay["q_b"]), int(lay["q_s"]), int(lay["q_h"])) == (sq * 8 * 64,
+                                                                     8 * 64 if sq > 1 else 0, 64)
+        assert int(lay["k_s"]) == int(plan.layout["k_s"])  # the rest is the call's
+
+
+def test_an_append_without_rope_reads_q_where_it_lies():
+    plan, made = _append_plan(backend(), sq=1, rotary_dim=0)
+    first, attention, *_ = made.launches
+    assert first.fn.name == "append_kv" and first.args[5] is NULL  # no q_rot
+    assert configs.Q_ROTATED not in made.workspace
+    assert "q" in [a.name for a in attention.args if hasattr(a, "name")]
+    assert int(plan.extras["new_keys"]) == 2
+
+
+def test_an_append_with_no_query_row_only_writes():
+    plan, made = _append_plan(backend(), sq=0, rotary_dim=8)
+    assert [launch.fn.name for launch in made.launches] == ["append_kv"]

@@ -12,8 +12,8 @@ import threading
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
-from ..params import (EXTRAS_ALIBI, EXTRAS_SINKS, LAYOUT_TENSORS, contiguous_rope_layout,
-                      seed_extras)
+from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, LAYOUT_TENSORS,
+                      contiguous_rope_layout, seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
@@ -23,7 +23,8 @@ GRID_X_MAX = 2**31 - 1
 _PLANS_MAX = 256  # RoPE plans kept per backend (a long-running job sees few call shapes)
 # buffers whose alignment picks no copy width
 _NOT_ROWS = ("mask", "lse", "kv_lens", "stats", "alibi_slopes", "sinks", "grad_sinks",
-             "dq_accum", "dq_semaphores", "block_table")
+             "dq_accum", "dq_semaphores", "block_table", "k_new", "v_new", "rotary_cos",
+             "rotary_sin")
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
 # a launch on any further stream passes none, and its blocks take tiles in a fixed turn. Launches
@@ -240,11 +241,22 @@ class CudaBackend:
     def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void,
                    ptrs: dict, extras: np.void) -> Plan:
         if op == "forward":
-            if configs.decode_wanted(params):
-                launches, workspace = self._plan_decode(buffers, params, layout, ptrs, extras)
+            append = int(extras["flags"]) & EXTRAS_APPEND
+            if append:  # its launch first; with RoPE, the attention reads the rotated q
+                first, workspace, layout, ptrs = self._plan_append(buffers, params, layout, ptrs,
+                                                                   extras)
+            if not int(params["batch"]) * int(params["heads"]) * int(params["seq_q"]):
+                launches, more = [], {}  # (an append with no query row: the writes alone)
+            elif configs.decode_wanted(params):
+                launches, more = self._plan_decode(buffers, params, layout, ptrs, extras)
             else:
                 launches = [self._plan(configs.FORWARD, buffers, params, layout, ptrs, extras)]
-                workspace = {}
+                more = {}
+            if append:
+                launches = first + [_rotated_q(launch, workspace) for launch in launches]
+                workspace = workspace | more
+            else:
+                workspace = more
         else:
             rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
             workspace = {"stats": (rows, 2)}
@@ -264,6 +276,43 @@ class CudaBackend:
                                  (Slot("stats"), Slot("sinks"), Slot("grad_sinks"))))
         return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params, extras))
                      for fn, blocks, threads, smem, args in launches], workspace)
+
+    def _plan_append(self, buffers: dict, params, layout, ptrs: dict, extras):
+        """The KV-cache append's launch (append_kv.cu: none when it writes nothing and rotates
+        nothing), its workspace (with RoPE: `q_rot`, the rotated q, C-contiguous, in float32
+        words), and the layout and addresses the attention is then planned with (with RoPE, q's
+        are q_rot's)."""
+        b, sq, h, hkv, d = (int(params[n]) for n in ("batch", "seq_q", "heads", "kv_heads",
+                                                      "head_dim"))
+        dtype = np.dtype(buffers["q"].dtype)
+        rotary = int(extras["flags"]) & EXTRAS_ROTARY
+        items = b * int(extras["new_keys"]) * hkv * d + (b * sq * h * d if rotary else 0)
+        workspace, own = {}, layout  # the append reads q through the call's own layout
+        if rotary:
+            workspace[configs.Q_ROTATED] = (-(-b * sq * h * d * dtype.itemsize // 4),)
+            rotated = np.zeros((), layout.dtype)
+            rotated[()] = layout  # (a copy)
+            rotated["q_b"], rotated["q_s"], rotated["q_h"] = (sq * h * d if b > 1 else 0,
+                                                              h * d if sq > 1 else 0,
+                                                              d if h > 1 else 0)
+            layout = rotated[()]
+            ptrs = dict(ptrs, q=0)  # the workspace's allocation: aligned
+        if not items:
+            return [], workspace, layout, ptrs
+        fn = self.loader.function(configs.APPEND_SOURCE, configs.APPEND_KERNEL,
+                                  configs.append_defines(dtype))
+        cos = buffers.get("rotary_cos")
+        tables_f32 = np.uint32(cos is not None and np.dtype(cos.dtype) == FLOAT32)
+
+        def opt(name):
+            return NULL if buffers.get(name) is None else Slot(name)
+
+        args = (opt("q"), opt("k"), opt("v"), opt("k_new"), opt("v_new"),
+                Slot(configs.Q_ROTATED) if rotary else NULL, opt("kv_lens"), opt("block_table"),
+                opt("rotary_cos"), opt("rotary_sin"), tables_f32, own)
+        threads = configs.APPEND_THREADS
+        blocks = max(1, min(-(-items // threads), self.sm_count * 8))
+        return [(fn, blocks, threads, 0, args)], workspace, layout, ptrs
 
     def _tile_counter(self, stream: int) -> int:
         """The address of `stream`'s tile counter (0 once every counter has its stream)."""
@@ -429,6 +478,17 @@ class CudaBackend:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes
             hit = self._kernels[key] = (v, fn)
         return hit
+
+
+def _rotated_q(launch: tuple, workspace: dict) -> tuple:
+    """An attention launch reading the append's rotated q (the workspace's) where the plan
+    has one."""
+    if configs.Q_ROTATED not in workspace:
+        return launch
+    fn, blocks, threads, smem, args = launch
+    args = tuple(Slot(configs.Q_ROTATED) if isinstance(a, Slot) and a.name == "q" else a
+                 for a in args)
+    return fn, blocks, threads, smem, args
 
 
 def model_options(op: str, extras: np.void, lse_given: bool = True) -> bool:

@@ -53,6 +53,18 @@ ARGS = {
 # The backward's last launch where the call asks for grad_sinks: one block of SINKS_THREADS per
 # head reads the dQ kernel's stats (stats, sinks, grad_sinks, the struct, the extras).
 SINKS_SOURCE, SINKS_KERNEL, SINKS_THREADS = "flash_bwd_sinks.cu", "flash_bwd_sinks", 256
+# The KV-cache append (append_kv.cu), launched before the attention of its plan: a thread per
+# element it writes; with RoPE, the rotated q goes to the workspace's Q_ROTATED, which the
+# attention launches then read as q.
+APPEND_SOURCE, APPEND_KERNEL, APPEND_THREADS = "append_kv.cu", "append_kv", 256
+Q_ROTATED = "q_rot"
+APPEND_DTYPE_DEFINE = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}
+
+
+def append_defines(dtype) -> dict:
+    return {"FERRO_APPEND_DTYPE": APPEND_DTYPE_DEFINE[np.dtype(dtype)]}
+
+
 # Decode's per-(batch, KV head) counters: the last block of a pair to finish merges its splits.
 # They must be zero before a launch, and each launch leaves them so.
 TICKETS = "tickets"

@@ -70,14 +70,17 @@ static_assert(sizeof(FlashBwdParams) == 80, "FlashBwdParams is 20 words");
 // The third struct (params.py's ATTN_EXTRAS): the options the seed's words have no room for.
 // The window's sides (every kernel: attn_shape), softcap (0: none) and the flags' ALiBi and sinks
 // bits are read here; page_size by the decode kernels (a paged cache: ferro_decode.cuh's
-// DecodeBlock); new_keys and rotary_dim are for options the kernels refuse at plan time
-// (ferrocupy/plan.py check_backend_reach).
+// DecodeBlock) and the append (append_kv.cu); new_keys by the append and by every forward's
+// for_batch (the attention then sees kv_lens[b] + new_keys keys); rotary_dim by the append.
 struct AttnExtras {
     int window_left, window_right;
     float softcap;
     u32 flags, page_size, new_keys, rotary_dim, pad0;
 };
-enum ExtrasFlags : u32 { EXTRAS_ALIBI = 1, EXTRAS_ALIBI_PER_BATCH = 2, EXTRAS_SINKS = 4 };
+enum ExtrasFlags : u32 {
+    EXTRAS_ALIBI = 1, EXTRAS_ALIBI_PER_BATCH = 2, EXTRAS_SINKS = 4, EXTRAS_VARLEN = 8,
+    EXTRAS_PAGED = 16, EXTRAS_APPEND = 32, EXTRAS_ROTARY = 64, EXTRAS_ROTARY_INTERLEAVED = 128,
+};
 static_assert(sizeof(AttnExtras) == 32, "AttnExtras is 8 words");
 
 // What a launch adds beside the struct (kernel arguments, not struct words, so the seed's structs
@@ -99,6 +102,7 @@ struct AttnShape {
     u32 mask_kind;
     long long kv_len;    // keys that exist: seq_k, or this batch's kv_lens entry
     long long kv_reach;  // keys [kv_reach, seq_k) are visible to no row: never loaded (zero-filled)
+    u32 new_keys;        // an append's keys per sequence, written before the attention (else 0)
     // The score modifiers and the sink (AttnExtras; with_extras): read only by a variant built
     // with them (Options::MODS), so a plain variant's registers never hold them.
     float softcap;       // > 0: scores become softcap * tanh(score / softcap)
@@ -142,6 +146,7 @@ __device__ __forceinline__ AttnShape attn_shape(const P& p, const AttnExtras& ex
     s.scale = p.scale; s.dropout_prob = p.dropout_prob;
     s.mask_kind = mask_kind;
     s.kv_len = s.seq_k;
+    s.new_keys = (ex.flags & EXTRAS_APPEND) ? ex.new_keys : 0u;
     set_windows(s, ex.window_left, ex.window_right);
     s.softcap = 0.f;
     s.alibi = nullptr;
@@ -161,10 +166,11 @@ __device__ __forceinline__ void with_extras(AttnShape& s, const AttnExtras& ex, 
 }
 
 // Batch b's view when the call has kv_lens (SPEC "Beyond the seed"): its keys j >= kv_lens[b]
-// do not exist, and its rows sit kv_lens[b] - seq_k earlier. Storage (seq_k) is unchanged.
+// + new_keys (an append's, written before the attention) do not exist, and its rows sit
+// kv_lens[b] + new_keys - seq_k positions later. Storage (seq_k) is unchanged.
 __device__ __forceinline__ void for_batch(AttnShape& s, const int* kv_lens, u32 b) {
     if (!kv_lens) return;
-    s.kv_len = kv_lens[b];
+    s.kv_len = (long long)kv_lens[b] + s.new_keys;
     s.offset += s.kv_len - (long long)s.seq_k;
     s.kv_reach = key_reach(s);
 }
