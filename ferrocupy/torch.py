@@ -550,8 +550,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
       `cache_seqlens[b] + Sn - Sq + i`): `causal`, `window_left`, `window_right` (-1:
       unbounded), `softcap`, `alibi_slopes` (float32 `[H]` or `[B, H]`), `scale` as in
       `attention`.
-    CPU tensors run the reference backend; the CUDA kernels refuse the append and paged caches
-    for now."""
+    CPU tensors run the reference backend; CUDA tensors the kernels (a paged cache with more
+    than 16 query rows a KV group is refused there for now)."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                        for x in (q, k_cache, v_cache, k_new, v_new)):
         raise ValueError("ferrocupy.torch.attention_with_kvcache has no backward (a KV cache is "

@@ -52,6 +52,8 @@ def main(argv=None) -> int:
                                        copy_bytes=copy_bytes, plain=plain, mods=mods)
                     jobs.add((v.source, v.kernel, tuple(sorted(v.defines.items())), v.options))
     jobs.add((configs.SINKS_SOURCE, configs.SINKS_KERNEL, (), ()))
+    jobs.update((configs.APPEND_SOURCE, configs.APPEND_KERNEL,
+                 tuple(configs.append_defines(d).items()), ()) for d in wanted)
     loader = KernelLoader()
     device = cupy.cuda.Device().id
     t0 = time.time()
