@@ -9,7 +9,7 @@ takes element-wise copies, with GQA, causal + offset and a window; the same call
 (strided) views; at head_dim 64 and 128 in half precision, forwards with more query tiles than
 SMs (the persistent kernel's loop); softcap, ALiBi and sinks (forward, backward with
 grad_sinks, decode); a negative offset and a window of two sides (forward, backward, decode);
-then RoPE. Prints one line per
+a paged cache in decode and KV-cache appends (contiguous and paged, rotated); then RoPE. Prints one line per
 call; the sanitizer's summary says whether anything was found.
 """
 
@@ -164,6 +164,34 @@ def main() -> None:
             for dec in (AttentionOptions(causal_offset=300, window_left=90, window_right=40),
                         AttentionOptions(causal=True, causal_offset=-1, window_left=0)):
                 eng.flash_attention_v2_with(qd, kd, vd, outd, dec, lse=lsed, kv_lens=lens)
+            # A paged cache (pages of 16 and of 48, blocks in reverse order, one spare) in decode;
+            # then appends of 3 keys into it and into the contiguous cache (rotated when d is
+            # even: rotate-half and interleaved, partial rotary_dim), with 1 and 5 query rows.
+            for page in (16, 48):
+                blocks = -(-672 // page) * 2
+                kp, vp = put((blocks + 1, page, Hkv, d)), put((blocks + 1, page, Hkv, d))
+                table = UnifiedTensor.from_numpy(
+                    np.arange(blocks, dtype=np.int32)[::-1].reshape(2, -1).copy(), device="cuda")
+                lens_p = UnifiedTensor.from_numpy(np.array([672, 333], np.int32), device="cuda")
+                cap = table.shape[1] * page
+                eng.flash_attention_v2_with(qd, kp, vp, outd, AttentionOptions(
+                    causal=True, causal_offset=cap - 1), lse=lsed, kv_lens=lens_p,
+                    block_table=table)
+                for qa, cache_k, cache_v, tb in ((qd, kp, vp, table), (qm, kd, vd, None)):
+                    rd = (d // 2) & ~1
+                    rot = {} if rd < 2 else dict(
+                        rotary_cos=UnifiedTensor.from_numpy(np.cos(rng.uniform(0, 6, (
+                            cap + 8, rd // 2))).astype(np.float32), device="cuda"),
+                        rotary_sin=UnifiedTensor.from_numpy(np.sin(rng.uniform(0, 6, (
+                            cap + 8, rd // 2))).astype(np.float32), device="cuda"))
+                    seqlens = UnifiedTensor.from_numpy(np.array([600, 0], np.int32),
+                                                       device="cuda")
+                    outa = UnifiedTensor.empty(qa.shape, dtype, device="cuda")
+                    eng.attention_with_kvcache(
+                        qa, cache_k, cache_v, outa, AttentionOptions(causal=True),
+                        cache_seqlens=seqlens, k_new=put((2, 3, Hkv, d)),
+                        v_new=put((2, 3, Hkv, d)), block_table=tb,
+                        rotary_interleaved=page == 48, **rot)
             if d % 2 == 0 and not decode_only:
                 eng.rope(q, d, 3)
             import cupy

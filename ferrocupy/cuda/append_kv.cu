@@ -19,13 +19,7 @@
 #elif FERRO_APPEND_DTYPE == 2
 #define FERRO_BF16 1
 #endif
-#include "ferro_convert.cuh"
-#ifdef FERRO_BF16
-typedef u16 T;
-#else
-typedef float T;
-#endif
-typedef Elem<T> E;
+#include "ferro_elem.cuh"
 
 namespace {
 struct Rotary {

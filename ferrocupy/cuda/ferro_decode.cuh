@@ -12,13 +12,7 @@
 #include "ferro_score.cuh"
 #include "ferro_epilogue.cuh"
 
-#include "ferro_convert.cuh"
-#ifdef FERRO_BF16
-typedef u16 T;
-#else
-typedef float T;
-#endif
-typedef Elem<T> E;
+#include "ferro_elem.cuh"
 
 // A split's keys [j_lo, j_hi): split * split_keys on, clipped to what some row of the call can
 // see and to the reach (past it nothing is read).
