@@ -13,7 +13,8 @@
 // O += P V with P rounded to the dtype (as every half-precision forward here does). The warps'
 // results merge through shared memory at the end (decode_finish); with several splits, the
 // pair's last block to finish merges the splits (decode_finish's tickets). Every forward option holds: causal + offset, window,
-// mask, dropout, kv_lens, a paged cache (TileKeys), dead rows -> 0; keys past the split's reach are never read.
+// mask, dropout, kv_lens, a paged cache (TileKeys: a tile in one page translated once), dead
+// rows -> 0; keys past the split's reach are never read.
 // Rows of K and V take 16-byte copies (the backend checks). Geometry from configs.py.
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
