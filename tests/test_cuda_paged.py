@@ -7,7 +7,8 @@ the block-table entries past a sequence's reach hold ids that are not blocks at 
 NaN-poisoned first. Page sizes 1, 16, 48 (not a power of two), 64, 256, GQA, causal and
 windows, each dtype (float32 against the oracle, halves by SPEC's rule, tests/half_rule.py's),
 each decode design (`decoders`: the engine's pick, streams, tiles), splits that cut pages, and
-the paged result equal, bit for bit, to the contiguous one on the same kernel. Also through
+the paged result equal, bit for bit, to the contiguous one on the same kernel; hypothesis over
+page sizes, lengths, heads and visibility. Also through
 ferrocupy.torch.attention_with_kvcache and ferrocupy.flash_attn.flash_attn_with_kvcache on CUDA
 tensors.
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
@@ -147,6 +150,49 @@ def test_unaligned_paged_rows_take_the_element_copies(decoders, rng, dtype):
         check_f32(got, oracle(t, backward=False))
     else:
         check_half(got, t)
+
+
+@st.composite
+def paged_calls(draw):
+    """A decode call (at most 16 rows a KV group) over a paged cache of any page size."""
+    page = draw(st.integers(1, 300))
+    blocks = draw(st.integers(1, max(1, 2000 // page)))
+    cap = blocks * page
+    b = draw(st.integers(1, 3))
+    hkv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4]))
+    sq = draw(st.integers(1, 16 // group))
+    lens = draw(st.lists(st.integers(0, cap), min_size=b, max_size=b))
+    kind = draw(st.sampled_from(["causal", "window", "sides", "none"]))
+    off = draw(st.integers(-5, cap))
+    opts = {"causal": dict(causal=True, causal_offset=cap - sq),
+            "window": dict(causal=True, causal_offset=off, window=draw(st.integers(1, 400))),
+            "sides": dict(causal_offset=off, window_left=draw(st.integers(-1, 300)),
+                          window_right=draw(st.integers(-1, 50))),
+            "none": dict()}[kind]
+    d = draw(st.sampled_from([32, 64, 128]))
+    return dict(page=page, b=b, sq=sq, h=hkv * group, hkv=hkv, d=d, capacity=cap, lens=lens,
+                opts=AttentionOptions(**opts), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=paged_calls())
+def test_random_paged_decode_calls(call):
+    """Any page size, table order, lengths (0 and full included), GQA and visibility: float32
+    against the oracle, and bit for bit the contiguous call's answer on the device."""
+    from gpu_helpers import device_under_test
+
+    dev = device_under_test()
+    rng = np.random.default_rng(call["seed"])
+    t = contiguous_case(rng, b=call["b"], sq=call["sq"], h=call["h"], hkv=call["hkv"],
+                        d=call["d"], capacity=call["capacity"], lens=call["lens"],
+                        opts=call["opts"])
+    got = run(dev, paged(t, call["page"], rng))
+    check_f32(got, oracle(t, backward=False), str({k: v for k, v in call.items()}))
+    if not self_check():
+        same = run(dev, t)
+        for n in ("out", "lse"):
+            assert np.array_equal(got[n], same[n], equal_nan=True), n
 
 
 def _torch_case(rng, page):
