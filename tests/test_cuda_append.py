@@ -9,7 +9,7 @@ unchanged bit for bit. Half precision: the appended slots within one unit in the
 the oracle's rotation of the rounded inputs, the attention against the float64 reference backend
 on the same half inputs (which rounds the rotated q to the dtype as the kernels do). Also through
 ferrocupy.torch.attention_with_kvcache and ferrocupy.flash_attn.flash_attn_with_kvcache on CUDA
-tensors. Outputs are NaN-poisoned first.
+tensors; hypothesis over test_kvcache_append's random calls. Outputs are NaN-poisoned first.
 
 Skipped unless `ferrocupy.cuda_available()`; `FERRO_GPU_TESTS_ON_REFERENCE=1` runs it on the
 reference (see tests/gpu_helpers.py)."""
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16
@@ -99,6 +100,33 @@ def test_float32_append_then_prefill(dev, rng, rotary):
     check_f32({"out": got["out"].astype(np.float64), "lse": got["lse"].astype(np.float64)},
               {"out": np.asarray(want[0], np.float64), "lse": np.asarray(want[1], np.float64)})
     check_cache(t, got, want[2], want[3])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(append.append_calls())
+def test_random_appends(call):
+    """tests/test_kvcache_append.py's random calls (no query row or no new key included, sinks,
+    pages of 1, 2, 5, windows, softcap) on the device, float32, against the oracle."""
+    from gpu_helpers import device_under_test
+
+    b, sq, sn, h, hkv, d, lens, capacity, page, rd, interleaved, o, sinks, seed = call
+    t = append.case(np.random.default_rng(seed), b, sq, sn, h, hkv, d, lens, capacity=capacity,
+                    page_size=page, rotary_dim=rd, sinks=sinks)
+    opts = AttentionOptions(**o)
+    d_ = device_under_test()
+    put = {n: d_.put(a) for n, a in t.items()}
+    out = d_.poisoned(t["q"].shape)
+    lse = d_.poisoned((b, h, sq))
+    names = ("k_new", "v_new", "block_table", "rotary_cos", "rotary_sin", "sinks")
+    d_.engine.attention_with_kvcache(put["q"], put["k_cache"], put["v_cache"], out, opts,
+                                     lse=lse, cache_seqlens=put["cache_seqlens"],
+                                     rotary_interleaved=interleaved,
+                                     **{n: put[n] for n in names if n in put})
+    want = append.oracle(t, opts, interleaved)
+    check_f32({"out": d_.get(out).astype(np.float64), "lse": d_.get(lse).astype(np.float64)},
+              {"out": np.asarray(want[0], np.float64), "lse": np.asarray(want[1], np.float64)},
+              str(call))
+    check_cache(t, {n: d_.get(put[n]) for n in ("k_cache", "v_cache")}, want[2], want[3])
 
 
 def _half(t: dict, dtype, tables_in_dtype: bool) -> dict:
