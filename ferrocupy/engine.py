@@ -281,8 +281,8 @@ class ComputeEngine:
         rule (`kv_lens` are the cache lengths). Blocks a sequence does not reach are never
         read; one it reaches outside `[0, num_blocks)` is an error. Forward only.
 
-        alibi_slopes, sinks, negative offsets, asymmetric windows, softcap, varlen and paged
-        KV run on the reference backend (the CUDA kernels refuse them, by name, for now)."""
+        Every option runs on both backends, bar what plan.check_backend_reach lists (the CUDA
+        kernels refuse it by name when the plan is made)."""
         self._call(FORWARD, (q, k, v, out, mask, lse, kv_lens, alibi_slopes, sinks,
                              cu_seqlens_q, cu_seqlens_k, block_table, None, None, None, None),
                    opts, _varlen_scalars(max_seqlen_q, max_seqlen_k))

@@ -216,6 +216,12 @@ def check_half(got: dict, t: dict, what: str = "") -> None:
         given = reference64(t, want["out"].astype(t["q"].dtype).astype(np.float64))
         inherited = {n: float(np.nanmax(np.abs(given[n] - want[n]))) for n in given
                      if n.startswith("grad")}
+    half_rule(got, want, plain, inherited, what)
+
+
+def half_rule(got: dict, want: dict, plain: dict, inherited: dict, what: str = "") -> None:
+    """The rule on each output of `got` against float64 `want` and plain PyTorch's `plain`
+    (`inherited`: a gradient's allowance for the stored out's rounding, by name)."""
     for name, g in got.items():
         w = want[name]
         assert not np.isnan(g).any(), f"{name}: NaN (an output left unwritten?) {what}"

@@ -180,16 +180,12 @@ def test_attention_with_kvcache_op_under_opcheck_and_compile(rng):
         assert torch.equal(g, w)
 
 
-def test_cuda_backend_refuses_them_through_torch(rng, monkeypatch):
-    """A stand-in CUDA backend (host memory): varlen and paged prefill are refused when
-    the plan is made, naming the argument, nothing written."""
+def test_cuda_backend_refuses_paged_prefill_through_torch(rng, monkeypatch):
+    """A stand-in CUDA backend (host memory): paged prefill is refused when the plan is made,
+    naming the argument, nothing written (a varlen backward's refusal: tests/test_varlen.py)."""
     engine = ComputeEngine("reference", quiet=True)
     engine.backend = varlen._CudaRecorder()
     monkeypatch.setattr(ft, "_engine", lambda device: engine)
-    tt, _ = _case(rng)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q .*varlen: not on the GPU kernels yet"):
-        ft.attention(tt["q"], tt["k"], tt["v"], cu_seqlens_q=tt["cu_seqlens_q"],
-                     cu_seqlens_k=tt["cu_seqlens_k"], max_seqlen_q=5, max_seqlen_k=6)
     p = {n: torch.from_numpy(a) for n, a in
          paged.paged_case(rng, 2, 9, 2, 1, 8, 4, 3, [9, 2]).items()}  # prefill: 18 rows
     with pytest.raises(ValueError, match=r"block_table .*a paged KV cache with 18 query rows"):

@@ -12,8 +12,8 @@ import threading
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
-from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, LAYOUT_TENSORS,
-                      contiguous_rope_layout, seed_extras)
+from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, EXTRAS_VARLEN,
+                      LAYOUT_TENSORS, contiguous_rope_layout, seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
@@ -24,7 +24,7 @@ _PLANS_MAX = 256  # RoPE plans kept per backend (a long-running job sees few cal
 # buffers whose alignment picks no copy width
 _NOT_ROWS = ("mask", "lse", "kv_lens", "stats", "alibi_slopes", "sinks", "grad_sinks",
              "dq_accum", "dq_semaphores", "block_table", "k_new", "v_new", "rotary_cos",
-             "rotary_sin")
+             "rotary_sin", "cu_seqlens_q", "cu_seqlens_k")
 _MASK_KIND = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}  # ferro_params.cuh's MaskKind
 # Streams that get a tile counter of their own (a persistent kernel's blocks claim tiles from it);
 # a launch on any further stream passes none, and its blocks take tiles in a fixed turn. Launches
@@ -247,7 +247,7 @@ class CudaBackend:
                                                                    extras)
             if not int(params["batch"]) * int(params["heads"]) * int(params["seq_q"]):
                 launches, more = [], {}  # (an append with no query row: the writes alone)
-            elif configs.decode_wanted(params):
+            elif configs.decode_wanted(params) and not int(extras["flags"]) & EXTRAS_VARLEN:
                 launches, more = self._plan_decode(buffers, params, layout, ptrs, extras)
             else:
                 launches = [self._plan(configs.FORWARD, buffers, params, layout, ptrs, extras)]

@@ -40,7 +40,8 @@ MEASURED_HEAD_DIM = 128
 MAX_SHARED_BYTES = 227 * 1024
 
 ARGS = {
-    FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens", "alibi_slopes", "sinks"),
+    FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens", "alibi_slopes", "sinks",
+              "cu_seqlens_q", "cu_seqlens_k"),
     BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse",
                   "alibi_slopes", "sinks"),
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats",

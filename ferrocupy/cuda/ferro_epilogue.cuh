@@ -114,12 +114,12 @@ __device__ __forceinline__ void store_acc_tile2(T* base_a, Rows at_a, const floa
 // asked for) from its running max (times `m_scale`: the scale for raw-unit maxima, 1 for scaled
 // ones), its sum, which each lane holds a quarter of (quad_sum), and (SINKS) the head's sink
 // logit (row_end). This thread's rows: row0 (c0/c1) and row0 + 8 (c2/c3) of the (batch, head)
-// whose rows of `out` are `o_rows` and whose lse row is bh.
+// whose rows of `out` are `o_rows` and whose row 0 is `lse_row0` of lse (row_index).
 template <class T, int DT, bool SINKS>
 __device__ __forceinline__ void finish_forward(const float (&o)[DT][4], const float (&m_run)[2],
                                                const float (&l_run)[2], float m_scale,
                                                float keep_scale, float sink, long long row0,
-                                               u32 seq_q, u32 bh, T* out, Rows o_rows, float* lse,
+                                               u32 seq_q, u64 lse_row0, T* out, Rows o_rows, float* lse,
                                                Lane L, int D, bool pairs) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -128,7 +128,7 @@ __device__ __forceinline__ void finish_forward(const float (&o)[DT][4], const fl
         row_end<SINKS>(m_run[rr] * m_scale, l, keep_scale, sink, inv, lse_i);
         const long long i = row0 + 8 * rr;
         if (i < 0 || i >= seq_q) continue;
-        if (lse && L.t == 0) lse[(u64)bh * seq_q + i] = lse_i;
+        if (lse && L.t == 0) lse[lse_row0 + i] = lse_i;
         store_acc_row<T, DT>(out + o_rows.off + (u64)i * o_rows.stride, o, rr, inv, L, D, pairs);
     }
 }

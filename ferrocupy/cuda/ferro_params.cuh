@@ -109,6 +109,15 @@ struct AttnShape {
     const float* alibi;  // ALiBi slopes (null: none), slope of (b, h) at b * alibi_b + h
     u32 alibi_b;
     const float* sinks;  // sink logits per head (null: none)
+    // Where the batch entry lies in the call's tensors (SPEC varlen; with_varlen, for_sequence):
+    // `cu_q`, `cu_k` the call's cu_seqlens (null: a dense call); the entry's first row of q (out,
+    // grad_out, grad_q: q_rows) and first key of k (v, grad_k, grad_v: k_rows), 0 in a dense
+    // call. A per-row array (lse, the backward's stats) holds row i of (b, h) at
+    // b * row_b + h * row_h + q_start + i: [batch, heads, seq_q], or varlen [heads, total_q].
+    const int* cu_q;
+    const int* cu_k;
+    long long q_start, k_start;
+    u64 row_b, row_h;
 };
 
 // Keys [kv_reach, ...) are visible to no row. The last row sits at a = seq_q - 1 + offset and
@@ -152,6 +161,10 @@ __device__ __forceinline__ AttnShape attn_shape(const P& p, const AttnExtras& ex
     s.alibi = nullptr;
     s.alibi_b = 0;
     s.sinks = nullptr;
+    s.cu_q = s.cu_k = nullptr;
+    s.q_start = s.k_start = 0;
+    s.row_h = s.seq_q;
+    s.row_b = (u64)s.heads * s.seq_q;
     return s;
 }
 
@@ -163,6 +176,57 @@ __device__ __forceinline__ void with_extras(AttnShape& s, const AttnExtras& ex, 
     s.alibi = (ex.flags & EXTRAS_ALIBI) ? alibi : nullptr;
     s.alibi_b = (ex.flags & EXTRAS_ALIBI_PER_BATCH) ? s.heads : 0u;
     s.sinks = (ex.flags & EXTRAS_SINKS) ? sinks : nullptr;
+}
+
+// A varlen call's packed sequences (SPEC "Beyond the seed, part 2"; the flags' EXTRAS_VARLEN):
+// `cu_q`, `cu_k` int32 [batch + 1], the seed struct's batch the number of sequences and its
+// seq_q / seq_k the max_seqlen_q / max_seqlen_k, which size the grid (for_sequence then narrows
+// each block to its sequence). Per-row arrays become [heads, total_q], total_q = cu_q[batch].
+// A dense call (the flag clear) is left as attn_shape made it, whatever the pointers.
+__device__ __forceinline__ void with_varlen(AttnShape& s, const AttnExtras& ex, const int* cu_q,
+                                            const int* cu_k) {
+    if (!(ex.flags & EXTRAS_VARLEN)) return;
+    s.cu_q = cu_q;
+    s.cu_k = cu_k;
+    s.row_b = 0;
+    s.row_h = (u64)cu_q[s.batch];
+}
+
+// Sequence b's view in a varlen call (no change in a dense one): rows cu_q[b] ..< cu_q[b+1]
+// of q and keys cu_k[b] ..< cu_k[b+1] of k, every rule applied with its own Sq_b, Sk_b, and
+// right-aligned in the [max_seqlen_q, max_seqlen_k] frame as the reference's _Frame is: row i
+// sits at i + causal_offset + (Sk_b - max_seqlen_k) - (Sq_b - max_seqlen_q). Called once per
+// block (per work item) with s as attn_shape made it; rows and keys are then counted inside the
+// sequence (dropout's counter, ALiBi, visibility), tiles past Sq_b / Sk_b hold nothing.
+__device__ __forceinline__ void for_sequence(AttnShape& s, u32 b) {
+    if (!s.cu_q) return;
+    s.q_start = s.cu_q[b];
+    s.k_start = s.cu_k[b];
+    const long long sq = (long long)s.cu_q[b + 1] - s.q_start;
+    const long long sk = (long long)s.cu_k[b + 1] - s.k_start;
+    s.offset += (sk - (long long)s.seq_k) - (sq - (long long)s.seq_q);
+    s.seq_q = (u32)sq;
+    s.seq_k = (u32)sk;
+    s.kv_len = sk;
+    s.kv_reach = key_reach(s);
+}
+
+// (b, h)'s rows of a q-shaped tensor and (b, hk)'s of a k-shaped one, from the batch entry's
+// first row (for_sequence).
+__device__ __forceinline__ Rows q_rows(const AttnShape& s, const Strides& t, u32 b, u32 h) {
+    Rows r = rows_of(t, b, h);
+    r.off += (u64)s.q_start * t.s;
+    return r;
+}
+__device__ __forceinline__ Rows k_rows(const AttnShape& s, const Strides& t, u32 b, u32 hk) {
+    Rows r = rows_of(t, b, hk);
+    r.off += (u64)s.k_start * t.s;
+    return r;
+}
+
+// Index of (b, h)'s row 0 in a per-row array (lse; the backward's stats, two floats a row).
+__device__ __forceinline__ u64 row_index(const AttnShape& s, u32 b, u32 h) {
+    return (u64)b * s.row_b + (u64)h * s.row_h + (u64)s.q_start;
 }
 
 // Batch b's view when the call has kv_lens (SPEC "Beyond the seed"): its keys j >= kv_lens[b]

@@ -19,9 +19,12 @@ __device__ __forceinline__ void block_coords(u32 x, u32 tiles, u32 n_heads, u32&
 // ---- one block's query tile (forward and dQ kernels) ---------------------------------------------
 struct QueryTile {
     u32 bh, b, h, hk;
-    long long m0, m_last;     // first row, last valid row
+    long long m0, m_last;     // first row, last valid row (m_last < max(m0, 0): no row)
     long long row0;           // this thread's first row: its warp's first row + g
     Rows q, o, k, v;          // (b, h)'s rows of q and out, (b, hk)'s of k and v
+
+    // No row of the tile exists (a varlen sequence shorter than the grid's rows).
+    __device__ __forceinline__ bool empty() const { return m_last < max(m0, 0ll); }
 
     // Row of accumulator element (m-tile mt, half rr: c0/c1 or c2/c3).
     __device__ __forceinline__ long long row(int mt, int rr) const {
@@ -35,8 +38,10 @@ struct QueryTile {
 // seq_q, seq_q - BM, ..., so a short tile (m0 < 0: rows before 0 do not exist) holds the first
 // rows, not the last; under causal masking those see the fewest keys, so the short tile is also
 // the cheapest instead of a long one with most of its block idle.
+// `s` becomes the tile's batch entry's (for_sequence): the grid covers the call's seq_q
+// (max_seqlen_q in a varlen call), and a tile past its sequence's rows holds none (empty()).
 template <int BM, int MT>
-__device__ __forceinline__ QueryTile query_tile_at(u32 x, const AttnShape& s, const AttnLayout& lay,
+__device__ __forceinline__ QueryTile query_tile_at(u32 x, AttnShape& s, const AttnLayout& lay,
                                                    Lane L, bool from_end = false) {
     QueryTile t;
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
@@ -45,18 +50,19 @@ __device__ __forceinline__ QueryTile query_tile_at(u32 x, const AttnShape& s, co
     t.b = t.bh / s.heads;
     t.h = t.bh % s.heads;
     t.hk = t.h / (s.heads / s.kv_heads);
+    for_sequence(s, t.b);
     t.m0 = from_end ? (long long)s.seq_q - (long long)(rank + 1) * BM
                     : (long long)(q_tiles - 1 - rank) * BM;
     t.m_last = min((long long)s.seq_q, t.m0 + BM) - 1;
     t.row0 = t.m0 + (threadIdx.x >> 5) * 16 * MT + L.g;
-    t.q = rows_of(lay.q, t.b, t.h);
-    t.o = rows_of(lay.out, t.b, t.h);
-    t.k = rows_of(lay.k, t.b, t.hk);
-    t.v = rows_of(lay.v, t.b, t.hk);
+    t.q = q_rows(s, lay.q, t.b, t.h);
+    t.o = q_rows(s, lay.out, t.b, t.h);
+    t.k = k_rows(s, lay.k, t.b, t.hk);
+    t.v = k_rows(s, lay.v, t.b, t.hk);
     return t;
 }
 template <int BM, int MT>
-__device__ __forceinline__ QueryTile query_tile(const AttnShape& s, const AttnLayout& lay, Lane L) {
+__device__ __forceinline__ QueryTile query_tile(AttnShape& s, const AttnLayout& lay, Lane L) {
     return query_tile_at<BM, MT>(blockIdx.x, s, lay, L);
 }
 
@@ -67,7 +73,7 @@ __device__ __forceinline__ int key_tiles(const AttnShape& s, const QueryTile& t,
     long long lo, hi;
     visible_key_range(s, max(t.m0, 0ll) + s.offset, t.m_last + s.offset, lo, hi);
     j_first = lo / BN * BN;
-    return hi > j_first ? (int)((hi - j_first + BN - 1) / BN) : 0;
+    return hi > j_first && !t.empty() ? (int)((hi - j_first + BN - 1) / BN) : 0;
 }
 
 // Of a block's n_tiles key tiles (BN keys each from j_first), the ones [t_lo, t_hi) that rows

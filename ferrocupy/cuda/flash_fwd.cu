@@ -38,7 +38,9 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
                                         const void* __restrict__ mask, float* __restrict__ lse,
                                         const int* __restrict__ kv_lens,
                                         const float* __restrict__ alibi,
-                                        const float* __restrict__ sinks, const u32 vec,
+                                        const float* __restrict__ sinks,
+                                        const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                        const u32 vec,
                                         const u32 mask_kind, const AttnLayout lay,
                                         const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -47,10 +49,12 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
     T* sV = sK + BN * PITCH;                 // [BN][PITCH]
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (OPT::MODS) with_extras(s, ex, alibi, sinks);
+    with_varlen(s, ex, cu_q, cu_k);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    const QueryTile Tq = query_tile<BM, MT>(s, lay, L);
+    const QueryTile Tq = query_tile<BM, MT>(s, lay, L);  // (s: its batch entry's)
+    if (Tq.empty()) return;  // a varlen tile past its sequence's rows (the whole block leaves)
 
     for_batch(s, kv_lens, Tq.b);  // before anything reads the keys' extent
     const T* kb = k + Tq.k.off;
@@ -117,7 +121,7 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         finish_forward<T, DT, OPT::MODS>(o[mt], m_run[mt], l_run[mt], Mma::RAW_SCORES ? s.scale : 1.f,
-                                         keep_scale, sink, Tq.row(mt, 0), s.seq_q, Tq.bh, out, Tq.o,
+                                         keep_scale, sink, Tq.row(mt, 0), s.seq_q, row_index(s, Tq.b, Tq.h), out, Tq.o,
                                          lse, L, D, vec > 1);
 }
 }  // namespace
@@ -127,9 +131,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
                const int* __restrict__ kv_lens, const float* __restrict__ alibi,
-               const float* __restrict__ sinks, const u32 vec, const u32 mask_kind,
+               const float* __restrict__ sinks, const int* __restrict__ cu_q,
+               const int* __restrict__ cu_k, const u32 vec, const u32 mask_kind,
                const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
-    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, vec, mask_kind, lay, p, ex);
+    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, cu_q, cu_k, vec, mask_kind,
+                          lay, p, ex);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
@@ -137,8 +143,10 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
               const float* __restrict__ v, float* __restrict__ out,
               const void* __restrict__ mask, float* __restrict__ lse,
               const int* __restrict__ kv_lens, const float* __restrict__ alibi,
-              const float* __restrict__ sinks, const u32 vec, const u32 mask_kind,
+              const float* __restrict__ sinks, const int* __restrict__ cu_q,
+              const int* __restrict__ cu_k, const u32 vec, const u32 mask_kind,
               const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
-    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, vec, mask_kind, lay, p, ex);
+    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, cu_q, cu_k, vec, mask_kind,
+                          lay, p, ex);
 }
 #endif

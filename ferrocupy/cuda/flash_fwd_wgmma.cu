@@ -50,7 +50,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                    u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
                    const int* __restrict__ kv_lens, const float* __restrict__ alibi,
-                   const float* __restrict__ sinks, u32* __restrict__ tile_counter, const u32 vec,
+                   const float* __restrict__ sinks, const int* __restrict__ cu_q,
+                   const int* __restrict__ cu_k, u32* __restrict__ tile_counter, const u32 vec,
                    const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
                    const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
@@ -62,6 +63,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
     AttnShape shape = attn_shape(p, ex, mask_kind);
     if (OPT::MODS) with_extras(shape, ex, alibi, sinks);
+    with_varlen(shape, ex, cu_q, cu_k);
     const Lane L = lane_ids();
     // Warpgroup 0 loads. Broadcast from lane 0, as CUTLASS does, so the compiler knows the index
     // is warp-uniform: the per-warpgroup key range below then does not make it serialize wgmma.
@@ -234,7 +236,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 
         finish_forward<u16, DT, OPT::MODS>(o, m_run, l_run, s.scale, drop.keep_scale(),
                                            OPT::MODS ? sink_logit(s, T.h) : neg_inf(), T.row(0, 0),
-                                           s.seq_q, T.bh, out, T.o, lse, L, D, true);
+                                           s.seq_q, row_index(s, T.b, T.h), out, T.o, lse, L, D, true);
         for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, ring + t);
         ring += n_tiles;
     }

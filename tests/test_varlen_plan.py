@@ -1,0 +1,76 @@
+"""The CUDA backend's plan of a varlen (packed sequences) call, without a GPU (the fake device of
+tests/test_backend_plan.py): one launch of the forward kernel for the whole packed batch, its
+grid (number of sequences) x heads x ceil(max_seqlen_q / tile), cu_seqlens_q / cu_seqlens_k as
+kernel arguments, the AttnExtras with its varlen flag, on mma.sync and on sm_90a's wgmma; a
+varlen call with few query rows still takes it (the decode kernels do not read cu_seqlens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ferrocupy import AttentionOptions
+from ferrocupy.cuda import configs
+from ferrocupy.cuda.launch import NULL
+from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
+from ferrocupy.params import EXTRAS_VARLEN, AttentionDims, extras_params, layout_params
+from test_backend_plan import backend, buf, ptrs
+
+
+def varlen_call(total_q, total_k, n, max_q, max_k, h, hkv, d, dtype, opts=None):
+    """(buffers, params, layout, extras) of a packed call as plan.py packs them."""
+    opts = opts or AttentionOptions(causal=True, causal_offset=max_k - max_q)
+    q = np.zeros((total_q, h, d), np.float32)
+    k = np.zeros((total_k, hkv, d), np.float32)
+    dims = AttentionDims.packed(q, k, n, max_q, max_k)
+    bufs = dict(q=buf(q.shape, dtype), k=buf(k.shape, dtype), v=buf(k.shape, dtype),
+                out=buf(q.shape, dtype), mask=None, lse=buf((h, total_q), FLOAT32),
+                kv_lens=None, cu_seqlens_q=buf((n + 1,), np.int32, 0x100),
+                cu_seqlens_k=buf((n + 1,), np.int32, 0x200))
+    layout = layout_params({"q": q, "out": q, "k": k, "v": k})
+    return bufs, dims.params(opts), layout, extras_params(opts, varlen=True)
+
+
+@pytest.mark.parametrize("capability, dtype, kernel", [
+    (90, BFLOAT16, "flash_fwd_wgmma"), (80, FLOAT16, "flash_fwd_half"),
+    (90, FLOAT32, "flash_attn_v2")])
+def test_one_forward_launch_for_the_packed_batch(capability, dtype, kernel):
+    b = backend(capability)
+    n, max_q, h = 5, 300, 8
+    bufs, p, layout, extras = varlen_call(900, 1000, n, max_q, 400, h, 2, 128, dtype)
+    assert int(extras["flags"]) & EXTRAS_VARLEN
+    plan = b.plan("forward", bufs, p, layout, ptrs(bufs), extras)
+    (launch,) = plan.launches
+    assert launch.fn.name == kernel and launch.args[-1] is extras and launch.args[-2] is p
+    v = configs.select(configs.FORWARD, dtype, 128, 232448, capability=capability,
+                       copy_bytes=16)
+    assert v.tiles(p) == -(-max_q // v.block_rows) * n * h  # the frame's tiles, every sequence
+    if not v.persistent:
+        assert launch.blocks == v.tiles(p)
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        assert launch.args[v.args.index(name)].name == name  # filled in on each run
+    assert v.args.index("cu_seqlens_k") == v.args.index("cu_seqlens_q") + 1
+
+
+def test_a_dense_call_passes_no_cu_seqlens():
+    b = backend(80)
+    q = np.zeros((2, 64, 4, 64), np.float32)
+    dims = AttentionDims.new(q, q)
+    p = dims.params(AttentionOptions())
+    bufs = dict(q=buf(q.shape, FLOAT16), k=buf(q.shape, FLOAT16), v=buf(q.shape, FLOAT16),
+                out=buf(q.shape, FLOAT16), mask=None, lse=None, kv_lens=None)
+    (launch,) = b.plan("forward", bufs, p, layout_params({"q": q}), ptrs(bufs)).launches
+    v = configs.select(configs.FORWARD, FLOAT16, 64, 232448, capability=80, copy_bytes=16)
+    assert all(launch.args[v.args.index(n)] is NULL
+               for n in ("cu_seqlens_q", "cu_seqlens_k"))
+
+
+@pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
+def test_few_query_rows_take_the_forward_kernel_not_decode(dtype):
+    """One query row a sequence (a packed decode step): decode_wanted by its shape, but the
+    decode kernels do not take cu_seqlens, so the forward kernel runs it."""
+    b = backend()
+    bufs, p, layout, extras = varlen_call(3, 700, 3, 1, 400, 8, 8, 64, dtype)
+    assert configs.decode_wanted(p)
+    (launch,) = b.plan("forward", bufs, p, layout, ptrs(bufs), extras).launches
+    assert "decode" not in launch.fn.name
