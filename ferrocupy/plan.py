@@ -356,7 +356,7 @@ def _check(backend, op: str, specs: dict, opts, scalars: PlanScalars):
     q, k, v = specs["q"], specs["k"], specs["v"]
     _check_index_dtypes(specs)
     dims = _dims_of(specs, scalars)
-    check_backend_reach(backend, op, specs, opts, dims)
+    check_backend_reach(backend, specs, opts, dims)
     if v.shape != k.shape:
         raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
     for n in _Q_SHAPED[op]:
@@ -522,14 +522,11 @@ def _check_per_head(specs: dict, dims) -> None:
 _NOT_ON_GPU = "not on the GPU kernels yet; use ComputeEngine('reference')"
 
 
-def check_backend_reach(backend, op: str, specs: dict, opts, dims) -> None:
+def check_backend_reach(backend, specs: dict, opts, dims) -> None:
     """The backend takes every option and tensor of the call (the one place that says what the
     CUDA backend refuses)."""
     if backend.name != "cuda":
         return
-    if specs.get("cu_seqlens_q") is not None and op != FORWARD:
-        raise ValueError(f"cu_seqlens_q (shape {specs['cu_seqlens_q'].shape}), a varlen "
-                         f"backward: {_NOT_ON_GPU}")
     _check_paged_reach(specs, dims)
 
 

@@ -475,7 +475,8 @@ def test_grad_sinks_adds_the_sinks_launch_after_the_backward():
     assert tail.fn.name == configs.SINKS_KERNEL and tail.blocks == 8
     assert tail.threads == configs.SINKS_THREADS
     assert [a.name for a in tail.args[:3]] == ["stats", "sinks", "grad_sinks"]
-    assert tail.args[3] is p and tail.args[4] is extras
+    assert tail.args[3] is NULL  # cu_seqlens_q: a dense call's stats are [batch, heads, seq_q]
+    assert tail.args[4] is p and tail.args[5] is extras
     # without the forward's lse, dQ forms the rows' denominators itself: the sinks' variant
     b = backend()
     plan = b.plan("backward", bufs | dict(lse=None), p, contiguous_layout(p), ptrs(bufs), extras)

@@ -73,9 +73,9 @@ def test_switched_on_the_backward_is_three_fused_launches(dtype, d):
     assert v.shared_bytes == dkdv.shared_bytes + dtype.itemsize * 2 * 128 * v.step  # 2 dS buffers
     assert [a.name for a in pre.args[:6]] == list(configs.FUSED_PRE_ARGS)
     assert [a.name for a in post.args[:2]] == list(configs.FUSED_POST_ARGS)
-    names = [getattr(a, "name", None) for a in main.args[:11]]
-    assert names == ["q", "k", "v", "grad_out", "grad_k", "grad_v", None, "stats", None,
-                     "dq_accum", "dq_semaphores"]  # mask and alibi absent: NULL
+    names = [getattr(a, "name", None) for a in main.args[:13]]
+    assert names == ["q", "k", "v", "grad_out", "grad_k", "grad_v", None, "stats", None, None,
+                     None, "dq_accum", "dq_semaphores"]  # mask, alibi, cu_seqlens absent: NULL
 
 
 @pytest.mark.parametrize("sq,d", [(300, 128), (64, 64), (65, 112), (1, 64)])

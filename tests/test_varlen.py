@@ -2,8 +2,7 @@
 backward against a per-sequence loop of the independent dense float64 oracle
 (tests/dense_options.py, autograd for the gradients), every option applied per sequence;
 hypothesis over random splits; bad cu_seqlens values and shapes refused by name with nothing
-written; the CUDA backend's plan of the forward and refusal of the backward at plan time
-(tests/test_cuda_varlen.py runs the kernels)."""
+written; the CUDA backend's plans (tests/test_cuda_varlen.py runs the kernels)."""
 
 from __future__ import annotations
 
@@ -316,33 +315,16 @@ def test_overlapping_outputs_are_refused(rng):
     assert not lse.any()
 
 
-# --- CUDA: the forward plans, the backward is refused when the plan is made ---------------------
-def test_cuda_backend_plans_the_varlen_forward_and_refuses_its_backward(rng):
+# --- CUDA: both plans are made (tests/test_cuda_varlen.py runs them) ---------------------------
+def test_cuda_backend_plans_varlen_forward_and_backward(rng):
     eng = _eng()
     eng.backend = rec = _CudaRecorder()
-    t = packed(rng, [2, 3], [4, 1], 2, 2, 8)
+    t = packed(rng, [2, 3], [4, 1], 2, 2, 8, sinks=True)
     cu = dict(cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"], max_seqlen_q=3,
               max_seqlen_k=4)
     out = np.zeros_like(t["q"])
-    eng.plan_attention(t["q"], t["k"], t["v"], out, **cu)
-    assert rec.plans == []  # (a plan's launches are made at its first run)
-    match = r"cu_seqlens_q \(shape \(3,\)\), a varlen backward: not on the GPU kernels yet"
+    eng.plan_attention(t["q"], t["k"], t["v"], out, sinks=t["sinks"], **cu)
     grads = [np.zeros_like(t[n]) for n in ("q", "k", "v")]
-    with pytest.raises(ValueError, match=match):
-        eng.flash_attention_v2_backward_with(t["q"], t["k"], t["v"], out, out, *grads, **cu)
-    assert not out.any() and not any(g.any() for g in grads)
-
-
-@pytest.mark.gpu
-def test_the_cuda_backend_refuses_the_varlen_backward_on_the_gpu(rng):
-    import cupy
-
-    eng = ComputeEngine("cuda", quiet=True)
-    t = {n: cupy.asarray(a) for n, a in packed(rng, [2, 3], [4, 1], 2, 2, 8).items()}
-    cu = dict(cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"], max_seqlen_q=3,
-              max_seqlen_k=4)
-    out = cupy.zeros_like(t["q"])
-    grads = [cupy.zeros_like(t[n]) for n in ("q", "k", "v")]
-    with pytest.raises(ValueError, match=r"cu_seqlens_q .*varlen backward: not on the GPU"):
-        eng.flash_attention_v2_backward_with(t["q"], t["k"], t["v"], out, out, *grads, **cu)
-    assert not any(g.any() for g in grads)
+    eng.plan_attention_backward(t["q"], t["k"], t["v"], out, out, *grads, sinks=t["sinks"],
+                                grad_sinks=np.zeros_like(t["sinks"]), **cu)
+    assert rec.plans == []  # (a plan's launches are made at its first run)

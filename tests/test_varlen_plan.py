@@ -2,7 +2,8 @@
 tests/test_backend_plan.py): one launch of the forward kernel for the whole packed batch, its
 grid (number of sequences) x heads x ceil(max_seqlen_q / tile), cu_seqlens_q / cu_seqlens_k as
 kernel arguments, the AttnExtras with its varlen flag, on mma.sync and on sm_90a's wgmma; a
-varlen call with few query rows still takes it (the decode kernels do not read cu_seqlens)."""
+varlen call with few query rows still takes it (the decode kernels do not read cu_seqlens);
+the backward's dQ and dK/dV launches over the frame, then the sinks' launch."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from ferrocupy.params import EXTRAS_VARLEN, AttentionDims, extras_params, layout
 from test_backend_plan import backend, buf, ptrs
 
 
-def varlen_call(total_q, total_k, n, max_q, max_k, h, hkv, d, dtype, opts=None):
-    """(buffers, params, layout, extras) of a packed call as plan.py packs them."""
+def varlen_call(total_q, total_k, n, max_q, max_k, h, hkv, d, dtype, opts=None, sinks=False):
+    """(buffers, params, layout, extras) of a packed forward as plan.py packs them."""
     opts = opts or AttentionOptions(causal=True, causal_offset=max_k - max_q)
     q = np.zeros((total_q, h, d), np.float32)
     k = np.zeros((total_k, hkv, d), np.float32)
@@ -26,9 +27,11 @@ def varlen_call(total_q, total_k, n, max_q, max_k, h, hkv, d, dtype, opts=None):
     bufs = dict(q=buf(q.shape, dtype), k=buf(k.shape, dtype), v=buf(k.shape, dtype),
                 out=buf(q.shape, dtype), mask=None, lse=buf((h, total_q), FLOAT32),
                 kv_lens=None, cu_seqlens_q=buf((n + 1,), np.int32, 0x100),
-                cu_seqlens_k=buf((n + 1,), np.int32, 0x200))
-    layout = layout_params({"q": q, "out": q, "k": k, "v": k})
-    return bufs, dims.params(opts), layout, extras_params(opts, varlen=True)
+                cu_seqlens_k=buf((n + 1,), np.int32, 0x200),
+                sinks=buf((h,), FLOAT32) if sinks else None)
+    layout = layout_params({n: q for n in ("q", "out", "grad_out", "grad_q")}
+                           | {n: k for n in ("k", "v", "grad_k", "grad_v")})
+    return bufs, dims.params(opts), layout, extras_params(opts, sinks=bufs["sinks"], varlen=True)
 
 
 @pytest.mark.parametrize("capability, dtype, kernel", [
@@ -74,3 +77,37 @@ def test_few_query_rows_take_the_forward_kernel_not_decode(dtype):
     assert configs.decode_wanted(p)
     (launch,) = b.plan("forward", bufs, p, layout, ptrs(bufs), extras).launches
     assert "decode" not in launch.fn.name
+
+
+@pytest.mark.parametrize("capability, dtype, kernels", [
+    (90, BFLOAT16, ("flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma")),
+    (80, FLOAT16, ("flash_bwd_dq_half", "flash_bwd_dkdv_half")),
+    (90, FLOAT32, ("flash_attn_v2_bw_dq", "flash_attn_v2_bw_dkdv"))])
+def test_backward_is_one_dq_and_one_dkdv_launch_then_the_sinks(capability, dtype, kernels):
+    """dQ over the frame's query tiles, dK/dV over its key tiles, each taking cu_seqlens; never
+    the fused backward (its dQ workspace is per dense row); the sinks' launch reads the
+    [heads, total_q] stats through cu_seqlens_q."""
+    b = backend(capability)
+    b.fused_backward = True
+    n, max_q, max_k, h, hkv = 4, 300, 400, 8, 2
+    bufs, _, layout, extras = varlen_call(900, 1000, n, max_q, max_k, h, hkv, 128, dtype,
+                                          sinks=True)
+    q = np.zeros((900, h, 128), np.float32)
+    k = np.zeros((1000, hkv, 128), np.float32)
+    opts = AttentionOptions(causal=True)
+    p = AttentionDims.packed(q, k, n, max_q, max_k).params_bwd(opts)
+    bufs |= dict(grad_out=bufs["q"], grad_q=bufs["q"], grad_k=bufs["k"], grad_v=bufs["k"],
+                 grad_sinks=buf((h,), FLOAT32))
+    plan = b.plan("backward", bufs, p, layout, ptrs(bufs), extras)
+    names = [launch.fn.name for launch in plan.launches]
+    assert names == [*kernels, configs.SINKS_KERNEL]
+    for launch, op in zip(plan.launches, (configs.BACKWARD_DQ, configs.BACKWARD_DKDV)):
+        args = configs.ARGS[op]
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            assert launch.args[args.index(name)].name == name
+    dq, dkdv = plan.launches[:2]
+    v_dkdv = b._kernels[next(key for key in b._kernels if key[0] == configs.BACKWARD_DKDV)][0]
+    assert dkdv.blocks == -(-max_k // v_dkdv.block_rows) * n * hkv * v_dkdv.parts
+    sinks = plan.launches[2]
+    assert [a.name for a in sinks.args[:4]] == ["stats", "sinks", "grad_sinks", "cu_seqlens_q"]
+    assert plan.workspace["stats"][0] >= h * 900  # [heads, total_q] rows fit

@@ -272,8 +272,9 @@ class CudaBackend:
                                                extras))
             if buffers.get("grad_sinks") is not None:  # from the stats the dQ kernel wrote
                 fn = self.loader.function(configs.SINKS_SOURCE, configs.SINKS_KERNEL, {}, ())
+                cu_q = NULL if buffers.get("cu_seqlens_q") is None else Slot("cu_seqlens_q")
                 launches.append((fn, int(params["heads"]), configs.SINKS_THREADS, 0,
-                                 (Slot("stats"), Slot("sinks"), Slot("grad_sinks"))))
+                                 (Slot("stats"), Slot("sinks"), Slot("grad_sinks"), cu_q)))
         return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params, extras))
                      for fn, blocks, threads, smem, args in launches], workspace)
 
@@ -368,7 +369,8 @@ class CudaBackend:
         """The fused backward's variant for this call (configs.select_fused), or None: the
         two-kernel backward runs."""
         extras = seed_extras(params) if extras is None else extras
-        if not self.fused_backward or not int(params["seq_k"]) or not int(params["seq_q"]):
+        if (not self.fused_backward or not int(params["seq_k"]) or not int(params["seq_q"])
+                or int(extras["flags"]) & EXTRAS_VARLEN):  # (its dQ workspace is per dense row)
             return None
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)

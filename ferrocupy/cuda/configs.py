@@ -43,16 +43,17 @@ ARGS = {
     FORWARD: ("q", "k", "v", "out", "mask", "lse", "kv_lens", "alibi_slopes", "sinks",
               "cu_seqlens_q", "cu_seqlens_k"),
     BACKWARD_DQ: ("q", "k", "v", "out", "grad_out", "grad_q", "mask", "stats", "lse",
-                  "alibi_slopes", "sinks"),
+                  "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k"),
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats",
-                    "alibi_slopes"),
+                    "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k"),
     DECODE: ("q", "k", "v", "part_o", "part_ml", "tickets", "out", "lse", "mask", "kv_lens",
              "block_table", "alibi_slopes", "sinks", "splits", "split_keys"),
 }
 # Every attention kernel takes, after its buffers, `vec`, `mask_kind`, the layout, the seed's
 # struct and the AttnExtras struct (softcap; whether alibi_slopes is [batch, heads]).
 # The backward's last launch where the call asks for grad_sinks: one block of SINKS_THREADS per
-# head reads the dQ kernel's stats (stats, sinks, grad_sinks, the struct, the extras).
+# head reads the dQ kernel's stats (stats, sinks, grad_sinks, cu_seqlens_q, the struct, the
+# extras).
 SINKS_SOURCE, SINKS_KERNEL, SINKS_THREADS = "flash_bwd_sinks.cu", "flash_bwd_sinks", 256
 # The KV-cache append (append_kv.cu), launched before the attention of its plan: a thread per
 # element it writes; with RoPE, the rotated q goes to the workspace's Q_ROTATED, which the

@@ -50,7 +50,9 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
                                               T* __restrict__ grad_k, T* __restrict__ grad_v,
                                               const void* __restrict__ mask,
                                               const float* __restrict__ stats,
-                                              const float* __restrict__ alibi, const u32 vec,
+                                              const float* __restrict__ alibi,
+                                              const int* __restrict__ cu_q,
+                                              const int* __restrict__ cu_k, const u32 vec,
                                               const u32 mask_kind, const AttnLayout lay,
                                               const FlashBwdParams p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -64,6 +66,7 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
     constexpr int ST_PITCH = STATS_IN_PAD ? PITCH : 2;
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (OPT::MODS) with_extras(s, ex, alibi, nullptr);
+    with_varlen(s, ex, cu_q, cu_k);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
@@ -73,10 +76,12 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
     const int c0 = (int)(blockIdx.x % PARTS) * (DP - DC);  // this block's first dK/dV column
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;
+    for_sequence(s, b);  // (k_tiles above: the grid's, over the frame)
+    if (k0 >= s.seq_k) return;  // a varlen key tile past its sequence's keys (the whole block leaves)
     const long long key0 = k0 + warp * 16 * MT + L.g;  // + 16 mt + 8 rr
 
-    const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
-    const Rows gk = rows_of(lay.grad_k, b, hk), gv = rows_of(lay.grad_v, b, hk);
+    const Rows rk = k_rows(s, lay.k, b, hk), rv = k_rows(s, lay.v, b, hk);
+    const Rows gk = k_rows(s, lay.grad_k, b, hk), gv = k_rows(s, lay.grad_v, b, hk);
     load_tile<T, BK, DP, PITCH, THREADS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D, vec);
     load_tile<T, BK, DP, PITCH, THREADS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D, vec);
     const T* sKw = sK + warp * 16 * MT * PITCH;
@@ -105,15 +110,15 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
     auto load_q = [&](int t) {
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
-        const Rows rq = rows_of(lay.q, b, h);
+        const Rows rq = q_rows(s, lay.q, b, h);
         load_tile<T, BQ, DP, PITCH, THREADS>(sQ, q + rq.off, rq.stride, i0, s.seq_q, D, vec);
     };
     auto load_do = [&](int t) {
         const u32 h = hk * group + t / n_tiles;
         const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
-        const Rows rdo = rows_of(lay.grad_out, b, h);
+        const Rows rdo = q_rows(s, lay.grad_out, b, h);
         load_tile<T, BQ, DP, PITCH, THREADS>(sdO, grad_out + rdo.off, rdo.stride, i0, s.seq_q, D, vec);
-        const float* st = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
+        const float* st = stats + row_index(s, b, h) * 2;
         for (int idx = threadIdx.x; idx < 2 * BQ; idx += THREADS) {
             const bool ok = i0 + idx / 2 < s.seq_q;  // rows past the end: never visible
             cp_async<4>(sSt + (STATS_IN_PAD ? (idx / 2) * PITCH + (idx & 1) : idx),
@@ -189,10 +194,11 @@ flash_bwd_dkdv_half(const u16* __restrict__ q, const u16* __restrict__ k,
                     const u16* __restrict__ v, const u16* __restrict__ grad_out,
                     u16* __restrict__ grad_k, u16* __restrict__ grad_v,
                     const void* __restrict__ mask, const float* __restrict__ stats,
-                    const float* __restrict__ alibi, const u32 vec, const u32 mask_kind,
+                    const float* __restrict__ alibi, const int* __restrict__ cu_q,
+                    const int* __restrict__ cu_k, const u32 vec, const u32 mask_kind,
                     const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
-    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, alibi, vec, mask_kind,
-                                lay, p, ex);
+    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, alibi, cu_q, cu_k, vec,
+                                mask_kind, lay, p, ex);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
@@ -200,9 +206,10 @@ flash_attn_v2_bw_dkdv(const float* __restrict__ q, const float* __restrict__ k,
                       const float* __restrict__ v, const float* __restrict__ grad_out,
                       float* __restrict__ grad_k, float* __restrict__ grad_v,
                       const void* __restrict__ mask, const float* __restrict__ stats,
-                      const float* __restrict__ alibi, const u32 vec, const u32 mask_kind,
+                      const float* __restrict__ alibi, const int* __restrict__ cu_q,
+                      const int* __restrict__ cu_k, const u32 vec, const u32 mask_kind,
                       const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
-    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, alibi, vec, mask_kind,
-                                lay, p, ex);
+    backward_dkdv<BuildOptions>(q, k, v, grad_out, grad_k, grad_v, mask, stats, alibi, cu_q, cu_k, vec,
+                                mask_kind, lay, p, ex);
 }
 #endif

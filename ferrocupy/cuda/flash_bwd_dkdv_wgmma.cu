@@ -66,7 +66,8 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
                   const u16* __restrict__ v, const u16* __restrict__ grad_out,
                   u16* __restrict__ grad_k, u16* __restrict__ grad_v,
                   const void* __restrict__ mask, const float* __restrict__ stats,
-                  const float* __restrict__ alibi,
+                  const float* __restrict__ alibi, const int* __restrict__ cu_q,
+                  const int* __restrict__ cu_k,
 #if FERRO_FUSED_DQ
                   float* __restrict__ dq_accum, u32* __restrict__ dq_sem,
 #endif
@@ -83,6 +84,7 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
     float* sSt = reinterpret_cast<float*>(sdS + 2 * DS_ELEMS);  // [STAGES][BQ][Delta, LSE]
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, nullptr);
+    with_varlen(s, ex, cu_q, cu_k);
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads
     (void)vec;  // 16-byte rows: the backend picks this kernel only then
@@ -92,6 +94,8 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
     block_coords(blockIdx.x, k_tiles, s.batch * s.kv_heads, bhk, tile);
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;
+    for_sequence(s, b);  // (k_tiles above: the grid's, over the frame)
+    if (k0 >= s.seq_k) return;  // a varlen key tile past its sequence's keys (the whole block leaves)
     const long long k_last = min((long long)s.seq_k, k0 + BK) - 1;
     long long q_lo, q_hi;
     visible_row_range(s, k0, k_last, q_lo, q_hi);
@@ -107,7 +111,7 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
 
     if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
         regs_shrink<LOADER_REGS>();
-        const Rows rk = rows_of(lay.k, b, hk), rv = rows_of(lay.v, b, hk);
+        const Rows rk = k_rows(s, lay.k, b, hk), rv = k_rows(s, lay.v, b, hk);
         load_tile_sw128<BK, DP, LOADERS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D);
         load_tile_sw128<BK, DP, LOADERS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D);
         mbar_arrive_cp_async(&kv_full);
@@ -116,11 +120,11 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
             ring_wait_empty(empty, t);  // step t - STAGES is done
             const u32 h = hk * group + t / n_tiles;
             const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
-            const Rows rq = rows_of(lay.q, b, h), rdo = rows_of(lay.grad_out, b, h);
+            const Rows rq = q_rows(s, lay.q, b, h), rdo = q_rows(s, lay.grad_out, b, h);
             load_tile_sw128<BQ, DP, LOADERS>(sQ + st * Q_ELEMS, q + rq.off, rq.stride, i0, s.seq_q, D);
             load_tile_sw128<BQ, DP, LOADERS>(sdO + st * Q_ELEMS, grad_out + rdo.off, rdo.stride, i0,
                                              s.seq_q, D);
-            const float* rows = stats + ((u64)b * s.heads + h) * s.seq_q * 2;
+            const float* rows = stats + row_index(s, b, h) * 2;
             for (int r = threadIdx.x; r < BQ; r += LOADERS) {  // rows past seq_q: zeros
                 const bool ok = i0 + r < s.seq_q;
                 cp_async<8>(sSt + (st * BQ + r) * 2, ok ? rows + (i0 + r) * 2 : rows, ok);
@@ -273,6 +277,6 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
 #endif
     }
 
-    const Rows gk = rows_of(lay.grad_k, b, hk), gv = rows_of(lay.grad_v, b, hk);
+    const Rows gk = k_rows(s, lay.grad_k, b, hk), gv = k_rows(s, lay.grad_v, b, hk);
     store_acc_tile2<u16, DT>(grad_k, gk, dk, s.scale, grad_v, gv, dv, 1.f, key0, s.seq_k, L, D, true);
 }

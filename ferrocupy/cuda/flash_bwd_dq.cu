@@ -35,7 +35,9 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
                                             float* __restrict__ stats,
                                             const float* __restrict__ lse_in,
                                             const float* __restrict__ alibi,
-                                            const float* __restrict__ sinks, const u32 vec,
+                                            const float* __restrict__ sinks,
+                                            const int* __restrict__ cu_q,
+                                            const int* __restrict__ cu_k, const u32 vec,
                                             const u32 mask_kind, const AttnLayout lay,
                                             const FlashBwdParams p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -45,11 +47,14 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
     T* sV = sK + BN * PITCH;                 // [BN][PITCH]
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (OPT::MODS) with_extras(s, ex, alibi, sinks);
+    with_varlen(s, ex, cu_q, cu_k);
     const Lane L = lane_ids();
     const int warp = threadIdx.x >> 5, D = s.head_dim;
 
-    const QueryTile Tq = query_tile<BM, MT>(s, lay, L);
-    const Rows dO = rows_of(lay.grad_out, Tq.b, Tq.h), dQ = rows_of(lay.grad_q, Tq.b, Tq.h);
+    const QueryTile Tq = query_tile<BM, MT>(s, lay, L);  // (s: its batch entry's)
+    if (Tq.empty()) return;  // a varlen tile past its sequence's rows (the whole block leaves)
+    const Rows dO = q_rows(s, lay.grad_out, Tq.b, Tq.h), dQ = q_rows(s, lay.grad_q, Tq.b, Tq.h);
+    const u64 row0 = row_index(s, Tq.b, Tq.h);  // of lse_in and the stats
     const T* kb = k + Tq.k.off;
     const T* vb = v + Tq.v.off;
     const float slope = OPT::MODS ? alibi_slope(s, Tq.b, Tq.h) : 0.f;
@@ -89,7 +94,7 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 const long long i = Tq.row(mt, rr);
-                lse[mt][rr] = i < s.seq_q ? lse_in[(u64)Tq.bh * s.seq_q + i] : neg_inf();
+                lse[mt][rr] = i < s.seq_q ? lse_in[row0 + i] : neg_inf();
             }
     } else {
         // Pass 1: LSE_i = m + log(sum exp(s - m)) over the visible keys (and the sink: row_end).
@@ -134,7 +139,7 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
         for (int rr = 0; rr < 2; ++rr) {
             const long long i = Tq.row(mt, rr);
             if (L.t == 0 && i < s.seq_q) {
-                float* st = stats + ((u64)Tq.bh * s.seq_q + i) * 2;
+                float* st = stats + (row0 + i) * 2;
                 st[0] = delta[mt][rr];
                 st[1] = lse[mt][rr];
             }
@@ -211,11 +216,12 @@ flash_bwd_dq_half(const u16* __restrict__ q, const u16* __restrict__ k, const u1
                   const u16* __restrict__ out, const u16* __restrict__ grad_out,
                   u16* __restrict__ grad_q, const void* __restrict__ mask,
                   float* __restrict__ stats, const float* __restrict__ lse_in,
-                  const float* __restrict__ alibi, const float* __restrict__ sinks, const u32 vec,
+                  const float* __restrict__ alibi, const float* __restrict__ sinks,
+                  const int* __restrict__ cu_q, const int* __restrict__ cu_k, const u32 vec,
                   const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p,
                   const AttnExtras ex) {
-    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, alibi, sinks, vec,
-                              mask_kind, lay, p, ex);
+    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, alibi, sinks, cu_q,
+                              cu_k, vec, mask_kind, lay, p, ex);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
@@ -224,9 +230,10 @@ flash_attn_v2_bw_dq(const float* __restrict__ q, const float* __restrict__ k,
                     const float* __restrict__ grad_out, float* __restrict__ grad_q,
                     const void* __restrict__ mask, float* __restrict__ stats,
                     const float* __restrict__ lse_in, const float* __restrict__ alibi,
-                    const float* __restrict__ sinks, const u32 vec, const u32 mask_kind,
+                    const float* __restrict__ sinks, const int* __restrict__ cu_q,
+                    const int* __restrict__ cu_k, const u32 vec, const u32 mask_kind,
                     const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
-    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, alibi, sinks, vec,
-                              mask_kind, lay, p, ex);
+    backward_dq<BuildOptions>(q, k, v, out, grad_out, grad_q, mask, stats, lse_in, alibi, sinks, cu_q,
+                              cu_k, vec, mask_kind, lay, p, ex);
 }
 #endif

@@ -41,7 +41,8 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
                    const u16* __restrict__ out, const u16* __restrict__ grad_out,
                    u16* __restrict__ grad_q, const void* __restrict__ mask,
                    float* __restrict__ stats, const float* __restrict__ lse_in,
-                   const float* __restrict__ alibi, const float* __restrict__ sinks, const u32 vec,
+                   const float* __restrict__ alibi, const float* __restrict__ sinks,
+                   const int* __restrict__ cu_q, const int* __restrict__ cu_k, const u32 vec,
                    const u32 mask_kind, const AttnLayout lay, const FlashBwdParams p,
                    const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
@@ -53,15 +54,18 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     u16* sV = sK + STAGES * KV_ELEMS;   // [STAGES][BN x DP], swizzled
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);  // (the given lse holds any sink)
+    with_varlen(s, ex, cu_q, cu_k);
     const Lane L = lane_ids();
     const int D = s.head_dim, wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);  // 0 loads
     (void)vec;  // 16-byte rows and the forward's lse: the backend picks it only then
 
-    QueryTile T = query_tile<BM, 1>(s, lay, L);
+    QueryTile T = query_tile<BM, 1>(s, lay, L);  // (s: its batch entry's)
+    if (T.empty()) return;  // a varlen tile past its sequence's rows (the whole block leaves)
     T.row0 = T.m0 + ((int)(threadIdx.x >> 5) - LOADERS / 32) * 16 + L.g;  // computing warps' rows
     long long j_first;
     const int n_tiles = key_tiles<BN>(s, T, j_first);
-    const Rows rdo = rows_of(lay.grad_out, T.b, T.h);
+    const Rows rdo = q_rows(s, lay.grad_out, T.b, T.h);
+    const u64 row0 = row_index(s, T.b, T.h);  // of lse_in and the stats
 
     if (threadIdx.x == 0) {
         mbar_init(&q_full, LOADERS);
@@ -113,12 +117,12 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
                 Elem<u16>::widen2(*reinterpret_cast<const u32*>(drow + d), g0, g1);
                 acc += g0 * o0 + g1 * o1;
             }
-            lse = lse_in[(u64)T.bh * s.seq_q + i];
+            lse = lse_in[row0 + i];
         }
         delta[rr] = quad_sum(acc);
         lse2[rr] = lse * FERRO_LOG2E;
         if (L.t == 0 && i < s.seq_q) {
-            float* st = stats + ((u64)T.bh * s.seq_q + i) * 2;
+            float* st = stats + (row0 + i) * 2;
             st[0] = delta[rr];
             st[1] = lse;
         }
@@ -209,6 +213,6 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
     }
     for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, t);
 
-    const Rows rdq = rows_of(lay.grad_q, T.b, T.h);
+    const Rows rdq = q_rows(s, lay.grad_q, T.b, T.h);
     store_acc_tile<u16, DT>(grad_q, rdq, T.row(0, 0), s.seq_q, dq, s.scale, L, D, true);
 }
