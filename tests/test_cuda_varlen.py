@@ -1,7 +1,8 @@
 """Packed variable-length batches (varlen, SPEC "Beyond the seed, part 2", issue 26) on the CUDA
 kernels: the forward and the backward (dQ, dK/dV, grad_sinks; the forward's lse given or not)
 on every kernel path (`kernels`: the engine's own choice, the sm_90a wgmma
-kernel in half precision at head_dim 64 / 128 on an H100/H200, and the mma.sync kernels alone),
+kernel in half precision at head_dim 64 / 128 on an H100/H200, and the mma.sync kernels alone;
+`decoders`: each decode design, for calls of few query rows a KV group),
 one launch per kernel for the whole packed batch, against a per-sequence loop of the independent dense
 float64 oracle (tests/dense_options.py through tests/test_varlen.py's oracle: each sequence
 right-aligned in the [max_seqlen_q, max_seqlen_k] frame, dropout's batch index its number, its
@@ -30,7 +31,7 @@ import ferrocupy.reference as reference
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from ferrocupy.params import AttentionDims, extras_params
-from gpu_helpers import count_launches, dev, gpu_pytestmark, kernels  # noqa: F401
+from gpu_helpers import count_launches, decoders, dev, gpu_pytestmark, kernels  # noqa: F401
 
 torch = pytest.importorskip("torch", reason="the dense oracle is written in PyTorch")
 from dense_options import dense, dense_grads  # noqa: E402
@@ -214,6 +215,21 @@ def test_few_query_rows_a_sequence(kernels, rng, dtype):
     """A packed decode step (one or no query row a sequence, long keys), with its backward."""
     t = rounded(make(rng, "everything", [1, 1, 0, 1], [300, 0, 17, 129]), dtype)
     check(kernels, t)
+
+
+# --- decode: few query rows a KV group, on each decode design ---------------------------------
+@pytest.mark.parametrize("extra", [0, 2], ids=["frame-tight", "frame-wider"])
+@pytest.mark.parametrize("dtype", [FLOAT32, *HALF])
+@pytest.mark.parametrize("name", ["everything", "sinks", "alibi-per-sequence", "windows",
+                                  "bottom-right", "dropout"])
+def test_decode_designs(decoders, rng, name, dtype, extra):
+    """Packed decode steps (0-2 query rows a sequence, 4 heads a KV head: at most 16 rows a
+    KV group, the frame's up to 4) on each decode design (the tensor-core / streams kernels
+    merging their key splits in the kernel, the tiles kernel with its combine launch), long
+    keys split across blocks, a sequence with no key and one with no row."""
+    t = rounded(make(rng, name, [2, 0, 1, 2, 1], [1500, 40, 0, 2100, 1], h=8, hkv=2, d=64,
+                     max_extra=(extra, 0)), dtype)
+    check(decoders, t, backward=False, what=f"[{name}]")
 
 
 # --- hypothesis: random packings ----------------------------------------------------------------

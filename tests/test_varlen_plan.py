@@ -2,7 +2,7 @@
 tests/test_backend_plan.py): one launch of the forward kernel for the whole packed batch, its
 grid (number of sequences) x heads x ceil(max_seqlen_q / tile), cu_seqlens_q / cu_seqlens_k as
 kernel arguments, the AttnExtras with its varlen flag, on mma.sync and on sm_90a's wgmma; a
-varlen call with few query rows still takes it (the decode kernels do not read cu_seqlens);
+varlen call with few query rows a KV group takes the decode kernels, which read cu_seqlens too;
 the backward's dQ and dK/dV launches over the frame, then the sinks' launch."""
 
 from __future__ import annotations
@@ -68,15 +68,31 @@ def test_a_dense_call_passes_no_cu_seqlens():
                for n in ("cu_seqlens_q", "cu_seqlens_k"))
 
 
+@pytest.mark.parametrize("design", configs.DECODE_DESIGNS)
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
-def test_few_query_rows_take_the_forward_kernel_not_decode(dtype):
-    """One query row a sequence (a packed decode step): decode_wanted by its shape, but the
-    decode kernels do not take cu_seqlens, so the forward kernel runs it."""
+def test_few_query_rows_take_the_decode_kernels_with_cu_seqlens(dtype, design):
+    """One query row a sequence (a packed decode step): the decode kernel over (sequence, KV
+    head, split), its workspace over the frame's rows, cu_seqlens passed to it and (the tiles
+    design) to the combine kernel."""
     b = backend()
-    bufs, p, layout, extras = varlen_call(3, 700, 3, 1, 400, 8, 8, 64, dtype)
+    b.table = configs.only(design, configs.TILES)  # (tiles: where the design cannot run)
+    n, h = 3, 8
+    bufs, p, layout, extras = varlen_call(3, 7000, n, 1, 4000, h, 8, 64, dtype)
     assert configs.decode_wanted(p)
-    (launch,) = b.plan("forward", bufs, p, layout, ptrs(bufs), extras).launches
-    assert "decode" not in launch.fn.name
+    plan = b.plan("forward", bufs, p, layout, ptrs(bufs), extras)
+    first = plan.launches[0]
+    assert "decode" in first.fn.name
+    names = configs.ARGS[configs.DECODE]
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        assert first.args[names.index(name)].name == name
+    splits = int(first.args[names.index("splits")])
+    assert first.blocks == n * 8 * splits
+    if "part_o" in plan.workspace:
+        assert plan.workspace["part_o"][:2] == (splits, n * h * 1)  # the frame's rows
+    if len(plan.launches) > 1:  # the tiles design's combine: a block per frame row
+        (combine,) = plan.launches[1:]
+        assert combine.fn.name == "flash_decode_combine" and combine.blocks == n * h
+        assert [a.name for a in combine.args[5:7]] == ["cu_seqlens_q", "cu_seqlens_k"]
 
 
 @pytest.mark.parametrize("capability, dtype, kernels", [

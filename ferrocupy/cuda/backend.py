@@ -247,7 +247,7 @@ class CudaBackend:
                                                                    extras)
             if not int(params["batch"]) * int(params["heads"]) * int(params["seq_q"]):
                 launches, more = [], {}  # (an append with no query row: the writes alone)
-            elif configs.decode_wanted(params) and not int(extras["flags"]) & EXTRAS_VARLEN:
+            elif configs.decode_wanted(params):
                 launches, more = self._plan_decode(buffers, params, layout, ptrs, extras)
             else:
                 launches = [self._plan(configs.FORWARD, buffers, params, layout, ptrs, extras)]
@@ -442,7 +442,7 @@ class CudaBackend:
 
         args = (opt("q"), opt("k"), opt("v"), part_o, part_ml, tickets, opt("out"),
                 opt("lse"), opt("mask"), opt("kv_lens"), opt("block_table"), opt("alibi_slopes"),
-                opt("sinks"),
+                opt("sinks"), opt("cu_seqlens_q"), opt("cu_seqlens_k"),
                 np.uint32(splits), np.uint32(split_keys), np.uint32(vec), mask_kind, layout)
         launches = [(fn, pairs * splits, v.threads, v.shared_bytes, args)]
         if combine_launch:
@@ -452,7 +452,8 @@ class CudaBackend:
                                                                   v.defines, v.options)
             launches.append((combine, rows, v.combine_threads, 0,
                              (part_o, part_ml, opt("out"), opt("lse"), opt("sinks"),
-                              np.uint32(splits), layout)))
+                              opt("cu_seqlens_q"), opt("cu_seqlens_k"), np.uint32(splits),
+                              layout)))
         return launches, workspace
 
     def _resident(self, fn, v: configs.Variant) -> int:

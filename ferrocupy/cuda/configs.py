@@ -47,7 +47,8 @@ ARGS = {
     BACKWARD_DKDV: ("q", "k", "v", "grad_out", "grad_k", "grad_v", "mask", "stats",
                     "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k"),
     DECODE: ("q", "k", "v", "part_o", "part_ml", "tickets", "out", "lse", "mask", "kv_lens",
-             "block_table", "alibi_slopes", "sinks", "splits", "split_keys"),
+             "block_table", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k", "splits",
+             "split_keys"),
 }
 # Every attention kernel takes, after its buffers, `vec`, `mask_kind`, the layout, the seed's
 # struct and the AttnExtras struct (softcap; whether alibi_slopes is [batch, heads]).

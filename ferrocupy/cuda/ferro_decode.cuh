@@ -28,7 +28,9 @@ __device__ __forceinline__ void split_keys_range(const AttnShape& s, u32 split, 
 // One decode block's work: (batch b, KV head hk) and its split of the keys [j_lo, j_hi). Blocks
 // go in (batch, KV head, split) order. (The KV head fastest, so that blocks running at once read
 // neighbouring heads' slices of the same keys, measured 1-4% slower in 7 of the 9 compare.py
-// decode cases, H200, 2026-12-03.) `s` becomes batch b's shape (its kv_lens entry).
+// decode cases, H200, 2026-12-03.) `s` becomes batch b's shape (its kv_lens entry, or its
+// varlen sequence: for_sequence; a kernel leaves at once when the sequence has no row, R = 0,
+// so no block of that pair takes a ticket and its counter stays zero).
 // A paged cache (SPEC "Paged KV cache"; `pages` non-null): key j lies in row j % page of block
 // pages[j / page], at element block * k_block + row * rk.stride from rk.off (the KV head's
 // column); a contiguous one is a single page of every key (block 0, row j).
@@ -40,7 +42,23 @@ struct DecodeBlock {
     const int* pages;      // batch b's row of block_table (null: contiguous)
     u32 page, page_shift;  // rows per block; log2 of it when a power of two, else 32
     u64 k_block, v_block;  // elements from one block to the next (0: contiguous)
+    u32 frame_q;           // the call's seq_q (varlen: max_seqlen_q), which sizes the workspace
+    long long q0;          // the batch entry's first row of q and out (varlen; else 0)
+
+    // Element offset of query i of head h in a q-shaped tensor with strides t.
+    __device__ __forceinline__ u64 q_at(const Strides& t, u32 h, u32 i) const {
+        return (u64)b * t.b + (u64)(q0 + i) * t.s + (u64)h * t.h;
+    }
+    // (b, h, i)'s row of the workspace: the frame's [batch, heads, frame_q] rows, one layout
+    // for every block of the launch whatever its sequence's length.
+    __device__ __forceinline__ u64 part_row(const AttnShape& s, u32 h, u32 i) const {
+        return ((u64)b * s.heads + h) * frame_q + i;
+    }
 };
+// The workspace's rows per split: [batch, heads, frame_q].
+__device__ __forceinline__ u64 part_rows(const AttnShape& s, u32 frame_q) {
+    return (u64)s.batch * s.heads * frame_q;
+}
 __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_lens,
                                                     const int* block_table, const AttnExtras& ex,
                                                     const AttnLayout& lay, u32 splits,
@@ -48,7 +66,10 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
     DecodeBlock d;
     const u32 split = blockIdx.x % splits, bhk = blockIdx.x / splits;
     d.b = bhk / s.kv_heads, d.hk = bhk % s.kv_heads;
+    d.frame_q = s.seq_q;
     for_batch(s, kv_lens, d.b);
+    for_sequence(s, d.b);
+    d.q0 = s.q_start;
     d.G = s.heads / s.kv_heads;
     d.R = (int)(d.G * s.seq_q);
     d.pages = nullptr, d.page = 0, d.page_shift = 32, d.k_block = d.v_block = 0;
@@ -59,7 +80,7 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
         d.k_block = lay.k.b, d.v_block = lay.v.b;
         d.rk = rows_of(lay.k, 0, d.hk), d.rv = rows_of(lay.v, 0, d.hk);
     } else {
-        d.rk = rows_of(lay.k, d.b, d.hk), d.rv = rows_of(lay.v, d.b, d.hk);
+        d.rk = k_rows(s, lay.k, d.b, d.hk), d.rv = k_rows(s, lay.v, d.b, d.hk);
     }
     split_keys_range(s, split, split_keys, d.j_lo, d.j_hi);
     return d;
@@ -138,16 +159,16 @@ __device__ __forceinline__ void merge_splits(const float* part_o, const float* p
 
 // Writes row (b, h, i)'s column d of out (O / its denominator, rounded once; a row that sees
 // nothing: 0) and, from column 0, its lse, given the row's (max, sum, O's column): row_end, with
-// head h's sink.
+// head h's sink. `s` is batch entry b's (for_sequence: its rows of out and lse).
 __device__ __forceinline__ void write_row(const AttnShape& s, const AttnLayout& lay, u32 b, u32 h,
-                                          u32 i, u64 row, int d, float M, float L, float O, T* out,
+                                          u32 i, int d, float M, float L, float O, T* out,
                                           float* lse) {
     float inv, lse_i;
     row_end<BuildOptions::MODS>(M, L, Dropout<true>(s).keep_scale(), sink_logit(s, h), inv,
                                 lse_i);
     if (d < (int)s.head_dim)
-        out[(u64)b * lay.out.b + (u64)i * lay.out.s + (u64)h * lay.out.h + d] = E::from_f(O * inv);
-    if (lse && d == 0) lse[row] = lse_i;
+        out[q_rows(s, lay.out, b, h).off + (u64)i * lay.out.s + d] = E::from_f(O * inv);
+    if (lse && d == 0) lse[row_index(s, b, h) + i] = lse_i;
 }
 
 // A decode block's last step: its warps' partial results for each of its R rows (sO
@@ -165,7 +186,7 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
                                               u32 split, u32 splits, T* out, float* lse,
                                               float* part_o, float* part_ml, u32* tickets) {
     constexpr int DP = FERRO_HEAD_DIM;
-    const u64 rows_total = (u64)s.batch * s.heads * s.seq_q;
+    const u64 rows_total = part_rows(s, blk.frame_q);
     for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
         const int r = idx / DP, d = idx % DP;
         float M = neg_inf();
@@ -180,9 +201,9 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
             O += sO[(w * ROWS + r) * DP + d] * a;
         }
         const u32 h = blk.hk * blk.G + r / s.seq_q, i = r % s.seq_q;
-        const u64 row = ((u64)blk.b * s.heads + h) * s.seq_q + i;
+        const u64 row = blk.part_row(s, h, i);
         if (splits == 1) {  // the only split: this block writes the answer
-            write_row(s, lay, blk.b, h, i, row, d, M, L, O, out, lse);
+            write_row(s, lay, blk.b, h, i, d, M, L, O, out, lse);
         } else {
             part_o[((u64)split * rows_total + row) * DP + d] = O;
             if (d == 0) {
@@ -204,16 +225,16 @@ __device__ __forceinline__ void decode_finish(const float* sO, const float* sML,
     for (int idx = threadIdx.x; idx < blk.R * DP; idx += THREADS) {
         const int r = idx / DP, d = idx % DP;
         const u32 h = blk.hk * blk.G + r / s.seq_q, i = r % s.seq_q;
-        const u64 row = ((u64)blk.b * s.heads + h) * s.seq_q + i;
         float M, L, O;
-        merge_splits(part_o, part_ml, splits, rows_total, row, d, true, M, L, O);
-        write_row(s, lay, blk.b, h, i, row, d, M, L, O, out, lse);
+        merge_splits(part_o, part_ml, splits, rows_total, blk.part_row(s, h, i), d, true, M, L, O);
+        write_row(s, lay, blk.b, h, i, d, M, L, O, out, lse);
     }
 }
 
 // The second kernel where the decode kernel has no tickets (the tiles design): one block of
-// COMBINE_THREADS per output row (b, h, i), a thread per column of O (head_dim <=
-// COMBINE_THREADS), merge_splits. Any number of splits (configs.py caps them at
+// COMBINE_THREADS per row (b, h, i) of the workspace's frame, a thread per column of O
+// (head_dim <= COMBINE_THREADS), merge_splits; a varlen frame's rows past their sequence's
+// length hold nothing and write nothing. Any number of splits (configs.py caps them at
 // DECODE_MAX_SPLITS).
 constexpr int COMBINE_THREADS = FERRO_COMBINE_THREADS;
 static_assert(FERRO_HEAD_DIM <= COMBINE_THREADS, "a combine thread per column");
@@ -221,14 +242,18 @@ static_assert(FERRO_HEAD_DIM <= COMBINE_THREADS, "a combine thread per column");
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 flash_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                      T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ sinks,
+                     const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                      const u32 splits, const AttnLayout lay, const FlashV2Params p,
                      const AttnExtras ex) {
     const u64 rows_total = (u64)p.batch * p.heads * p.seq_q, row = blockIdx.x;
     const int d = threadIdx.x;
-    float M, L, O;
-    merge_splits(part_o, part_ml, splits, rows_total, row, d, d < (int)p.head_dim, M, L, O);
     AttnShape s = attn_shape(p, ex, 0);
     if (BuildOptions::MODS) with_extras(s, ex, nullptr, sinks);
+    with_varlen(s, ex, cu_q, cu_k);
     const u32 i = row % p.seq_q, bh = row / p.seq_q, h = bh % p.heads, b = bh / p.heads;
-    if (d < (int)p.head_dim) write_row(s, lay, b, h, i, row, d, M, L, O, out, lse);
+    for_sequence(s, b);
+    if (i >= s.seq_q) return;  // (the whole block: one row)
+    float M, L, O;
+    merge_splits(part_o, part_ml, splits, rows_total, row, d, d < (int)p.head_dim, M, L, O);
+    if (d < (int)p.head_dim) write_row(s, lay, b, h, i, d, M, L, O, out, lse);
 }

@@ -1,8 +1,8 @@
 // The attention sinks' gradient (SPEC "Beyond the seed, part 2"): grad_sinks[h] =
 // -sum_{b,i} exp(sink_h - LSE_bhi) * Delta_bhi, from the [Delta, LSE] stats the dQ kernel wrote
 // ([batch * heads * seq_q][2], or in a varlen call [heads * total_q][2] with total_q =
-// cu_q[batch]: ferro_params.cuh's row_index; the LSE holds the sink). Written, never accumulated. One block per
-// head: each thread sums a fixed stride of the rows in float64, then a fixed tree over the block,
+// cu_q[batch]: ferro_params.cuh's row_index; the LSE holds the sink). Written, never
+// accumulated. One block per head: each thread sums a fixed stride of the rows in float64, then a fixed tree over the block,
 // so every run gives the same bits (no atomics). A row whose LSE is -inf (no key and a sink of
 // -inf) has no sink probability and adds nothing.
 #include "ferro_params.cuh"

@@ -38,7 +38,8 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              T* __restrict__ out, float* __restrict__ lse, const void* __restrict__ mask,
              const int* __restrict__ kv_lens, const int* __restrict__ block_table,
              const float* __restrict__ alibi,
-             const float* __restrict__ sinks, const u32 splits, const u32 split_keys,
+             const float* __restrict__ sinks, const int* __restrict__ cu_q,
+             const int* __restrict__ cu_k, const u32 splits, const u32 split_keys,
              const u32 vec, const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
              const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_d[];
@@ -52,7 +53,9 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
+    with_varlen(s, ex, cu_q, cu_k);
     const DecodeBlock blk = decode_block(s, kv_lens, block_table, ex, lay, splits, split_keys);
+    if (blk.R == 0) return;  // a varlen sequence with no query row (the whole block leaves)
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R;
     const int D = s.head_dim, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -67,7 +70,7 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         float x = 0.f;
         if (r < R && d < D) {
             const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
-            x = E::to_f(q[(u64)b * lay.q.b + (u64)i * lay.q.s + (u64)h * lay.q.h + d]) * s.scale;
+            x = E::to_f(q[blk.q_at(lay.q, h, i) + d]) * s.scale;
         }
         sQ[idx] = x;
     }
@@ -191,13 +194,13 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     cp_async_wait<0>();
 
     // This split's part of each row: unnormalised O, and (max, sum) in scaled units.
-    const u64 rows_total = (u64)s.batch * s.heads * s.seq_q;
+    const u64 rows_total = part_rows(s, blk.frame_q);
 #pragma unroll
     for (int n = 0; n < PAIRS; ++n) {
         const int idx = tid + THREADS * n, r = idx / DP, d = idx % DP;
         if (r >= R) break;
         const u32 h = hk * G + r / s.seq_q, i = r % s.seq_q;
-        const u64 row = ((u64)b * s.heads + h) * s.seq_q + i;
+        const u64 row = blk.part_row(s, h, i);
         part_o[((u64)split * rows_total + row) * DP + d] = o[n];
         if (d == 0) {
             part_ml[((u64)split * rows_total + row) * 2] = sM[r];

@@ -55,7 +55,9 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  float* __restrict__ part_o, float* __restrict__ part_ml,
                  u32* __restrict__ tickets, T* __restrict__ out, float* __restrict__ lse,
                  const void* __restrict__ mask, const int* __restrict__ kv_lens,
-                 const int* __restrict__ block_table, const float* __restrict__ alibi, const float* __restrict__ sinks, const u32 splits,
+                 const int* __restrict__ block_table, const float* __restrict__ alibi,
+                 const float* __restrict__ sinks, const int* __restrict__ cu_q,
+                 const int* __restrict__ cu_k, const u32 splits,
                  const u32 split_keys, const u32 vec, const u32 mask_kind, const AttnLayout lay,
                  const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_d[];
@@ -67,7 +69,9 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
+    with_varlen(s, ex, cu_q, cu_k);
     const DecodeBlock blk = decode_block(s, kv_lens, block_table, ex, lay, splits, split_keys);
+    if (blk.R == 0) return;  // a varlen sequence with no query row (the whole block leaves)
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
     const T* kb = k + blk.rk.off;
@@ -146,7 +150,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             x[e] = 0;
             if (r < R && d < D) {
                 const u32 qi = r % s.seq_q, head = hk * G + r / s.seq_q;
-                x[e] = q[(u64)b * lay.q.b + (u64)qi * lay.q.s + (u64)head * lay.q.h + d];
+                x[e] = q[blk.q_at(lay.q, head, qi) + d];
             }
         }
 #pragma unroll

@@ -51,8 +51,10 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      float* __restrict__ part_o, float* __restrict__ part_ml,
                      u32* __restrict__ tickets, T* __restrict__ out, float* __restrict__ lse,
                      const void* __restrict__ mask, const int* __restrict__ kv_lens,
-                     const int* __restrict__ block_table, const float* __restrict__ alibi, const float* __restrict__ sinks,
-                     const u32 splits, const u32 split_keys, const u32 vec, const u32 mask_kind,
+                     const int* __restrict__ block_table, const float* __restrict__ alibi,
+                     const float* __restrict__ sinks, const int* __restrict__ cu_q,
+                     const int* __restrict__ cu_k, const u32 splits, const u32 split_keys,
+                     const u32 vec, const u32 mask_kind,
                      const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_d[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -61,7 +63,9 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
+    with_varlen(s, ex, cu_q, cu_k);
     const DecodeBlock blk = decode_block(s, kv_lens, block_table, ex, lay, splits, split_keys);
+    if (blk.R == 0) return;  // a varlen sequence with no query row (the whole block leaves)
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
     const T* kb = k + blk.rk.off;
@@ -125,7 +129,7 @@ flash_decode_streams(const T* __restrict__ q, const T* __restrict__ k, const T* 
         r_lo = max(r_lo, j_lo), r_hi = min(r_hi, j_hi);
         see_lo[r] = (u32)(r_lo - j_lo);
         see_n[r] = r < R && r_hi > r_lo ? (u32)(r_hi - r_lo) : 0u;
-        const T* qr = q + (u64)b * lay.q.b + (u64)qi * lay.q.s + (u64)head * lay.q.h;
+        const T* qr = q + blk.q_at(lay.q, head, qi);
 #pragma unroll
         for (int cc = 0; cc < CH; ++cc) {
             const int ch = x + TX * cc;

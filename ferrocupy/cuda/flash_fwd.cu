@@ -121,7 +121,8 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         finish_forward<T, DT, OPT::MODS>(o[mt], m_run[mt], l_run[mt], Mma::RAW_SCORES ? s.scale : 1.f,
-                                         keep_scale, sink, Tq.row(mt, 0), s.seq_q, row_index(s, Tq.b, Tq.h), out, Tq.o,
+                                         keep_scale, sink, Tq.row(mt, 0), s.seq_q,
+                                         row_index(s, Tq.b, Tq.h), out, Tq.o,
                                          lse, L, D, vec > 1);
 }
 }  // namespace
