@@ -9,8 +9,9 @@ takes element-wise copies, with GQA, causal + offset and a window; the same call
 (strided) views; at head_dim 64 and 128 in half precision, forwards with more query tiles than
 SMs (the persistent kernel's loop); softcap, ALiBi and sinks (forward, backward with
 grad_sinks, decode); a negative offset and a window of two sides (forward, backward, decode);
-a paged cache in decode and KV-cache appends (contiguous and paged, rotated); then RoPE. Prints one line per
-call; the sanitizer's summary says whether anything was found.
+a paged cache in decode and KV-cache appends (contiguous and paged, rotated); varlen (packed
+sequences) forward, backward and decode; then RoPE. Prints one line per call; the sanitizer's
+summary says whether anything was found.
 """
 
 from __future__ import annotations
@@ -192,6 +193,30 @@ def main() -> None:
                         cache_seqlens=seqlens, k_new=put((2, 3, Hkv, d)),
                         v_new=put((2, 3, Hkv, d)), block_table=tb,
                         rotary_interleaved=page == 48, **rot)
+            # Varlen: packed sequences (an empty one, one of a single row, ones longer than a
+            # tile; the frame wider than every sequence) forward and backward with every
+            # option, and a packed decode step (0-2 rows a sequence) on the decode kernels.
+            for lens_q, lens_k, extra in (([130, 0, 1, 200], [150, 40, 0, 260], 7),
+                                          ([2, 0, 1], [1500, 40, 0], 0)):
+                cu = [UnifiedTensor.from_numpy(np.concatenate([[0], np.cumsum(n)]).astype(
+                    np.int32), device="cuda") for n in (lens_q, lens_k)]
+                qv, gov = put((sum(lens_q), H, d)), put((sum(lens_q), H, d))
+                kv, vv = put((sum(lens_k), Hkv, d)), put((sum(lens_k), Hkv, d))
+                outv = UnifiedTensor.empty(qv.shape, dtype, device="cuda")
+                lsev = UnifiedTensor.empty((H, sum(lens_q)), np.float32, device="cuda")
+                sinks = UnifiedTensor.from_numpy(rng.standard_normal(H).astype(np.float32),
+                                                 device="cuda")
+                named = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], sinks=sinks,
+                             max_seqlen_q=max(lens_q) + extra, max_seqlen_k=max(lens_k) + extra)
+                vopts = AttentionOptions(causal=True, window_left=50, softcap=3.0,
+                                         dropout_prob=0.1, seed=9)
+                eng.flash_attention_v2_with(qv, kv, vv, outv, vopts, lse=lsev, **named)
+                if max(lens_q) > 2 and not decode_only:
+                    gv = [UnifiedTensor.empty(x.shape, dtype, device="cuda") for x in (qv, kv, vv)]
+                    gs = UnifiedTensor.empty((H,), np.float32, device="cuda")
+                    for given in (lsev, None):
+                        eng.flash_attention_v2_backward_with(qv, kv, vv, outv, gov, *gv, vopts,
+                                                             lse=given, grad_sinks=gs, **named)
             if d % 2 == 0 and not decode_only:
                 eng.rope(q, d, 3)
             import cupy
