@@ -2,7 +2,8 @@
 kernels: the forward and the backward (dQ, dK/dV, grad_sinks; the forward's lse given or not)
 on every kernel path (`kernels`: the engine's own choice, the sm_90a wgmma
 kernel in half precision at head_dim 64 / 128 on an H100/H200, and the mma.sync kernels alone;
-`decoders`: each decode design, for calls of few query rows a KV group),
+`decoders`: each decode design, for calls of few query rows a KV group; the fused backward on
+sm_90a),
 one launch per kernel for the whole packed batch, against a per-sequence loop of the independent dense
 float64 oracle (tests/dense_options.py through tests/test_varlen.py's oracle: each sequence
 right-aligned in the [max_seqlen_q, max_seqlen_k] frame, dropout's batch index its number, its
@@ -215,6 +216,25 @@ def test_few_query_rows_a_sequence(kernels, rng, dtype):
     """A packed decode step (one or no query row a sequence, long keys), with its backward."""
     t = rounded(make(rng, "everything", [1, 1, 0, 1], [300, 0, 17, 129]), dtype)
     check(kernels, t)
+
+
+# --- the fused backward (sm_90a, halves, the forward's lse given) -------------------------------
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("name", ["bottom-right", "windows", "alibi-per-sequence", "sinks",
+                                  "everything"])
+def test_fused_backward(rng, name, d, dtype):
+    """The fused backward over a packed batch (its dQ workspace and ordered adds over the
+    frame's rows; query tiles of one sequence visited by that sequence's key blocks only) by
+    the half rule, and bit-identical run after run."""
+    fb = pytest.importorskip("test_cuda_fused_backward")
+    fused = fb.engine_with(True)
+    t = rounded(make(rng, name, LENS_Q, LENS_K, h=8, hkv=2, d=d, max_extra=(5, 3)), dtype)
+    check(fused, t, give_lse=True, what=f"[fused {name} d{d}]")
+    fb.assert_fused_ran(fused)
+    first, again = run(fused, t, backward=True), run(fused, t, backward=True)
+    for n in ("grad_q", "grad_k", "grad_v"):
+        assert np.array_equal(first[n], again[n]), f"{n}: runs differ"
 
 
 # --- decode: few query rows a KV group, on each decode design ---------------------------------

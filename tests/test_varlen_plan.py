@@ -3,7 +3,8 @@ tests/test_backend_plan.py): one launch of the forward kernel for the whole pack
 grid (number of sequences) x heads x ceil(max_seqlen_q / tile), cu_seqlens_q / cu_seqlens_k as
 kernel arguments, the AttnExtras with its varlen flag, on mma.sync and on sm_90a's wgmma; a
 varlen call with few query rows a KV group takes the decode kernels, which read cu_seqlens too;
-the backward's dQ and dK/dV launches over the frame, then the sinks' launch."""
+the backward's launches over the frame (dQ and dK/dV, or the fused backward's three), then
+the sinks' launch."""
 
 from __future__ import annotations
 
@@ -95,16 +96,20 @@ def test_few_query_rows_take_the_decode_kernels_with_cu_seqlens(dtype, design):
         assert [a.name for a in combine.args[5:7]] == ["cu_seqlens_q", "cu_seqlens_k"]
 
 
-@pytest.mark.parametrize("capability, dtype, kernels", [
-    (90, BFLOAT16, ("flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma")),
-    (80, FLOAT16, ("flash_bwd_dq_half", "flash_bwd_dkdv_half")),
-    (90, FLOAT32, ("flash_attn_v2_bw_dq", "flash_attn_v2_bw_dkdv"))])
-def test_backward_is_one_dq_and_one_dkdv_launch_then_the_sinks(capability, dtype, kernels):
-    """dQ over the frame's query tiles, dK/dV over its key tiles, each taking cu_seqlens; never
-    the fused backward (its dQ workspace is per dense row); the sinks' launch reads the
-    [heads, total_q] stats through cu_seqlens_q."""
+FUSED = (configs.FUSED_PRE_KERNEL, "flash_bwd_fused_wgmma", configs.FUSED_POST_KERNEL)
+
+
+@pytest.mark.parametrize("capability, dtype, fused, kernels", [
+    (90, BFLOAT16, False, ("flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma")),
+    (90, BFLOAT16, True, FUSED),
+    (80, FLOAT16, True, ("flash_bwd_dq_half", "flash_bwd_dkdv_half")),
+    (90, FLOAT32, True, ("flash_attn_v2_bw_dq", "flash_attn_v2_bw_dkdv"))])
+def test_backward_launches_over_the_frame_then_the_sinks(capability, dtype, fused, kernels):
+    """dQ over the frame's query tiles and dK/dV over its key tiles (or the fused backward's
+    three launches, its dQ workspace over the frame's rows), each taking cu_seqlens; then the
+    sinks' launch reads the [heads, total_q] stats through cu_seqlens_q."""
     b = backend(capability)
-    b.fused_backward = True
+    b.fused_backward = fused
     n, max_q, max_k, h, hkv = 4, 300, 400, 8, 2
     bufs, _, layout, extras = varlen_call(900, 1000, n, max_q, max_k, h, hkv, 128, dtype,
                                           sinks=True)
@@ -117,13 +122,19 @@ def test_backward_is_one_dq_and_one_dkdv_launch_then_the_sinks(capability, dtype
     plan = b.plan("backward", bufs, p, layout, ptrs(bufs), extras)
     names = [launch.fn.name for launch in plan.launches]
     assert names == [*kernels, configs.SINKS_KERNEL]
-    for launch, op in zip(plan.launches, (configs.BACKWARD_DQ, configs.BACKWARD_DKDV)):
-        args = configs.ARGS[op]
+    ops = (("pre", configs.FUSED_PRE_ARGS), ("main", configs.ARGS[configs.BACKWARD_FUSED]),
+           ("post", configs.FUSED_POST_ARGS)) if kernels == FUSED else \
+        (("dq", configs.ARGS[configs.BACKWARD_DQ]), ("dkdv", configs.ARGS[configs.BACKWARD_DKDV]))
+    for launch, (_, args) in zip(plan.launches, ops):
         for name in ("cu_seqlens_q", "cu_seqlens_k"):
             assert launch.args[args.index(name)].name == name
-    dq, dkdv = plan.launches[:2]
-    v_dkdv = b._kernels[next(key for key in b._kernels if key[0] == configs.BACKWARD_DKDV)][0]
-    assert dkdv.blocks == -(-max_k // v_dkdv.block_rows) * n * hkv * v_dkdv.parts
-    sinks = plan.launches[2]
+    op = configs.BACKWARD_FUSED if kernels == FUSED else configs.BACKWARD_DKDV
+    v = b._kernels[next(key for key in b._kernels if key[0] == op)][0]
+    assert plan.launches[1].blocks == -(-max_k // v.block_rows) * n * hkv * v.parts
+    if kernels == FUSED:
+        q_tiles = -(-max_q // v.step)
+        assert plan.launches[0].blocks == plan.launches[2].blocks == n * h * q_tiles
+        assert plan.workspace["dq_semaphores"] == (n * h * q_tiles,)
+    sinks = plan.launches[-1]
     assert [a.name for a in sinks.args[:4]] == ["stats", "sinks", "grad_sinks", "cu_seqlens_q"]
     assert plan.workspace["stats"][0] >= h * 900  # [heads, total_q] rows fit

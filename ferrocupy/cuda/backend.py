@@ -12,8 +12,8 @@ import threading
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
-from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, EXTRAS_VARLEN,
-                      LAYOUT_TENSORS, contiguous_rope_layout, seed_extras)
+from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, LAYOUT_TENSORS,
+                      contiguous_rope_layout, seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
@@ -369,8 +369,7 @@ class CudaBackend:
         """The fused backward's variant for this call (configs.select_fused), or None: the
         two-kernel backward runs."""
         extras = seed_extras(params) if extras is None else extras
-        if (not self.fused_backward or not int(params["seq_k"]) or not int(params["seq_q"])
-                or int(extras["flags"]) & EXTRAS_VARLEN):  # (its dQ workspace is per dense row)
+        if not self.fused_backward or not int(params["seq_k"]) or not int(params["seq_q"]):
             return None
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)

@@ -463,8 +463,9 @@ def fused_backward_wanted(environ=os.environ) -> bool:
 FUSED_BACKWARD = fused_backward_wanted()
 ARGS[BACKWARD_FUSED] = ARGS[BACKWARD_DKDV] + ("dq_accum", "dq_semaphores")
 _SOURCES[(BACKWARD_FUSED, True, WGMMA)] = (FUSED_SOURCE, "flash_bwd_fused_wgmma")
-FUSED_PRE_ARGS = ("out", "grad_out", "lse", "stats", "dq_accum", "dq_semaphores")
-FUSED_POST_ARGS = ("dq_accum", "grad_q")
+FUSED_PRE_ARGS = ("out", "grad_out", "lse", "stats", "dq_accum", "dq_semaphores", "cu_seqlens_q",
+                  "cu_seqlens_k")
+FUSED_POST_ARGS = ("dq_accum", "grad_q", "cu_seqlens_q", "cu_seqlens_k")
 
 
 def fused_ds_bytes(v: Variant) -> int:

@@ -42,7 +42,7 @@ struct DecodeBlock {
     const int* pages;      // batch b's row of block_table (null: contiguous)
     u32 page, page_shift;  // rows per block; log2 of it when a power of two, else 32
     u64 k_block, v_block;  // elements from one block to the next (0: contiguous)
-    u32 frame_q;           // the call's seq_q (varlen: max_seqlen_q), which sizes the workspace
+    u32 frame_q;           // s.frame_q: the workspace's rows per (batch, head)
     long long q0;          // the batch entry's first row of q and out (varlen; else 0)
 
     // Element offset of query i of head h in a q-shaped tensor with strides t.
@@ -66,7 +66,7 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
     DecodeBlock d;
     const u32 split = blockIdx.x % splits, bhk = blockIdx.x / splits;
     d.b = bhk / s.kv_heads, d.hk = bhk % s.kv_heads;
-    d.frame_q = s.seq_q;
+    d.frame_q = s.frame_q;
     for_batch(s, kv_lens, d.b);
     for_sequence(s, d.b);
     d.q0 = s.q_start;

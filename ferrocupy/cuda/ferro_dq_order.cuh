@@ -2,7 +2,8 @@
 // tile of BQ rows of one (batch, head)), the computing warpgroups store their dS to shared memory,
 // and one of them in turn (step t: warpgroup t % GROUPS) forms the float32 partial
 // dQ_part = dS K over the block's BK keys and adds it into a float32 accumulator in global
-// memory, dq_accum [batch * heads][q_tiles * BQ][DP], which the pre-kernel zeroes and the
+// memory, dq_accum [batch * heads][q_tiles * BQ][DP] (q_tiles over the frame's seq_q: a varlen
+// sequence's rows at its (batch, head)'s first ones), which the pre-kernel zeroes and the
 // post-kernel scales and rounds into grad_q. One add per (key block, query tile).
 //
 // Order. ferrocupy promises bit-identical backward runs, so the adds into one query tile happen
@@ -70,7 +71,7 @@ __device__ __forceinline__ void add_dq_in_order(const AttnShape& s, float* dq_ac
                                                 u32 bh, u32 key_block, int wg, long long i0,
                                                 const float (&dq)[DT][4], Lane L) {
     constexpr int DP = 8 * DT;
-    const u64 q_tiles = (s.seq_q + BQ - 1) / BQ;
+    const u64 q_tiles = (s.frame_q + BQ - 1) / BQ;
     u32* sem = dq_sem + (u64)bh * q_tiles + (u64)(i0 / BQ);
     const u32 rank = key_block - first_key_block<BK>(s, i0, key_block);
     const int wt = threadIdx.x & 127;

@@ -118,6 +118,9 @@ struct AttnShape {
     const int* cu_k;
     long long q_start, k_start;
     u64 row_b, row_h;
+    // The call's seq_q, which for_sequence leaves as it is (varlen: max_seqlen_q): what sizes a
+    // workspace laid out per row of the grid's frame (the fused backward's dQ, decode's splits).
+    u32 frame_q;
 };
 
 // Keys [kv_reach, ...) are visible to no row. The last row sits at a = seq_q - 1 + offset and
@@ -165,6 +168,7 @@ __device__ __forceinline__ AttnShape attn_shape(const P& p, const AttnExtras& ex
     s.q_start = s.k_start = 0;
     s.row_h = s.seq_q;
     s.row_b = (u64)s.heads * s.seq_q;
+    s.frame_q = s.seq_q;
     return s;
 }
 

@@ -9,7 +9,8 @@
 //   flash_bwd_fused_post: grad_q = scale dq_accum, rounded once to the dtype.
 // dS is rounded to the dtype before dS K, as the dQ kernel rounds it. Geometry from configs.py
 // (BACKWARD_FUSED); the pre- and post-kernels take one block of FUSED_THREADS per (batch, head,
-// query tile of FERRO_BN rows).
+// query tile of FERRO_BN rows) of the frame (varlen: max_seqlen_q rows a sequence, its own
+// first; rows past its length hold nothing).
 #define FERRO_FUSED_DQ 1
 #include "flash_bwd_dkdv_wgmma.cu"
 
@@ -18,14 +19,16 @@ constexpr int ROW_LANES = 8;  // lanes per row in the pre- and post-kernels (16 
 constexpr int FUSED_THREADS = 128;  // configs.FUSED_THREADS: the launch bound (loops use blockDim)
 static_assert(DP % 8 == 0, "rows of 16-byte chunks");
 
+// The block's tile of the frame; `s` becomes its batch entry's (for_sequence).
 struct FusedTile { u32 bh, b, h; long long m0; u64 q_tiles; };
-__device__ __forceinline__ FusedTile fused_tile(const AttnShape& s) {
+__device__ __forceinline__ FusedTile fused_tile(AttnShape& s) {
     FusedTile f;
-    f.q_tiles = (s.seq_q + BQ - 1) / BQ;
+    f.q_tiles = (s.frame_q + BQ - 1) / BQ;
     f.bh = (u32)(blockIdx.x / f.q_tiles);
     f.b = f.bh / s.heads;
     f.h = f.bh % s.heads;
     f.m0 = (long long)(blockIdx.x % f.q_tiles) * BQ;
+    for_sequence(s, f.b);
     return f;
 }
 }  // namespace
@@ -33,9 +36,11 @@ __device__ __forceinline__ FusedTile fused_tile(const AttnShape& s) {
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS)
 flash_bwd_fused_pre(const u16* __restrict__ out, const u16* __restrict__ grad_out,
                     const float* __restrict__ lse_in, float* __restrict__ stats,
-                    float* __restrict__ dq_accum, u32* __restrict__ dq_sem, const AttnLayout lay,
-                    const FlashBwdParams p, const AttnExtras ex) {
-    const AttnShape s = attn_shape(p, ex, 0);
+                    float* __restrict__ dq_accum, u32* __restrict__ dq_sem,
+                    const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                    const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
+    AttnShape s = attn_shape(p, ex, 0);
+    with_varlen(s, ex, cu_q, cu_k);
     const FusedTile f = fused_tile(s);
     float4* acc = reinterpret_cast<float4*>(dq_accum + ((u64)f.bh * f.q_tiles * BQ + f.m0) * DP);
     for (int i = threadIdx.x; i < BQ * DP / 4; i += blockDim.x)
@@ -43,7 +48,8 @@ flash_bwd_fused_pre(const u16* __restrict__ out, const u16* __restrict__ grad_ou
     if (threadIdx.x == 0) dq_sem[(u64)f.bh * f.q_tiles + f.m0 / BQ] = 0u;
 
     // Delta_i = grad_out_i . out_i (both as stored, summed in float32); the forward's LSE.
-    const Rows ro = rows_of(lay.out, f.b, f.h), rdo = rows_of(lay.grad_out, f.b, f.h);
+    const Rows ro = q_rows(s, lay.out, f.b, f.h), rdo = q_rows(s, lay.grad_out, f.b, f.h);
+    const u64 row0 = row_index(s, f.b, f.h);  // of lse_in and the stats
     const int lane = threadIdx.x % ROW_LANES, D = s.head_dim;
     for (int r = threadIdx.x / ROW_LANES; r < BQ; r += blockDim.x / ROW_LANES) {
         const long long i = f.m0 + r;
@@ -59,19 +65,21 @@ flash_bwd_fused_pre(const u16* __restrict__ out, const u16* __restrict__ grad_ou
 #pragma unroll
         for (int m = ROW_LANES / 2; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
         if (lane == 0 && i < s.seq_q) {
-            float* st = stats + ((u64)f.bh * s.seq_q + i) * 2;
+            float* st = stats + (row0 + i) * 2;
             st[0] = sum;
-            st[1] = lse_in[(u64)f.bh * s.seq_q + i];
+            st[1] = lse_in[row0 + i];
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS)
 flash_bwd_fused_post(const float* __restrict__ dq_accum, u16* __restrict__ grad_q,
+                     const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                      const AttnLayout lay, const FlashBwdParams p, const AttnExtras ex) {
-    const AttnShape s = attn_shape(p, ex, 0);
+    AttnShape s = attn_shape(p, ex, 0);
+    with_varlen(s, ex, cu_q, cu_k);
     const FusedTile f = fused_tile(s);
-    const Rows rq = rows_of(lay.grad_q, f.b, f.h);
+    const Rows rq = q_rows(s, lay.grad_q, f.b, f.h);
     const int lane = threadIdx.x % ROW_LANES, D = s.head_dim;
     for (int r = threadIdx.x / ROW_LANES; r < BQ; r += blockDim.x / ROW_LANES) {
         const long long i = f.m0 + r;
