@@ -427,8 +427,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
       page_size, Hkv, D]`, key j of batch b is row `j % page_size` of block
       `block_table[b, j // page_size]` (with `kv_lens` as the cache lengths over a capacity of
       `max_blocks * page_size`). Inference only, as kv_lens.
-    These run on CPU tensors (the reference backend); the CUDA kernels refuse them for now, as
-    they refuse a negative `causal_offset`.
+    Varlen runs on both (the CUDA kernels: one launch per kernel for the packed batch); a paged
+    cache runs on CUDA tensors in decode (at most 16 query rows a KV group), prefill over one on
+    CPU tensors (the reference backend) for now.
     """
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=torch.float32,
