@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "ferrocupy-seam-resources.json"
 COUNTED = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "STG", "LDGSTS", "SHFL", "MUFU", "BAR")
 KEY_FIELDS = ("op", "dtype", "head_dim", "warps", "mt", "step", "isa", "stages", "rows", "plain",
-              "mods")
+              "mods", "varlen")
 
 _DUMP = r"""
 import json
@@ -43,7 +43,8 @@ out = []
 for v in configs.all_variants():
     out.append({"op": v.op, "dtype": str(v.dtype), "head_dim": v.head_dim, "warps": v.warps,
                 "mt": v.mt, "step": v.step, "isa": v.isa, "stages": v.stages, "rows": v.rows,
-                "plain": v.plain, "mods": getattr(v, "mods", False), "source": v.source,
+                "plain": v.plain, "mods": getattr(v, "mods", False),
+                "varlen": getattr(v, "varlen", False), "source": v.source,
                 "kernel": v.kernel, "arch": v.arch,
                 "defines": v.defines})
 print(json.dumps(out))

@@ -10,7 +10,8 @@ Two runs share that matrix. The default run (`python -m pytest`) compiles, with 
 (sm_90a for the wgmma kernels), each code path at the widest head_dim up to DEFAULT_RUN_HEAD_DIM
 it is built for (the narrowest above, for a code path built only there): a code path is a source
 and the defines that choose code (dtype, mask and dropout compiled out, swizzled rows, warps,
-m-tiles, decode rows, dK/dV column parts), as against SIZE_DEFINES, which only size its tiles. Every
+m-tiles, decode rows, dK/dV column parts, packed sequences), as against SIZE_DEFINES, which only
+size its tiles. Every
 other case carries the `compile` marker, which pyproject.toml's addopts deselects:
 `python -m pytest -m compile` compiles them (the narrower head_dims, sm_80, and everything nvcc
 builds), and .ci/run runs it after the default run, so CI compiles every variant. (Naming one of
@@ -158,7 +159,8 @@ def _case_id(v, arch: str) -> str:
     return (f"{v.op}-{v.dtype}-d{v.head_dim}-w{v.warps}m{v.mt}n{v.step}{design}"
             f"{f'-s{v.stages}' if v.stages else ''}{f'-r{v.rows}' if v.rows else ''}"
             f"{f'-p{v.parts}' if v.parts > 1 else ''}"
-            f"{'-plain' if v.plain else ''}{'-mods' if v.mods else ''}-sm_{arch}")
+            f"{'-plain' if v.plain else ''}{'-mods' if v.mods else ''}"
+            f"{'-varlen' if v.varlen else ''}-sm_{arch}")
 
 
 def _table_jobs() -> tuple[list, list]:
@@ -413,7 +415,7 @@ def test_every_selectable_variant_is_compiled():
     """The compile cases cover whatever `configs.select` can return, for every dtype and
     head_dim 1..256, at sm_86's (99 KB), sm_80's (163 KB) and sm_90's (227 KB) shared-memory
     limits, and (decode) KV groups of 1, 5 and 16 query rows, for calls with and without mask or
-    dropout, with and without softcap, ALiBi or sinks. (What 99 KB cannot hold is
+    dropout, with and without softcap, ALiBi or sinks, dense or varlen. (What 99 KB cannot hold is
     tests/test_configs.py's.)"""
     from ferrocupy.cuda import configs
 
@@ -423,13 +425,14 @@ def test_every_selectable_variant_is_compiled():
             for hd in range(1, 257):
                 for limit, cap in SMEM_LIMITS:
                     for copy_bytes in (16, 4, 2):
-                        for rows, plain, mods in itertools.product(
+                        for rows, plain, mods, varlen in itertools.product(
                                 (1, 5, 16) if op == configs.DECODE else (0,), (False, True),
-                                (False, True)):
+                                (False, True), (False, True)):
                             try:
                                 v = configs.select(op, dtype, hd, limit, capability=cap,
                                                    copy_bytes=copy_bytes, rows=rows,
-                                                   plain=plain and not mods, mods=mods)
+                                                   plain=plain and not mods, mods=mods,
+                                                   varlen=varlen)
                             except ValueError:
                                 assert limit < 163 * 1024 and hd > 128, (op, dtype, hd, limit)
                                 continue

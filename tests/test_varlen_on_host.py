@@ -29,6 +29,7 @@ BN = 16  # key tile of the shim's key_tiles
 HEADER = 14  # words a tile writes before its rows' key intervals
 
 SHIM = r"""
+#define FERRO_VARLEN 1  // (a varlen build: configs.py's `varlen` variants)
 #include "ferro_tiles.cuh"
 
 template <int BM>

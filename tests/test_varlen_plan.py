@@ -54,6 +54,15 @@ def test_one_forward_launch_for_the_packed_batch(capability, dtype, kernel):
     for name in ("cu_seqlens_q", "cu_seqlens_k"):
         assert launch.args[v.args.index(name)].name == name  # filled in on each run
     assert v.args.index("cu_seqlens_k") == v.args.index("cu_seqlens_q") + 1
+    assert_varlen_builds(b)
+
+
+def assert_varlen_builds(b, varlen=True):
+    """Every kernel the backend compiled is a varlen build (FERRO_VARLEN), or none is."""
+    assert b.loader.compiled
+    for source, name, defines, _ in b.loader.compiled:
+        if name not in (configs.SINKS_KERNEL, configs.APPEND_KERNEL):  # (no variants)
+            assert (dict(defines).get("FERRO_VARLEN") == 1) == varlen, (source, name)
 
 
 def test_a_dense_call_passes_no_cu_seqlens():
@@ -67,6 +76,7 @@ def test_a_dense_call_passes_no_cu_seqlens():
     v = configs.select(configs.FORWARD, FLOAT16, 64, 232448, capability=80, copy_bytes=16)
     assert all(launch.args[v.args.index(n)] is NULL
                for n in ("cu_seqlens_q", "cu_seqlens_k"))
+    assert_varlen_builds(b, varlen=False)  # (the dense builds: sequence lengths as parameters)
 
 
 @pytest.mark.parametrize("design", configs.DECODE_DESIGNS)
@@ -94,6 +104,7 @@ def test_few_query_rows_take_the_decode_kernels_with_cu_seqlens(dtype, design):
         (combine,) = plan.launches[1:]
         assert combine.fn.name == "flash_decode_combine" and combine.blocks == n * h
         assert [a.name for a in combine.args[5:7]] == ["cu_seqlens_q", "cu_seqlens_k"]
+    assert_varlen_builds(b)
 
 
 FUSED = (configs.FUSED_PRE_KERNEL, "flash_bwd_fused_wgmma", configs.FUSED_POST_KERNEL)
@@ -138,3 +149,4 @@ def test_backward_launches_over_the_frame_then_the_sinks(capability, dtype, fuse
     sinks = plan.launches[-1]
     assert [a.name for a in sinks.args[:4]] == ["stats", "sinks", "grad_sinks", "cu_seqlens_q"]
     assert plan.workspace["stats"][0] >= h * 900  # [heads, total_q] rows fit
+    assert_varlen_builds(b)

@@ -12,8 +12,8 @@ import threading
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
-from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, LAYOUT_TENSORS,
-                      contiguous_rope_layout, seed_extras)
+from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, EXTRAS_VARLEN,
+                      LAYOUT_TENSORS, contiguous_rope_layout, seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
@@ -329,10 +329,11 @@ class CudaBackend:
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
                 rows: int = 0, many_blocks: bool = False, plain: bool = False,
-                lse_given: bool = True, mods: bool = False) -> configs.Variant:
+                lse_given: bool = True, mods: bool = False,
+                varlen: bool = False) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
                               self.capability, copy_bytes, rows, many_blocks, plain, lse_given,
-                              mods)
+                              mods, varlen)
 
     def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict, extras=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; each
@@ -350,7 +351,7 @@ class CudaBackend:
         mods = model_options(op, extras, lse_given)
         plain = mask is None and float(params["dropout_prob"]) == 0.0 and not mods
         v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain, lse_given=lse_given,
-                             mods=mods)
+                             mods=mods, varlen=packed(extras))
         smem = v.shared_bytes
         blocks = v.blocks(params, self.sm_count)
         if v.tiles(params) > GRID_X_MAX:
@@ -380,7 +381,7 @@ class CudaBackend:
         plain = buffers.get("mask") is None and float(params["dropout_prob"]) == 0.0 and not mods
         return configs.select_fused(dtype, d, self._smem_limit, self.table, self.capability,
                                     vec * dtype.itemsize, plain, mods,
-                                    buffers.get("lse") is not None)
+                                    buffers.get("lse") is not None, packed(extras))
 
     def _plan_fused(self, buffers: dict, params, layout, ptrs: dict, extras) -> tuple | None:
         """The fused backward's launches (pre-kernel, fused dK/dV/dQ kernel, post-kernel) and its
@@ -416,7 +417,7 @@ class CudaBackend:
         extras = seed_extras(params) if extras is None else extras
         mods = model_options(configs.DECODE, extras)
         v, fn = self._kernel(configs.DECODE, dtype, d, vec * dtype.itemsize, group_rows,
-                             pairs > self.sm_count, mods=mods)
+                             pairs > self.sm_count, mods=mods, varlen=packed(extras))
         splits, split_keys = configs.decode_splits(pairs, configs.key_reach(params, extras), v.step,
                                                    self._resident(fn, v) * self.sm_count)
         rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
@@ -467,14 +468,15 @@ class CudaBackend:
 
     def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0,
                 many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
-                mods: bool = False):
+                mods: bool = False, varlen: bool = False):
         """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
         decode blocks beyond one per SM, no mask or dropout, the forward's lse given, softcap,
         ALiBi or sinks computed), chosen, compiled and given its shared memory once."""
-        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given, mods)
+        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given, mods, varlen)
         hit = self._kernels.get(key)
         if hit is None:
-            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given, mods)
+            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given, mods,
+                             varlen)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes
@@ -501,6 +503,11 @@ def model_options(op: str, extras: np.void, lse_given: bool = True) -> bool:
     sinks = bool(flags & EXTRAS_SINKS) and (op in (configs.FORWARD, configs.DECODE)
                                              or (op == configs.BACKWARD_DQ and not lse_given))
     return float(extras["softcap"]) > 0.0 or bool(flags & EXTRAS_ALIBI) or sinks
+
+
+def packed(extras: np.void) -> bool:
+    """Whether the call is varlen (packed sequences): its kernels are the varlen builds."""
+    return bool(int(extras["flags"]) & EXTRAS_VARLEN)
 
 
 def _copy_width(dtype: np.dtype, d: int, ptrs, strides=()) -> int:

@@ -126,6 +126,12 @@ class Variant:
     # dK/dV: column ranges of dK and dV, each a block of its own (FERRO_DKDV_PARTS): one range's
     # two accumulators, not all DP columns', live in a thread's registers
     parts: int = 1
+    # packed sequences (varlen: FERRO_VARLEN) compiled in: the only builds that serve a varlen
+    # call, and never taken by another. A per-block sequence length where the others read the
+    # kernel parameter costs registers across the key loop (the mma.sync forward: 164 -> 189 at
+    # bf16 d128, spills in others), so every table entry also comes as a varlen copy
+    # (with_varlen), made by select, not listed in the table.
+    varlen: bool = False
 
     @property
     def half(self) -> bool:
@@ -256,6 +262,8 @@ class Variant:
             d["FERRO_MODS"] = 1
         if self.parts > 1:
             d["FERRO_DKDV_PARTS"] = self.parts
+        if self.varlen:
+            d["FERRO_VARLEN"] = 1
         return d
 
     @property
@@ -291,6 +299,7 @@ class Variant:
                 + (", no mask, dropout or model options" if self.plain else "")
                 + (", softcap, ALiBi and sinks" if self.mods else "")
                 + (f", dK/dV in {self.parts} column ranges" if self.parts > 1 else "")
+                + (", packed sequences (varlen)" if self.varlen else "")
                 + f", {self.shared_bytes} B shared")
 
 
@@ -488,7 +497,8 @@ def fused_tiles(params, v: Variant) -> int:
 
 def select_fused(dtype, head_dim: int, smem_limit: int, table: dict | None = None,
                  capability: int = 0, copy_bytes: int = 0, plain: bool = False,
-                 mods: bool = False, lse_given: bool = True) -> Variant | None:
+                 mods: bool = False, lse_given: bool = True,
+                 varlen: bool = False) -> Variant | None:
     """The fused backward's variant for the call, or None where none serves it (float32, a
     head_dim without a wgmma variant, not sm_90a, rows narrower than 16 bytes, no forward lse:
     the two-kernel backward then runs). The backend asks only where its switch is on."""
@@ -499,7 +509,7 @@ def select_fused(dtype, head_dim: int, smem_limit: int, table: dict | None = Non
         if (v.plain and not plain) or (mods and not v.mods):
             continue
         if v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes):
-            return v
+            return with_varlen(v, varlen)
     return None
 
 
@@ -525,7 +535,7 @@ def padded_head_dim(d: int) -> int:
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
            capability: int = 0, copy_bytes: int = 0, rows: int = 0,
            many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
-           mods: bool = False) -> Variant:
+           mods: bool = False, varlen: bool = False) -> Variant:
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
@@ -534,7 +544,8 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     block has an SM to itself. `plain` (the call has no mask, dropout, softcap, ALiBi or sinks)
     admits the variants built without them; `lse_given` (the backward has the forward's lse)
     admits the wgmma dQ kernel, which has no statistics pass; `mods` (the kernel computes
-    softcap, ALiBi or sinks for the call) admits only the variants built with them."""
+    softcap, ALiBi or sinks for the call) admits only the variants built with them; `varlen`
+    (packed sequences) gives the chosen one's varlen copy."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     need = []  # shared bytes of the candidates that fail only for it
@@ -547,7 +558,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
             continue
         if v.runs_on(capability, copy_bytes) and v.rows >= rows:
             if v.shared_bytes <= smem_limit:
-                return v
+                return with_varlen(v, varlen)
             need.append(v.shared_bytes)
     rows_said = f" with {rows} query rows a KV group" if rows else ""
     raise ValueError(f"{op} in {dtype} at head_dim {head_dim}{rows_said} needs at least "
@@ -600,9 +611,16 @@ def only(*isas: str, table: dict | None = None) -> dict:
             for key, vs in (TABLE if table is None else table).items()}
 
 
+def with_varlen(v: Variant, varlen: bool) -> Variant:
+    """`v`, or (varlen) its copy built with packed sequences."""
+    return dataclasses.replace(v, varlen=True) if varlen else v
+
+
 def all_variants() -> list[Variant]:
-    """Every variant `select` can return (what the compile tests build)."""
-    return [v for vs in TABLE.values() for v in vs]
+    """Every variant `select` can return (what the compile tests build): the table's, and each
+    one's varlen copy."""
+    table = [v for vs in TABLE.values() for v in vs]
+    return table + [with_varlen(v, True) for v in table]
 
 
 # RoPE: one thread per (token, group of heads, VEC frequencies or VEC passed-through features),

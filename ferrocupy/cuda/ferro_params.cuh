@@ -186,10 +186,16 @@ __device__ __forceinline__ void with_extras(AttnShape& s, const AttnExtras& ex, 
 // `cu_q`, `cu_k` int32 [batch + 1], the seed struct's batch the number of sequences and its
 // seq_q / seq_k the max_seqlen_q / max_seqlen_k, which size the grid (for_sequence then narrows
 // each block to its sequence). Per-row arrays become [heads, total_q], total_q = cu_q[batch].
-// A dense call (the flag clear) is left as attn_shape made it, whatever the pointers.
+// A dense call (the flag clear) is left as attn_shape made it, whatever the pointers, and so is
+// every call in a build without FERRO_VARLEN (configs.py's `varlen` variants): there cu_q stays
+// null, for_sequence is compiled out and the sequence lengths stay the kernel parameters
+// (registers across the key loops). The backend runs a varlen call on varlen builds only.
+#ifndef FERRO_VARLEN
+#define FERRO_VARLEN 0
+#endif
 __device__ __forceinline__ void with_varlen(AttnShape& s, const AttnExtras& ex, const int* cu_q,
                                             const int* cu_k) {
-    if (!(ex.flags & EXTRAS_VARLEN)) return;
+    if (!FERRO_VARLEN || !(ex.flags & EXTRAS_VARLEN)) return;
     s.cu_q = cu_q;
     s.cu_k = cu_k;
     s.row_b = 0;

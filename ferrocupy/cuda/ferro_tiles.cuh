@@ -98,5 +98,5 @@ __device__ __forceinline__ void rows_key_tiles(const AttnShape& s, long long r0,
 template <int BN>
 __device__ __forceinline__ bool keys_wholly_visible(const AttnShape& s, const QueryTile& t,
                                                     long long j0) {
-    return wholly_visible(s, t.m0, t.m_last, j0, j0 + BN - 1);
+    return keys_visible_to_rows(s, t.m0, t.m_last, j0, j0 + BN - 1);  // (m_last < seq_q)
 }

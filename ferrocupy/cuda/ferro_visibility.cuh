@@ -67,13 +67,23 @@ __device__ __forceinline__ void visible_cols(const AttnShape& s, long long i, lo
     if (i < 0 || i >= s.seq_q) hi = -1;
 }
 
+// True when every row i in [i_lo, i_hi], rows the caller knows exist (i_hi < seq_q), sees every
+// key j in [j_lo, j_hi] and all of them exist. A query tile's rows end at its m_last, below
+// seq_q by construction: its test needs no compare with seq_q, which for a varlen sequence is a
+// per-block value, not the kernel parameter (the compare alone cost the mma.sync forward some 50
+// registers across its key loop).
+__device__ __forceinline__ bool keys_visible_to_rows(const AttnShape& s, long long i_lo,
+                                                     long long i_hi, long long j_lo,
+                                                     long long j_hi) {
+    const long long a_lo = i_lo + s.offset, a_hi = i_hi + s.offset;
+    return j_hi < s.kv_len && j_hi <= a_lo + s.right && j_lo >= a_hi - s.left;
+}
+
 // True when every row i in [i_lo, i_hi] sees every key j in [j_lo, j_hi] and all of them exist,
 // so a tile can skip the per-element test.
 __device__ __forceinline__ bool wholly_visible(const AttnShape& s, long long i_lo, long long i_hi,
                                                long long j_lo, long long j_hi) {
-    const long long a_lo = i_lo + s.offset, a_hi = i_hi + s.offset;
-    return i_hi < (long long)s.seq_q && j_hi < s.kv_len &&
-           j_hi <= a_lo + s.right && j_lo >= a_hi - s.left;
+    return i_hi < (long long)s.seq_q && keys_visible_to_rows(s, i_lo, i_hi, j_lo, j_hi);
 }
 
 // The additive mask at (b, h, i, j) through its broadcast strides, as float32 whatever its type

@@ -180,7 +180,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             // Every key of the tile visible to every row: per thread from the spans in the plain
             // kernel, per warpgroup in the general one (fewer registers across the loop).
             const bool whole = PLAIN ? tile[0].covers(BN) && tile[1].covers(BN)
-                                     : wholly_visible(s, wm0, wm_last, j0, j0 + BN - 1);
+                                     : keys_visible_to_rows(s, wm0, wm_last, j0, j0 + BN - 1);
             // Scores stay raw (q.k). The plain kernel only hides the keys a row cannot see on a
             // causal or window edge; the general one scales, masks and brings back to raw units any
             // tile that needs a per-element rule (hiding in place there cost it more spills).
