@@ -23,8 +23,9 @@ struct QueryTile {
     long long row0;           // this thread's first row: its warp's first row + g
     Rows q, o, k, v;          // (b, h)'s rows of q and out, (b, hk)'s of k and v
 
-    // No row of the tile exists (a varlen sequence shorter than the grid's rows).
-    __device__ __forceinline__ bool empty() const { return m_last < max(m0, 0ll); }
+    // No row of the tile exists (a varlen sequence shorter than the grid's rows; a dense call's
+    // tiles all hold rows, so a build without FERRO_VARLEN folds the test away).
+    __device__ __forceinline__ bool empty() const { return FERRO_VARLEN && m_last < max(m0, 0ll); }
 
     // Row of accumulator element (m-tile mt, half rr: c0/c1 or c2/c3).
     __device__ __forceinline__ long long row(int mt, int rr) const {

@@ -77,7 +77,7 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;
     for_sequence(s, b);  // (k_tiles above: the grid's, over the frame)
-    if (k0 >= s.seq_k) return;  // a varlen key tile past its sequence's keys (the block leaves)
+    if (FERRO_VARLEN && k0 >= s.seq_k) return;  // a key tile past its sequence's (the block leaves)
     const long long key0 = k0 + warp * 16 * MT + L.g;  // + 16 mt + 8 rr
 
     const Rows rk = k_rows(s, lay.k, b, hk), rv = k_rows(s, lay.v, b, hk);

@@ -95,7 +95,7 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;
     for_sequence(s, b);  // (k_tiles above: the grid's, over the frame)
-    if (k0 >= s.seq_k) return;  // a varlen key tile past its sequence's keys (the block leaves)
+    if (FERRO_VARLEN && k0 >= s.seq_k) return;  // a key tile past its sequence's (the block leaves)
     const long long k_last = min((long long)s.seq_k, k0 + BK) - 1;
     long long q_lo, q_hi;
     visible_row_range(s, k0, k_last, q_lo, q_hi);

@@ -71,7 +71,7 @@ flash_decode_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     if (BuildOptions::MODS) with_extras(s, ex, alibi, sinks);
     with_varlen(s, ex, cu_q, cu_k);
     const DecodeBlock blk = decode_block(s, kv_lens, block_table, ex, lay, splits, split_keys);
-    if (blk.R == 0) return;  // a varlen sequence with no query row (the whole block leaves)
+    if (FERRO_VARLEN && blk.R == 0) return;  // a sequence with no query row (the block leaves)
     const u32 split = blockIdx.x % splits, b = blk.b, hk = blk.hk, G = blk.G;
     const int R = blk.R, D = s.head_dim;
     const T* kb = k + blk.rk.off;
