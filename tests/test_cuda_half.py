@@ -221,7 +221,8 @@ def test_half_forward_kv_lens_many_tiles_per_block(kernels, ref, rng, dtype, d):
 @pytest.mark.parametrize("d", [1, 6, 7, 33, 40, 56, 64, 80, 104, 112, 128], ids=lambda d: f"d{d}")
 def test_half_head_dims(kernels, rng, dtype, d):
     """Odd head_dims take the element-wise copies, even ones not divisible by 8 the 4-byte ones;
-    56 and 104 run a wgmma kernel (where the GPU has one) zero-filled past the head_dim."""
+    40, 56, 80, 104 and 112 run a wgmma kernel (where the GPU has one) zero-filled past the
+    head_dim."""
     case = make_case(rng, b=2, sq=70, sk=90, h=4, hkv=2, d=d, causal=True, causal_offset=20)
     check_half(kernels, rounded(case, dtype))
 

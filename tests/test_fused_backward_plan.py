@@ -108,7 +108,7 @@ def test_runs_reuse_one_workspace_per_stream(monkeypatch):
     assert len({runs[0][1][n] for n in ("stats", "dq_accum", "dq_semaphores")}) == 3
 
 
-@pytest.mark.parametrize("case", ["no-lse", "float32", "sm80", "unaligned", "d96", "seq_k0"])
+@pytest.mark.parametrize("case", ["no-lse", "float32", "sm80", "unaligned", "d136", "seq_k0"])
 def test_calls_it_does_not_serve_take_the_two_kernels(case):
     q, k, dtype, capability, offset = Q, K, BFLOAT16, 90, 0
     if case == "float32":
@@ -117,8 +117,8 @@ def test_calls_it_does_not_serve_take_the_two_kernels(case):
         capability = 80
     if case == "unaligned":
         offset = 2  # 4-byte aligned rows
-    if case == "d96":
-        q, k = Q[:3] + (96,), K[:3] + (96,)
+    if case == "d136":  # above 128: no wgmma variant
+        q, k = Q[:3] + (136,), K[:3] + (136,)
     if case == "seq_k0":
         k = (2, 0, 2, 128)
     b = backend(capability)

@@ -304,8 +304,14 @@ class Variant:
 
 
 def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
-    """The sm_90a variants, tried first where they run: at head_dim 49-64 and 97-128 (at most a
-    quarter of the product zero-filled), the forward and dK/dV.
+    """The sm_90a variants, tried first where they run, at every padded head_dim up to
+    MEASURED_HEAD_DIM: the kernels are built at a width kd of 64 (padded head_dims 16-64) or 128
+    (80-128), the columns past the call's head_dim zero-filled as they load (load_tile_sw128,
+    whole 16-byte chunks: wgmma runs only with 16-byte rows) and never stored, so one build
+    serves every head_dim up to its width. A narrower build (kd 96: wgmma's N may be any
+    multiple of 8) would skip a quarter of the products at 96, but the 128-byte swizzle lays
+    tiles out in 64-column blocks, and 96 columns would take a half-used block or a second
+    layout; it waits for a measurement (lab/wgmma_dims_ab.py) that says the padding costs.
 
     Forward: three computing warpgroups (192 query rows), the fastest in lab/tile_sweep.py;
     d64 takes 128 keys a tile, d128 64 (three warpgroups at 128 keys do not fit in shared
@@ -318,9 +324,9 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
     (dK/dV, 2 buffers), `plain` first, then with the mask, dropout and model options. dQ needs
     the forward's lse (it has no statistics pass): a call without it takes the mma.sync
     kernels."""
-    if dtype == FLOAT32 or dp not in (64, 112, 128):
+    if dtype == FLOAT32 or dp > MEASURED_HEAD_DIM:
         return []
-    kd = 64 if dp <= 64 else 128
+    kd = 64 if dp <= 64 else 128  # flash_*_wgmma.cu's static_assert: DP is 64 or 128
     if op == FORWARD:
         geometry = dict(warps=12, mt=1, step=128 if kd == 64 else 64)
     elif op == BACKWARD_DQ:
