@@ -50,6 +50,16 @@ assert ROPE_PARAMS.itemsize == 32 and FLASH_V2_PARAMS.itemsize == 80
 assert FLASH_BWD_PARAMS.itemsize == 80
 
 
+def forward_params_of(bwd: np.void) -> np.void:
+    """The forward's struct (FLASH_V2_PARAMS) of the call a backward's (FLASH_BWD_PARAMS)
+    describes, without dropout: the forward a backward runs for its rows' lse."""
+    p = np.zeros((), FLASH_V2_PARAMS)
+    for name in FLASH_V2_PARAMS.names:
+        p[name] = bwd[name]
+    p["dropout_prob"] = np.float32(0.0)
+    return p[()]
+
+
 # The second struct beside the seed's (ferro_params.cuh's AttnLayout): element strides (batch,
 # row, head) of each [batch, seq, heads, head_dim] tensor of an attention call, whose last
 # dimension is contiguous; zeros for a tensor the call does not have. The seed's structs stay as

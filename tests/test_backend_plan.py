@@ -309,16 +309,18 @@ def test_backward_plan_owns_its_stats(monkeypatch):
     plan = backward(bufs, p)
     b.run_plan(plan, ptrs(bufs), 7)
     names = [r[0] for r in runs]
-    # (a plain call on the fake sm_90 with 16-byte rows: dK/dV on the warpgroup tensor cores)
-    assert names == ["flash_bwd_dq_half", "flash_bwd_dkdv_wgmma"] * 2
-    assert "stats" in [a.name for a in runs[0][1] if isinstance(a, launch.Slot)]
-    assert plan.workspace == {"stats": (8 * 256, 2)}
-    assert runs[0][2]["stats"] == runs[3][2]["stats"]  # the same stats buffer on the second call
-    runs.clear()  # dropout: the wgmma variants built with it (dQ without the lse: mma.sync)
+    # (a plain call on the fake sm_90 with 16-byte rows, not given the forward's lse: the
+    # forward first, its lse into the workspace, then dQ and dK/dV on the warpgroup tensor cores)
+    assert names == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"] * 2
+    assert "stats" in [a.name for a in runs[1][1] if isinstance(a, launch.Slot)]
+    assert plan.workspace == {"stats": (8 * 256, 2), configs.LSE_PASS: (8 * 256,)}
+    assert runs[1][2]["stats"] == runs[5][2]["stats"]  # the same stats buffer on the second call
+    runs.clear()  # dropout: the wgmma variants built with it (the forward first without it)
     dropout = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
         AttentionOptions(causal=True, dropout_prob=0.1))
     backward(bufs, dropout)
-    assert [r[0] for r in runs] == ["flash_bwd_dq_half", "flash_bwd_dkdv_wgmma"]
+    assert [r[0] for r in runs] == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma",
+                                    "flash_bwd_dkdv_wgmma"]
     assert "FERRO_PLAIN" not in b._kernels[next(k for k in b._kernels if k[0] == "backward_dkdv"
                                                 and not k[6])][0].defines
     runs.clear()  # given the forward's lse, dQ on the warpgroup tensor cores too
@@ -351,7 +353,8 @@ def test_a_run_writes_its_dropout_seed_into_every_launch(monkeypatch):
     b = backend()
     q, k = (1, 256, 8, 64), (1, 256, 4, 64)
     bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
-                grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16))
+                grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16),
+                lse=buf((1, 8, 256), FLOAT32))  # (given: dQ and dK/dV, no forward first)
     bufs.pop("kv_lens")
     p = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
         AttentionOptions(causal=True, dropout_prob=0.1, seed=11))
@@ -379,7 +382,8 @@ def test_threads_running_one_plan_launch_with_their_own_tensors(monkeypatch):
     b = backend()
     q, k = (1, 256, 8, 64), (1, 256, 4, 64)
     bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
-                grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16))
+                grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16),
+                lse=buf((1, 8, 256), FLOAT32))  # (given: dQ and dK/dV, no forward first)
     bufs.pop("kv_lens")
     plan = make_plan(b, "backward", bufs, AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
         AttentionOptions(causal=True)))
@@ -477,12 +481,18 @@ def test_grad_sinks_adds_the_sinks_launch_after_the_backward():
     assert [a.name for a in tail.args[:3]] == ["stats", "sinks", "grad_sinks"]
     assert tail.args[3] is NULL  # cu_seqlens_q: a dense call's stats are [batch, heads, seq_q]
     assert tail.args[4] is p and tail.args[5] is extras
-    # without the forward's lse, dQ forms the rows' denominators itself: the sinks' variant
-    b = backend()
+    # without the forward's lse, on sm_80 dQ forms the rows' denominators itself: the sinks'
+    # variant; on sm_90a the forward (the sinks' variant) runs first for the lse
+    b = backend(capability=80)
     plan = b.plan("backward", bufs | dict(lse=None), p, contiguous_layout(p), ptrs(bufs), extras)
     assert plan.launches[0].fn.name == "flash_bwd_dq_half"
     assert _defines(b)[0].get("FERRO_MODS") == 1
     assert len(plan.launches) == 3
+    b = backend()
+    plan = b.plan("backward", bufs | dict(lse=None), p, contiguous_layout(p), ptrs(bufs), extras)
+    assert [x.fn.name for x in plan.launches] == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma",
+                                                  "flash_bwd_dkdv_wgmma", configs.SINKS_KERNEL]
+    assert [d.get("FERRO_MODS") for d in _defines(b)[:3]] == [1, None, None]
 
 
 def test_decode_with_alibi_takes_the_decode_variant_built_with_it():

@@ -1,6 +1,7 @@
 """The fused backward's selection and workspace, planned without a GPU (test_backend_plan.py's
 fake sm_90 backend): off by default, chosen only where its switch is on and it serves the call
-(half precision, head_dim with a wgmma variant, sm_90a, 16-byte rows, the forward's lse), its
+(half precision, head_dim with a wgmma variant, sm_90a, 16-byte rows; without the forward's lse
+after the forward run for it: test_wgmma_dims_plan.py), its
 three launches in order, and its workspace (the float32 dQ accumulator and the order counters)
 sized per (batch, head, query tile). The GPU suite (test_cuda_fused_backward.py) runs it."""
 
@@ -108,12 +109,12 @@ def test_runs_reuse_one_workspace_per_stream(monkeypatch):
     assert len({runs[0][1][n] for n in ("stats", "dq_accum", "dq_semaphores")}) == 3
 
 
-@pytest.mark.parametrize("case", ["no-lse", "float32", "sm80", "unaligned", "d136", "seq_k0"])
+@pytest.mark.parametrize("case", ["no-lse-sm80", "float32", "sm80", "unaligned", "d136", "seq_k0"])
 def test_calls_it_does_not_serve_take_the_two_kernels(case):
     q, k, dtype, capability, offset = Q, K, BFLOAT16, 90, 0
     if case == "float32":
         dtype = FLOAT32
-    if case == "sm80":
+    if case in ("sm80", "no-lse-sm80"):
         capability = 80
     if case == "unaligned":
         offset = 2  # 4-byte aligned rows
@@ -123,7 +124,7 @@ def test_calls_it_does_not_serve_take_the_two_kernels(case):
         k = (2, 0, 2, 128)
     b = backend(capability)
     b.fused_backward = True
-    bufs = backward_buffers(q, k, dtype, lse=case != "no-lse", offset=offset)
+    bufs = backward_buffers(q, k, dtype, lse=case != "no-lse-sm80", offset=offset)
     plan = make_plan(b, "backward", bufs, bwd_params(q, k))
     assert not set(kernel_names(plan)) & set(FUSED), case
     assert set(plan.workspace) == {"stats"}

@@ -150,3 +150,38 @@ def test_backward_launches_over_the_frame_then_the_sinks(capability, dtype, fuse
     assert [a.name for a in sinks.args[:4]] == ["stats", "sinks", "grad_sinks", "cu_seqlens_q"]
     assert plan.workspace["stats"][0] >= h * 900  # [heads, total_q] rows fit
     assert_varlen_builds(b)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_without_lse_runs_the_varlen_forward_first(fused):
+    """Not given the forward's lse, a varlen backward on sm_90a runs the varlen wgmma forward
+    first (the call's extras, cu_seqlens_q / cu_seqlens_k as its arguments), its lse into the
+    workspace's LSE_PASS in the [heads, total_q] layout dQ reads and its O into grad_q; the
+    backward's wgmma launches then take that lse, and every build is a varlen one."""
+    b = backend(90)
+    b.fused_backward = fused
+    n, max_q, max_k, h, hkv, total_q = 4, 300, 400, 8, 2, 900
+    bufs, _, layout, extras = varlen_call(total_q, 1000, n, max_q, max_k, h, hkv, 96, BFLOAT16,
+                                          sinks=True)
+    q = np.zeros((total_q, h, 96), np.float32)
+    k = np.zeros((1000, hkv, 96), np.float32)
+    p = AttentionDims.packed(q, k, n, max_q, max_k).params_bwd(AttentionOptions(causal=True))
+    bufs |= dict(lse=None, grad_out=buf(q.shape, BFLOAT16), grad_q=buf(q.shape, BFLOAT16),
+                 grad_k=bufs["k"], grad_v=bufs["k"], grad_sinks=buf((h,), FLOAT32))
+    plan = b.plan("backward", bufs, p, layout, ptrs(bufs), extras)
+    kernels = FUSED if fused else ("flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma")
+    names = [launch.fn.name for launch in plan.launches]
+    assert names == ["flash_fwd_wgmma", *kernels, configs.SINKS_KERNEL]
+    fwd = plan.launches[0]
+    slot = dict(zip(configs.ARGS[configs.FORWARD], fwd.args))
+    assert slot["out"].name == "grad_q" and slot["lse"].name == configs.LSE_PASS
+    assert slot["cu_seqlens_q"].name == "cu_seqlens_q"
+    assert slot["cu_seqlens_k"].name == "cu_seqlens_k"
+    assert fwd.args[-1] is extras and int(extras["flags"]) & EXTRAS_VARLEN
+    assert plan.workspace[configs.LSE_PASS][0] >= h * total_q  # [heads, total_q] rows fit
+    if fused:
+        assert plan.launches[1].args[2].name == configs.LSE_PASS  # the pre-kernel's lse
+    else:
+        dq = dict(zip(configs.ARGS[configs.BACKWARD_DQ], plan.launches[1].args))
+        assert dq["lse"].name == configs.LSE_PASS and dq["cu_seqlens_q"].name == "cu_seqlens_q"
+    assert_varlen_builds(b)

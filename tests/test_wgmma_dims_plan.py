@@ -114,3 +114,134 @@ def test_fake_sm80_and_unaligned_rows_plan_mma_sync(d):
                          bwd_params(q, k))
         assert kernel_names(plan) == ["flash_bwd_dq_half", "flash_bwd_dkdv_half"]
         assert {dict(c[2])["FERRO_HEAD_DIM"] for c in b.loader.compiled} == {-(-d // 16) * 16}
+
+
+# --- the backward not given the forward's lse: on sm_90a the forward runs first for it ----------
+def _slot(launch, name):
+    """The argument of `launch` at kernel parameter `name` (its variant's order)."""
+    names = [a for a in configs.ARGS[configs.FORWARD if "fwd" in launch.fn.name
+                                      else configs.BACKWARD_DQ]]
+    return launch.args[names.index(name)]
+
+
+def _strided_layout(p):
+    """The contiguous layout, but grad_q's rows a padded 2 * head_dim + 8 elements apart (its
+    own strides, unlike out's)."""
+    from ferrocupy.params import contiguous_layout
+
+    lay = np.zeros((), contiguous_layout(p).dtype)
+    lay[()] = contiguous_layout(p)
+    d, h, sq = int(p["head_dim"]), int(p["heads"]), int(p["seq_q"])
+    row = 2 * d + 8
+    lay["grad_q_h"], lay["grad_q_s"], lay["grad_q_b"] = row, h * row, sq * h * row
+    return lay[()]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [8, 24, 40, 64, 72, 80, 96, 128])
+def test_backward_without_lse_runs_the_wgmma_forward_first(dtype, d):
+    """Not given the forward's lse, the backward on the fake sm_90a plans the wgmma forward
+    first (its own struct: the call's, dropout off), writing each row's lse into the workspace's
+    LSE_PASS and its O into grad_q (through grad_q's strides), then the wgmma dQ reading that lse
+    and dK/dV: no launch leaves the warpgroup kernels."""
+    from ferrocupy.params import FLASH_V2_PARAMS
+
+    q, k = (2, 300, 8, d), (2, 461, 2, d)
+    b = backend()
+    p = bwd_params(q, k, causal=True, causal_offset=5, dropout_prob=0.2, seed=9, window=50)
+    bufs = backward_buffers(q, k, dtype, lse=False)
+    lay = _strided_layout(p)
+    plan = b.plan("backward", bufs, p, lay, {n: 0 if x is None else x.data.ptr
+                                             for n, x in bufs.items()})
+    assert kernel_names(plan) == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"]
+    assert plan.workspace[configs.LSE_PASS] == (2 * 8 * 300,)
+    fwd, dq, dkdv = plan.launches
+    assert _slot(fwd, "out").name == "grad_q" and _slot(fwd, "lse").name == configs.LSE_PASS
+    assert _slot(dq, "lse").name == configs.LSE_PASS and _slot(dq, "out").name == "out"
+    struct, layout = fwd.args[-2], fwd.args[-3]
+    assert struct.dtype == FLASH_V2_PARAMS and dq.args[-2] is p
+    assert float(struct["dropout_prob"]) == 0.0
+    for name in FLASH_V2_PARAMS.names:
+        if name != "dropout_prob":
+            assert struct[name] == p[name], name
+    for c in "bsh":
+        assert layout[f"out_{c}"] == lay[f"grad_q_{c}"] and layout[f"q_{c}"] == lay[f"q_{c}"]
+    assert dq.args[-3] is lay  # dQ reads the call's own out through the call's layout
+    assert {dict(c[2])["FERRO_HEAD_DIM"] for c in b.loader.compiled} == {kernel_width(d)}
+    # dropout off in the forward: the plain build; dQ and dK/dV with dropout compiled in
+    plains = [("FERRO_PLAIN", 1) in c[2] for c in b.loader.compiled]
+    assert plains == [True, False, False]
+    fused = backend()
+    fused.fused_backward = True
+    plan = fused.plan("backward", bufs, p, lay, {n: 0 if x is None else x.data.ptr
+                                                 for n, x in bufs.items()})
+    assert kernel_names(plan) == ["flash_fwd_wgmma", configs.FUSED_PRE_KERNEL,
+                                  "flash_bwd_fused_wgmma", configs.FUSED_POST_KERNEL]
+    assert plan.launches[1].args[2].name == configs.LSE_PASS  # the pre-kernel's lse
+
+
+def test_the_lse_pass_takes_the_calls_mask_and_model_options():
+    """The forward run for the lse is the call's: its mask, softcap, ALiBi and sinks (the lse
+    holds the sink), the variant built with them; dQ given that lse is plain of the sinks."""
+    from test_backend_plan import _extras, buf
+
+    q, k = (2, 256, 8, 80), (2, 256, 8, 80)
+    p = bwd_params(q, k)
+    sinks = buf((8,), FLOAT32)
+    for opts, fwd_mods in ((dict(softcap=2.0), True), ({}, True)):
+        bufs = dict(backward_buffers(q, k, BFLOAT16, lse=False),
+                    mask=buf((1, 1, 1, 256), BFLOAT16), alibi_slopes=None, sinks=sinks)
+        b = backend()
+        from ferrocupy.params import contiguous_layout
+        plan = b.plan("backward", bufs, p, contiguous_layout(p),
+                      {n: 0 if x is None else x.data.ptr for n, x in bufs.items()},
+                      _extras(opts, sinks=sinks))
+        assert kernel_names(plan) == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma",
+                                      "flash_bwd_dkdv_wgmma"]
+        fwd = plan.launches[0]
+        assert _slot(fwd, "mask").name == "mask" and _slot(fwd, "sinks").name == "sinks"
+        defines = [dict(c[2]) for c in b.loader.compiled]
+        assert defines[0].get("FERRO_MODS") == (1 if fwd_mods else None)
+        assert "FERRO_PLAIN" not in defines[0]
+
+
+@pytest.mark.parametrize("case", ["given", "sm80", "unaligned", "float32", "d136", "seq_k0",
+                                  "seq_q0"])
+def test_no_lse_pass_where_the_backward_has_what_it_needs(case):
+    """No forward first where the call passes the lse, or where dQ is not a wgmma one anyway
+    (sm_80, narrower rows, float32, above 128: the mma.sync dQ has its statistics pass), or
+    where there is no key or no query row."""
+    q, k, dtype, cap, offset = (2, 300, 8, 96), (2, 461, 2, 96), BFLOAT16, 90, 0
+    if case == "sm80":
+        cap = 80
+    if case == "unaligned":
+        offset = 2
+    if case == "float32":
+        dtype = FLOAT32
+    if case == "d136":
+        q, k = q[:3] + (136,), k[:3] + (136,)
+    if case == "seq_k0":
+        k = (2, 0, 2, 96)
+    if case == "seq_q0":
+        q = (2, 0, 8, 96)
+    b = backend(cap)
+    plan = make_plan(b, "backward", backward_buffers(q, k, dtype, lse=case == "given",
+                                                     offset=offset), bwd_params(q, k))
+    assert not [n for n in kernel_names(plan) if "fwd" in n], case
+    assert configs.LSE_PASS not in plan.workspace
+
+
+def test_a_run_gives_the_lse_pass_grad_q_and_one_workspace(monkeypatch):
+    from test_backend_plan import ptrs, recorded
+
+    runs = recorded(monkeypatch, "ptrs")
+    b = backend()
+    q, k = (1, 256, 8, 40), (1, 256, 4, 40)
+    bufs = backward_buffers(q, k, FLOAT16, lse=False)
+    plan = make_plan(b, "backward", bufs, bwd_params(q, k))
+    b.run_plan(plan, ptrs(bufs), 7)
+    b.run_plan(plan, ptrs(bufs), 7)
+    assert [r[0] for r in runs] == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma",
+                                    "flash_bwd_dkdv_wgmma"] * 2
+    lse = {r[1][configs.LSE_PASS] for r in runs}
+    assert len(lse) == 1 and 0 not in lse and lse != {runs[0][1]["stats"]}

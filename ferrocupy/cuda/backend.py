@@ -13,7 +13,7 @@ import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
 from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, EXTRAS_VARLEN,
-                      LAYOUT_TENSORS, contiguous_rope_layout, seed_extras)
+                      LAYOUT_TENSORS, contiguous_rope_layout, forward_params_of, seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
@@ -240,6 +240,7 @@ class CudaBackend:
 
     def _make_plan(self, op: str, buffers: dict, params: np.void, layout: np.void,
                    ptrs: dict, extras: np.void) -> Plan:
+        before = []  # launches that carry their own struct (the backward's lse pass)
         if op == "forward":
             append = int(extras["flags"]) & EXTRAS_APPEND
             if append:  # its launch first; with RoPE, the attention reads the rotated q
@@ -261,6 +262,10 @@ class CudaBackend:
             rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
             workspace = {"stats": (rows, 2)}
             bufs = dict(buffers, stats=Slot("stats"))
+            if self._lse_pass_wanted(bufs, params, layout, ptrs, extras):
+                before = [self._plan_lse_pass(bufs, params, layout, ptrs, extras)]
+                workspace[configs.LSE_PASS] = (rows,)
+                bufs["lse"] = Slot(configs.LSE_PASS)
             fused = self._plan_fused(bufs, params, layout, ptrs, extras)
             if fused is not None:
                 launches, more = fused
@@ -272,11 +277,42 @@ class CudaBackend:
                                                extras))
             if buffers.get("grad_sinks") is not None:  # from the stats the dQ kernel wrote
                 fn = self.loader.function(configs.SINKS_SOURCE, configs.SINKS_KERNEL, {}, ())
-                cu_q = NULL if buffers.get("cu_seqlens_q") is None else Slot("cu_seqlens_q")
                 launches.append((fn, int(params["heads"]), configs.SINKS_THREADS, 0,
-                                 (Slot("stats"), Slot("sinks"), Slot("grad_sinks"), cu_q)))
-        return Plan([PackedLaunch(fn, blocks, threads, smem, args + (params, extras))
-                     for fn, blocks, threads, smem, args in launches], workspace)
+                                 (Slot("stats"), Slot("sinks"), Slot("grad_sinks"),
+                                  _slot_of(buffers, "cu_seqlens_q"))))
+        return Plan(before + [PackedLaunch(fn, blocks, threads, smem, args + (params, extras))
+                              for fn, blocks, threads, smem, args in launches], workspace)
+
+    def _lse_pass_wanted(self, bufs: dict, params, layout, ptrs: dict, extras) -> bool:
+        """Whether a backward not given the forward's lse runs the forward first for it: where,
+        given one, its dQ kernel would be a wgmma one (which has no statistics pass), so that no
+        call on sm_90a leaves the warpgroup kernels for want of an lse. (A call with no key or
+        no query row runs none: dQ is zeros then, the mma.sync kernel's quick case.)"""
+        if bufs.get("lse") is not None or not int(params["seq_k"]) or not int(params["seq_q"]):
+            return False
+        given = dict(bufs, lse=Slot(configs.LSE_PASS))
+        v = self.variant(configs.BACKWARD_DQ, **self._choice(configs.BACKWARD_DQ, given, params,
+                                                             layout, ptrs, extras))
+        return v.isa == configs.WGMMA
+
+    def _plan_lse_pass(self, bufs: dict, params, layout, ptrs: dict, extras) -> PackedLaunch:
+        """The forward of the backward's call without dropout (its own struct), writing each
+        row's lse into the workspace's LSE_PASS and its O into grad_q, which the backward then
+        writes over (an output: it shares no byte with any argument the forward reads). A
+        varlen call's forward is the varlen one (the same extras, the call's cu_seqlens slots):
+        its lse lands in the layout dQ reads, [heads, total_q], which the workspace's
+        batch * heads * max_seqlen_q floats hold (total_q <= batch * max_seqlen_q)."""
+        fwd_params = forward_params_of(params)
+        fwd_layout = np.zeros((), layout.dtype)
+        fwd_layout[()] = layout  # (a copy)
+        for c in "bsh":
+            fwd_layout[f"out_{c}"] = layout[f"grad_q_{c}"]
+        fwd_layout = fwd_layout[()]
+        fwd_bufs = dict(bufs, out=Slot("grad_q"), lse=Slot(configs.LSE_PASS), kv_lens=None)
+        fn, blocks, threads, smem, args = self._plan(configs.FORWARD, fwd_bufs, fwd_params,
+                                                     fwd_layout, dict(ptrs, out=ptrs["grad_q"]),
+                                                     extras)
+        return PackedLaunch(fn, blocks, threads, smem, args + (fwd_params, extras))
 
     def _plan_append(self, buffers: dict, params, layout, ptrs: dict, extras):
         """The KV-cache append's launch (append_kv.cu: none when it writes nothing and rotates
@@ -340,18 +376,10 @@ class CudaBackend:
         buffer is a `Slot` (its address filled in on each run), NULL where absent. `extras`:
         the call's AttnExtras (None: the seed's options alone)."""
         extras = seed_extras(params) if extras is None else extras
-        d = int(params["head_dim"])
-        dtype = np.dtype(buffers["q"].dtype)
-        names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
-        vec = _copy_width(dtype, d, [ptrs[a] for a in names], _strides(layout, names))
+        choice = self._choice(op, buffers, params, layout, ptrs, extras)
+        v, fn = self._kernel(op, **choice)
+        vec = choice["copy_bytes"] // choice["dtype"].itemsize
         mask = buffers.get("mask")
-        lse_given = op != configs.BACKWARD_DQ or buffers.get("lse") is not None
-        # the `plain` variants: no mask, no dropout, no model option the kernel computes; the
-        # `mods` ones: a model option the kernel computes; the wgmma dQ: given the forward's lse
-        mods = model_options(op, extras, lse_given)
-        plain = mask is None and float(params["dropout_prob"]) == 0.0 and not mods
-        v, fn = self._kernel(op, dtype, d, vec * dtype.itemsize, plain=plain, lse_given=lse_given,
-                             mods=mods, varlen=packed(extras))
         smem = v.shared_bytes
         blocks = v.blocks(params, self.sm_count)
         if v.tiles(params) > GRID_X_MAX:
@@ -359,11 +387,28 @@ class CudaBackend:
         def arg(a):
             if a == configs.TILE_COUNTER:  # the stream's, or the call's own: filled in on each run
                 return Slot(a)
-            return NULL if buffers.get(a) is None else Slot(a)
+            return _slot_of(buffers, a)
 
         args = tuple(arg(a) for a in v.args)
         mask_kind = np.uint32(_MASK_KIND[np.dtype(mask.dtype)] if mask is not None else 0)
         return fn, blocks, v.threads, smem, args + (np.uint32(vec), mask_kind, layout)
+
+    def _choice(self, op: str, buffers: dict, params, layout, ptrs: dict, extras) -> dict:
+        """What selects an attention launch's variant (`variant`'s arguments bar the op): dtype,
+        head_dim, copy width, and whether the call is `plain`, passes the forward's lse, needs
+        the model options built in, is varlen (packed sequences: the FERRO_VARLEN builds)."""
+        d = int(params["head_dim"])
+        dtype = np.dtype(buffers["q"].dtype)
+        names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
+        vec = _copy_width(dtype, d, [ptrs[a] for a in names], _strides(layout, names))
+        lse_given = op != configs.BACKWARD_DQ or buffers.get("lse") is not None
+        # the `plain` variants: no mask, no dropout, no model option the kernel computes; the
+        # `mods` ones: a model option the kernel computes; the wgmma dQ: given the forward's lse
+        mods = model_options(op, extras, lse_given)
+        plain = (buffers.get("mask") is None and float(params["dropout_prob"]) == 0.0
+                 and not mods)
+        return dict(dtype=dtype, head_dim=d, copy_bytes=vec * dtype.itemsize, plain=plain,
+                    lse_given=lse_given, mods=mods, varlen=packed(extras))
 
     def fused_variant(self, buffers: dict, params, layout, ptrs: dict,
                       extras=None) -> configs.Variant | None:
@@ -397,7 +442,7 @@ class CudaBackend:
             raise ValueError(f"backward: {blocks} query tiles exceed the grid limit {GRID_X_MAX}")
         pre, post = (self.loader.function(v.source, k, v.defines, v.options)
                      for k in (configs.FUSED_PRE_KERNEL, configs.FUSED_POST_KERNEL))
-        slots = (lambda names: tuple(NULL if bufs.get(a) is None else Slot(a) for a in names))
+        slots = (lambda names: tuple(_slot_of(bufs, a) for a in names))
         return [(pre, blocks, configs.FUSED_THREADS, 0, slots(configs.FUSED_PRE_ARGS) + (layout,)),
                 main,
                 (post, blocks, configs.FUSED_THREADS, 0,
@@ -466,22 +511,30 @@ class CudaBackend:
             return max(1, occupancy(function.ptr, v.threads, v.shared_bytes))
         return max(1, min(self._smem_per_sm // (v.shared_bytes + 1024), 2048 // v.threads))
 
-    def _kernel(self, op: str, dtype, d: int, copy_bytes: int, rows: int = 0,
+    def _kernel(self, op: str, dtype, head_dim: int, copy_bytes: int, rows: int = 0,
                 many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
                 mods: bool = False, varlen: bool = False):
         """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
         decode blocks beyond one per SM, no mask or dropout, the forward's lse given, softcap,
         ALiBi or sinks computed), chosen, compiled and given its shared memory once."""
-        key = (op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given, mods, varlen)
+        key = (op, dtype, head_dim, copy_bytes, rows, many_blocks, plain, lse_given, mods, varlen)
         hit = self._kernels.get(key)
         if hit is None:
-            v = self.variant(op, dtype, d, copy_bytes, rows, many_blocks, plain, lse_given, mods,
-                             varlen)
+            v = self.variant(op, dtype, head_dim, copy_bytes, rows, many_blocks, plain, lse_given,
+                             mods, varlen)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes
             hit = self._kernels[key] = (v, fn)
         return hit
+
+
+def _slot_of(buffers: dict, name: str):
+    """The argument for kernel parameter `name`: NULL where the call has no such buffer, the
+    Slot `buffers` names where another buffer or workspace fills it (the backward's lse pass),
+    else the buffer's own Slot."""
+    given = buffers.get(name)
+    return given if isinstance(given, Slot) else NULL if given is None else Slot(name)
 
 
 def _rotated_q(launch: tuple, workspace: dict) -> tuple:

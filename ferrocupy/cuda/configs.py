@@ -62,6 +62,12 @@ SINKS_SOURCE, SINKS_KERNEL, SINKS_THREADS = "flash_bwd_sinks.cu", "flash_bwd_sin
 APPEND_SOURCE, APPEND_KERNEL, APPEND_THREADS = "append_kv.cu", "append_kv", 256
 Q_ROTATED = "q_rot"
 APPEND_DTYPE_DEFINE = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}
+# The backward not given the forward's lse, where the dQ kernel given one is a wgmma variant
+# (which has no statistics pass of its own): the plan runs the forward first (dropout off: the
+# lse does not depend on it), its lse into this float32 workspace [batch * heads * seq_q] and its
+# O into grad_q (an output the dQ kernel writes over and no other argument shares: plan.py's
+# checks), then the backward takes that lse as given.
+LSE_PASS = "lse_pass"
 
 
 def append_defines(dtype) -> dict:
@@ -322,8 +328,8 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
     Backward: two computing warpgroups (their accumulators take 64 registers a thread per
     head_dim-128 output: dQ, or dK and dV), tiles of 64 keys (dQ, 3 buffers) or 64 query rows
     (dK/dV, 2 buffers), `plain` first, then with the mask, dropout and model options. dQ needs
-    the forward's lse (it has no statistics pass): a call without it takes the mma.sync
-    kernels."""
+    the forward's lse (it has no statistics pass): for a call without it the backend runs the
+    forward first (LSE_PASS)."""
     if dtype == FLOAT32 or dp > MEASURED_HEAD_DIM:
         return []
     kd = 64 if dp <= 64 else 128  # flash_*_wgmma.cu's static_assert: DP is 64 or 128
