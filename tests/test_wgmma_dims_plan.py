@@ -206,7 +206,7 @@ def test_the_lse_pass_takes_the_calls_mask_and_model_options():
 
 
 @pytest.mark.parametrize("case", ["given", "sm80", "unaligned", "float32", "d136", "seq_k0",
-                                  "seq_q0"])
+                                  "seq_q0", "batch0"])
 def test_no_lse_pass_where_the_backward_has_what_it_needs(case):
     """No forward first where the call passes the lse, or where dQ is not a wgmma one anyway
     (sm_80, narrower rows, float32, above 128: the mma.sync dQ has its statistics pass), or
@@ -224,6 +224,8 @@ def test_no_lse_pass_where_the_backward_has_what_it_needs(case):
         k = (2, 0, 2, 96)
     if case == "seq_q0":
         q = (2, 0, 8, 96)
+    if case == "batch0":
+        q, k = (0,) + q[1:], (0,) + k[1:]
     b = backend(cap)
     plan = make_plan(b, "backward", backward_buffers(q, k, dtype, lse=case == "given",
                                                      offset=offset), bwd_params(q, k))

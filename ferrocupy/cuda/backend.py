@@ -288,7 +288,8 @@ class CudaBackend:
         given one, its dQ kernel would be a wgmma one (which has no statistics pass), so that no
         call on sm_90a leaves the warpgroup kernels for want of an lse. (A call with no key or
         no query row runs none: dQ is zeros then, the mma.sync kernel's quick case.)"""
-        if bufs.get("lse") is not None or not int(params["seq_k"]) or not int(params["seq_q"]):
+        rows = int(params["batch"]) * int(params["heads"]) * int(params["seq_q"])
+        if bufs.get("lse") is not None or not int(params["seq_k"]) or not rows:
             return False
         given = dict(bufs, lse=Slot(configs.LSE_PASS))
         v = self.variant(configs.BACKWARD_DQ, **self._choice(configs.BACKWARD_DQ, given, params,
