@@ -74,12 +74,18 @@ def test_backward_launches_share_their_statistics(runs):
     bufs = {n: buf(q, BFLOAT16, 64 * i) for i, n in enumerate(names)}
     bufs.update({n: buf(k, BFLOAT16) for n in ("k", "v", "grad_k", "grad_v")})
     p = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(AttentionOptions(causal=True))
-    dq, dkdv = tuning.launches(b, "backward", bufs, p)
-    assert (dq.kernel, dkdv.kernel) == ("flash_bwd_dq_half", "flash_bwd_dkdv_wgmma")
+    # (no lse: on the fake sm_90a the forward runs first for it, into the workspace too)
+    fwd, dq, dkdv = tuning.launches(b, "backward", bufs, p)
+    assert (fwd.kernel, dq.kernel, dkdv.kernel) == ("flash_fwd_wgmma", "flash_bwd_dq_wgmma",
+                                                    "flash_bwd_dkdv_wgmma")
     dkdv()
     dq()
-    assert [r[0] for r in runs] == ["flash_bwd_dkdv_wgmma", "flash_bwd_dq_half"]
+    fwd()
+    assert [r[0] for r in runs] == ["flash_bwd_dkdv_wgmma", "flash_bwd_dq_wgmma",
+                                    "flash_fwd_wgmma"]
     assert runs[0][1]["stats"] == runs[1][1]["stats"] != 0
+    assert runs[1][1][configs.LSE_PASS] == runs[2][1][configs.LSE_PASS] != 0
+    assert runs[2][1][configs.TILE_COUNTER]  # the persistent forward's counter, made here
 
 
 def test_persistent_forward_gets_a_zeroed_tile_counter(runs):
