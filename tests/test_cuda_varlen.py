@@ -1,7 +1,8 @@
 """Packed variable-length batches (varlen, SPEC "Beyond the seed, part 2", issue 26) on the CUDA
 kernels: the forward and the backward (dQ, dK/dV, grad_sinks; the forward's lse given or not)
 on every kernel path (`kernels`: the engine's own choice, the sm_90a wgmma
-kernel in half precision at head_dim 64 / 128 on an H100/H200, and the mma.sync kernels alone;
+kernels in half precision at every head_dim up to 128 on an H100/H200 (without the lse, the
+varlen forward first for it), and the mma.sync kernels alone;
 `decoders`: each decode design, for calls of few query rows a KV group; the fused backward on
 sm_90a),
 one launch per kernel for the whole packed batch, against a per-sequence loop of the independent dense
@@ -38,6 +39,8 @@ torch = pytest.importorskip("torch", reason="the dense oracle is written in PyTo
 from dense_options import dense, dense_grads  # noqa: E402
 from test_cuda_model_options import check_f32, half_rule  # noqa: E402
 from test_varlen import CASES, _oracle_args, packed  # noqa: E402
+from test_cuda_wgmma_dims import ON_SM90, launched  # noqa: E402, F401
+from test_cuda_wgmma_dims import _on_hopper as on_hopper  # noqa: E402
 
 pytestmark = gpu_pytestmark()
 
@@ -216,6 +219,20 @@ def test_few_query_rows_a_sequence(kernels, rng, dtype):
     """A packed decode step (one or no query row a sequence, long keys), with its backward."""
     t = rounded(make(rng, "everything", [1, 1, 0, 1], [300, 0, 17, 129]), dtype)
     check(kernels, t)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [40, 96], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("name", ["bottom-right", "sinks", "everything"])
+def test_half_without_lse_at_padded_head_dims(launched, dev, rng, name, d, dtype):
+    """The backward not given the lse at head_dims the wgmma builds pad (64 and 128 wide): on
+    sm_90a the varlen forward runs first for the lse ([heads, total_q], through cu_seqlens),
+    then the wgmma backward; every launch a warpgroup kernel."""
+    t = rounded(make(rng, name, LENS_Q, LENS_K, d=d), dtype)
+    check(dev, t, give_lse=False, what=f"[no-lse {name} d{d}]")
+    if on_hopper():
+        assert launched and set(launched) <= ON_SM90, launched
+        assert launched.count("flash_fwd_wgmma") == 2, launched  # the call's, the lse pass's
 
 
 # --- the fused backward (sm_90a, halves, the forward's lse given) -------------------------------
