@@ -97,17 +97,17 @@ def _selections(op, dtype, hd, limit, cap):
 @pytest.mark.parametrize("op", ATTENTION_OPS)
 def test_every_head_dim_up_to_256_has_a_variant_within_the_limits(op):
     """sm_80 and sm_90 take every head_dim 1..256 in every dtype: a variant at least as wide
-    (mma.sync's: the padded head_dim) that fits the GPU's shared memory; above 128 never a wgmma one (mma.sync on Hopper
-    too) and dK/dV in two column ranges."""
+    (mma.sync's: the padded head_dim) that fits the GPU's shared memory; above 128 a wgmma one
+    only for the forward and dQ (at width 192 or 256), dK/dV on mma.sync in two column ranges."""
     for dtype in DTYPES:
         for hd in range(1, 257):
             for limit, cap in LIMITS:
                 for v in _selections(op, dtype, hd, limit, cap):
-                    assert v.head_dim >= hd, v.describe()  # wgmma's: 64 or 128 (zero-filled)
+                    assert v.head_dim >= hd, v.describe()  # wgmma's: 64-256 (zero-filled)
                     assert v.isa == configs.WGMMA or v.head_dim == configs.padded_head_dim(hd)
                     assert v.shared_bytes <= limit, v.describe()
-                    if hd > 128:
-                        assert v.isa != configs.WGMMA, v.describe()
+                    if hd > 128 and v.isa == configs.WGMMA:
+                        assert op != configs.BACKWARD_DKDV and v.head_dim in (192, 256)
                     assert v.parts == (2 if op == configs.BACKWARD_DKDV and hd > 128 else 1)
 
 
@@ -138,20 +138,25 @@ def test_sm86_takes_every_head_dim_but_float32_backward_and_wide_decode_groups()
 
 def test_the_table_keeps_head_dims_up_to_128_as_they_were():
     """The variants of head_dim <= 128 carry no define the wide ones added (dK/dV's column
-    parts; the combine kernel's block stays 128 threads), and wgmma serves 64 and 128 still."""
+    parts; the combine kernel's block stays 128 threads), and wgmma serves 64 and 128 still;
+    above 128 the wgmma forward and dQ are built at 192 or 256, dK/dV stays mma.sync."""
     for (op, dtype, dp), vs in configs.TABLE.items():
         for v in vs:
             if dp <= 128:
                 assert v.parts == 1 and "FERRO_DKDV_PARTS" not in v.defines, v.describe()
                 assert v.combine_threads == configs.COMBINE_THREADS
+            elif v.isa == configs.WGMMA:
+                assert op in (configs.FORWARD, configs.BACKWARD_DQ) and v.head_dim in (192, 256)
             else:
-                assert v.isa != configs.WGMMA and v.combine_threads >= v.head_dim
+                assert v.combine_threads >= v.head_dim
             assert v.shared_bytes <= configs.MAX_SHARED_BYTES, v.describe()
     big = 227 * 1024
     for hd in (64, 128):
         assert configs.select(configs.FORWARD, BFLOAT16, hd, big, capability=90,
                               copy_bytes=16).isa == configs.WGMMA
     assert configs.select(configs.FORWARD, BFLOAT16, 129, big, capability=90,
+                          copy_bytes=16).head_dim == 192
+    assert configs.select(configs.BACKWARD_DKDV, BFLOAT16, 129, big, capability=90,
                           copy_bytes=16).isa == configs.MMA
 
 

@@ -1,7 +1,8 @@
 """head_dim above 128, up to SPEC's 256 (issue 26), on the GPU: forward and backward in float32,
 float16 and bfloat16, and decode, against the float64 reference with every output NaN-poisoned
 first; half precision by SPEC's rule (tests/half_rule.py). The wide head_dims run the mma.sync
-kernels on every GPU (no wgmma variant is built above 128) with dK/dV in two column ranges
+kernels (on sm_90a in half precision the forward and dQ run wgmma ones, of width 192 or 256:
+tests/test_cuda_wgmma_dims.py), with dK/dV in two column ranges
 (configs.py `dkdv_parts`): head_dim 136 and 200 pad to 144 and 208, whose ranges overlap by 16
 columns; 255 (forward and backward) copies one element at a time in half precision (an odd
 row).

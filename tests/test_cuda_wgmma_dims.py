@@ -1,7 +1,8 @@
-"""Every head_dim up to 128 on sm_90a's wgmma kernels (GPU): head_dims 8, 24, 40, 72, 80 and 96
-(kernel width 64 or 128, the columns past the head_dim zero-filled as they load), forward and
-backward, the backward with the forward's lse and without it (then the forward runs first for
-it), over causal / window / mask / dropout / softcap / ALiBi / sinks combinations, by SPEC's
+"""Every head_dim on sm_90a's wgmma kernels (GPU): head_dims 8, 24, 40, 72, 80 and 96 (kernel
+width 64 or 128, the columns past the head_dim zero-filled as they load), and 136, 200, 256 (the
+forward and dQ at width 192 or 256, dK/dV on mma.sync), forward and backward, the backward with
+the forward's lse and without it (then the forward runs first for it), over causal / window /
+mask / dropout / softcap / ALiBi / sinks combinations, by SPEC's
 half rule against ferrocupy's float64 reference (test_cuda_model_options.py's `check_half`, the
 PyTorch formula in the dtype as the yardstick), every output NaN-poisoned first.
 
@@ -29,6 +30,7 @@ pytestmark = gpu_pytestmark()
 
 HALF = [pytest.param(FLOAT16, id="f16"), pytest.param(BFLOAT16, id="bf16")]
 HEAD_DIMS = [8, 24, 40, 72, 80, 96]
+WIDE_HEAD_DIMS = [136, 200, 256]  # widths 192, 256, 256
 CASES = {
     "plain": dict(),
     "causal": dict(causal=True, causal_offset=9),
@@ -70,18 +72,33 @@ def _on_hopper() -> bool:
 @pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_half_rule_on_the_wgmma_kernels(launched, rng, name, give_lse, d, dtype):
+    check_case(launched, rng, name, give_lse, d, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", WIDE_HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
+@pytest.mark.parametrize("name", ["plain", "causal-mask", "window-dropout", "all"])
+def test_half_rule_above_128(launched, rng, name, give_lse, d, dtype):
+    """Above 128 the wgmma forward and dQ (widths 192 and 256) beside the mma.sync dK/dV."""
+    check_case(launched, rng, name, give_lse, d, dtype)
+
+
+def check_case(launched, rng, name, give_lse, d, dtype):
     dev = device_under_test()
     t = mo.rounded(mo.make(rng, CASES[name], sq=150, sk=211, d=d), dtype)
     mo.check_half(mo.run(dev, t, give_lse=give_lse), t, f"[{name} d{d}]")
     if _on_hopper():
-        assert launched and set(launched) <= ON_SM90, launched
-        assert "flash_fwd_wgmma" in launched
+        allowed = ON_SM90 | ({"flash_bwd_dkdv_half"} if d > 128 else set())
+        assert launched and set(launched) <= allowed, launched
+        assert "flash_fwd_wgmma" in launched and "flash_bwd_dq_wgmma" in launched \
+            or "flash_bwd_fused_wgmma" in launched, launched
         # without the lse the backward's forward runs first: the forward twice
         assert launched.count("flash_fwd_wgmma") == (1 if give_lse else 2), launched
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("d", HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("d", HEAD_DIMS + WIDE_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_gqa_long_rows_and_kv_lens_forward(launched, rng, dtype, d):
     """GQA 6:1, several query and key tiles (persistent blocks claiming tiles), kv_lens with NaN
     past each length: the zero fill covers rows past a batch's keys as well as columns."""

@@ -1,9 +1,11 @@
 """Which head_dims run on sm_90a's wgmma kernels, planned without a GPU (test_backend_plan.py's
 fake H200 backend): every padded head_dim up to 128 in half precision, with 16-byte rows, on
 compute capability 9.0 (forward, dQ, dK/dV, the fused backward), the kernel built at width 64
-(padded 16-64) or 128 (80-128), the columns past the head_dim zero-filled; compute capability
-8.0, narrower rows, float32 and head_dims above 128 keep the mma.sync kernels. The GPU suite
-(test_cuda_wgmma_dims.py) runs these plans against the reference."""
+(padded 16-64) or 128 (80-128), the columns past the head_dim zero-filled; above 128 the forward
+and dQ at width 192 or 256 (dK/dV on mma.sync); compute capability 8.0, narrower rows and
+float32 keep the mma.sync kernels. The backward without the forward's lse runs the forward
+first where its dQ is a wgmma one. The GPU suite (test_cuda_wgmma_dims.py) runs these plans
+against the reference."""
 
 from __future__ import annotations
 
@@ -57,25 +59,28 @@ def test_select_keeps_mma_sync_elsewhere(op):
                                        (90, 4, BFLOAT16), (90, 2, FLOAT16), (90, 16, FLOAT32)):
             v = configs.select(op, dtype, d, 163 * 1024, capability=cap, copy_bytes=copy_bytes)
             assert v.isa == configs.MMA and v.head_dim == configs.padded_head_dim(d), v.describe()
-    for d in (136, 200, 256):
+    for d in (136, 200, 256):  # above 128 only the forward and dQ have wgmma builds
         v = configs.select(op, BFLOAT16, d, H200_SHARED, capability=90, copy_bytes=16)
-        assert v.isa == configs.MMA
+        assert (v.isa == configs.MMA) == (op == configs.BACKWARD_DKDV), v.describe()
 
 
-def test_the_wgmma_builds_are_the_two_widths_the_kernels_assert():
-    """The table names no wgmma build the kernels' static_asserts refuse (DP 64 or 128) and no
-    new one: a padded head_dim's wgmma variants are those of its kernel width, define for
-    define, so the compile tests' cases are the ones at 64 and 128."""
+def test_the_wgmma_builds_are_the_widths_the_kernels_assert():
+    """The table names no wgmma build the kernels' static_asserts refuse (DP 64, 128, 192 or
+    256; dK/dV and the fused backward 64 or 128): a padded head_dim's wgmma variants are those
+    of its kernel width, define for define, so the compile tests' cases are the ones at the
+    widths."""
     for (op, dtype, dp), vs in configs.TABLE.items():
         wg = [v for v in vs if v.isa == configs.WGMMA]
-        if dtype == FLOAT32 or op == configs.DECODE or dp > configs.MEASURED_HEAD_DIM:
+        width = next(w for w in (64, 128, 192, 256) if dp <= w)
+        narrow = op in (configs.BACKWARD_DKDV, configs.BACKWARD_FUSED)
+        if dtype == FLOAT32 or op == configs.DECODE or (narrow and dp > 128):
             assert not wg, (op, dtype, dp)
             continue
         assert wg, (op, dtype, dp)
-        same = configs.TABLE[(op, dtype, kernel_width(dp))]
+        same = configs.TABLE[(op, dtype, width)]
         for v in wg:
-            assert v.head_dim == kernel_width(dp) and v in same
-            assert v.defines["FERRO_HEAD_DIM"] in (64, 128)
+            assert v.head_dim == width and v in same
+            assert v.defines["FERRO_HEAD_DIM"] in ((64, 128) if narrow else (64, 128, 192, 256))
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -205,12 +210,12 @@ def test_the_lse_pass_takes_the_calls_mask_and_model_options():
         assert "FERRO_PLAIN" not in defines[0]
 
 
-@pytest.mark.parametrize("case", ["given", "sm80", "unaligned", "float32", "d136", "seq_k0",
-                                  "seq_q0", "batch0"])
+@pytest.mark.parametrize("case", ["given", "sm80", "unaligned", "float32", "seq_k0", "seq_q0",
+                                  "batch0"])
 def test_no_lse_pass_where_the_backward_has_what_it_needs(case):
     """No forward first where the call passes the lse, or where dQ is not a wgmma one anyway
-    (sm_80, narrower rows, float32, above 128: the mma.sync dQ has its statistics pass), or
-    where there is no key or no query row."""
+    (sm_80, narrower rows, float32: the mma.sync dQ has its statistics pass), or where there
+    is no key or no query row."""
     q, k, dtype, cap, offset = (2, 300, 8, 96), (2, 461, 2, 96), BFLOAT16, 90, 0
     if case == "sm80":
         cap = 80
@@ -218,8 +223,6 @@ def test_no_lse_pass_where_the_backward_has_what_it_needs(case):
         offset = 2
     if case == "float32":
         dtype = FLOAT32
-    if case == "d136":
-        q, k = q[:3] + (136,), k[:3] + (136,)
     if case == "seq_k0":
         k = (2, 0, 2, 96)
     if case == "seq_q0":
@@ -247,3 +250,26 @@ def test_a_run_gives_the_lse_pass_grad_q_and_one_workspace(monkeypatch):
                                     "flash_bwd_dkdv_wgmma"] * 2
     lse = {r[1][configs.LSE_PASS] for r in runs}
     assert len(lse) == 1 and 0 not in lse and lse != {runs[0][1]["stats"]}
+
+
+# --- above 128: the wgmma forward and dQ at widths 192 and 256, dK/dV on mma.sync --------------
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [136, 152, 192, 200, 248, 256])
+def test_fake_sm90_plans_above_128_run_the_wgmma_forward_and_dq(dtype, d):
+    width = 192 if d <= 192 else 256
+    q, k = (2, 300, 8, d), (2, 461, 2, d)
+    for fused_on in (False, True):  # (no fused backward above 128: the two kernels either way)
+        b = backend()
+        b.fused_backward = fused_on
+        plan = make_plan(b, "forward", forward_buffers(q, k, dtype), params(q, k, causal=True))
+        assert kernel_names(plan) == ["flash_fwd_wgmma"]
+        plan = make_plan(b, "backward", backward_buffers(q, k, dtype), bwd_params(q, k))
+        assert kernel_names(plan) == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_half"]
+        plan = make_plan(b, "backward", backward_buffers(q, k, dtype, lse=False), bwd_params(q, k))
+        assert kernel_names(plan) == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma",
+                                      "flash_bwd_dkdv_half"]
+        widths = {(c[1], dict(c[2])["FERRO_HEAD_DIM"]) for c in b.loader.compiled}
+        assert widths == {("flash_fwd_wgmma", width), ("flash_bwd_dq_wgmma", width),
+                          ("flash_bwd_dkdv_half", -(-d // 16) * 16)}
+        dkdv = b._kernels[next(key for key in b._kernels if key[0] == configs.BACKWARD_DKDV)][0]
+        assert dkdv.parts == 2

@@ -33,7 +33,7 @@ COMBINE_THREADS = 128  # the combine kernel's least block (one per output row; t
 HEAD_DIMS = tuple(range(16, 257, 16))  # padded head_dim of every attention variant
 # The widest padded head_dim lab/tile_sweep.py measured; wider ones take FlashAttention-2's sm80
 # tile shapes (flash_fwd_launch_template.h, flash_bwd_launch_template.h) until a sweep re-orders
-# them, and no wgmma variant (sm_90 runs them on mma.sync too).
+# them, and on sm_90a the wgmma forward and dQ (dK/dV on mma.sync): `_wgmma`.
 MEASURED_HEAD_DIM = 128
 # Shared memory per block that some target GPU allows (sm_90's opt-in; sm_80 allows 163 KB,
 # sm_86 / sm_89 99 KB): a candidate needing more is left out of the table.
@@ -90,6 +90,12 @@ DECODE_DESIGNS = (TENSOR, STREAMS, TILES)
 SM90A = (WGMMA,)  # built for sm_90a alone
 WGMMA_STAGES = 3  # K/V buffers of the wgmma forwards
 WGMMA_Q_BUFFERS = 2  # Q buffers of the wgmma forward (the next tile's Q loads during this one)
+
+
+def wgmma_q_buffers(head_dim: int) -> int:
+    """The wgmma forward's Q buffers at a kernel width (flash_fwd_wgmma.cu's Q_BUFS): one above
+    128, where two would pass the shared memory a block has."""
+    return 1 if head_dim > 128 else WGMMA_Q_BUFFERS
 # (source, kernel) per (op, is_half, isa)
 _SOURCES = {
     (FORWARD, False, MMA): ("flash_fwd.cu", "flash_attn_v2"),
@@ -237,8 +243,9 @@ class Variant:
             stats = 8 * self.stages * self.step if self.per_kv_head else 0
             return (elem * (2 * self.block_rows + 2 * self.stages * self.step) * self.head_dim
                     + stats + 1024 + fused_ds_bytes(self))
-        if self.isa in SM90A:  # 2 x Q, 3 x (K, V) swizzled, unpadded; 1 KB to align the base
-            return (elem * (WGMMA_Q_BUFFERS * self.block_rows + 2 * WGMMA_STAGES * self.step)
+        if self.isa in SM90A:  # Q buffers, the (K, V) ring, swizzled, unpadded; 1 KB to align
+            return (elem * (wgmma_q_buffers(self.head_dim) * self.block_rows
+                            + 2 * (self.stages or WGMMA_STAGES) * self.step)
                     * self.head_dim + 1024)
         pitch = self.head_dim + (4 if elem == 4 else 8)
         m, n = self.block_rows, self.step
@@ -329,14 +336,26 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
     head_dim-128 output: dQ, or dK and dV), tiles of 64 keys (dQ, 3 buffers) or 64 query rows
     (dK/dV, 2 buffers), `plain` first, then with the mask, dropout and model options. dQ needs
     the forward's lse (it has no statistics pass): for a call without it the backend runs the
-    forward first (LSE_PASS)."""
-    if dtype == FLOAT32 or dp > MEASURED_HEAD_DIM:
+    forward first (LSE_PASS).
+
+    Above MEASURED_HEAD_DIM (untimed, no GPU yet: FlashAttention-3's hdim-256 forward is two
+    computing warpgroups, 128 rows): the forward and dQ at widths 192 (padded 144-192) and 256,
+    64 keys a tile in 2 buffers; the forward with one Q buffer (wgmma_q_buffers), dQ at 256 with
+    one computing warpgroup (two would need a single K/V buffer). Their O / dQ take 96 or 128
+    registers a thread; ptxas spills none (the general forward at 256 12 bytes, dQ 112).
+    dK/dV stays on mma.sync there: its dK and dV together would take 192-256 registers a
+    thread; it needs the column ranges the mma.sync kernel has (dkdv_parts)."""
+    if dtype == FLOAT32 or (op == BACKWARD_DKDV and dp > MEASURED_HEAD_DIM):
         return []
-    kd = 64 if dp <= 64 else 128  # flash_*_wgmma.cu's static_assert: DP is 64 or 128
-    if op == FORWARD:
+    # flash_*_wgmma.cu's static_asserts: DP is 64, 128, 192 or 256
+    kd = next(w for w in (64, 128, 192, 256) if dp <= w)
+    if op == FORWARD and kd > MEASURED_HEAD_DIM:
+        geometry = dict(warps=8, mt=1, step=64, stages=2)
+    elif op == FORWARD:
         geometry = dict(warps=12, mt=1, step=128 if kd == 64 else 64)
     elif op == BACKWARD_DQ:
-        geometry = dict(warps=8, mt=1, step=64, stages=3)
+        geometry = dict(warps=4 if kd == 256 else 8, mt=1, step=64,
+                        stages=2 if kd > MEASURED_HEAD_DIM else 3)
     elif op == BACKWARD_DKDV:
         geometry = dict(warps=8, mt=1, step=64, stages=2)
     else:

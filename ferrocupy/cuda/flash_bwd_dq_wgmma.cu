@@ -29,7 +29,7 @@ constexpr int DT = DP / 8;  // n-tiles of dQ
 constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
 constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
-static_assert((DP == 64 || DP == 128) && BN == 64, "wgmma tile geometry");
+static_assert((DP == 64 || DP == 128 || DP == 192 || DP == 256) && BN == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
 // Q and dO, the ring of K and V (swizzled), 1 KB to align the base.
 static_assert(2 * (2 * Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES,

@@ -7,7 +7,8 @@
 // t - 1. (Strict turn-taking between the warpgroups, FlashAttention-3's ping-pong, measured 8%
 // slower here: dev/tile_sweep.py, 2026-12-03.) S = Q K^T reads both operands from shared memory; P stays in registers. Softmax, masks
 // and dropout are the mma.sync kernel's, element for element (the accumulator layout is the
-// same). For head_dim up to 64 or 128 with 16-byte rows; geometry comes from cuda/configs.py.
+// same). Built at head_dim 64, 128, 192 or 256 (a call's narrower head_dim zero-filled past its
+// end), for 16-byte rows; geometry comes from cuda/configs.py.
 // Persistent (one block per SM): the loaders fetch a tile's Q and keys while the computing
 // warpgroups still finish the previous tile, whose start-up and output were otherwise exposed once
 // per tile (at S 1024, 8 key tiles per query tile). Blocks take tiles from a global counter (the
@@ -33,16 +34,19 @@ constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BM = 16 * WARPS;
 constexpr int NT = BN / 8;  // n-tiles of S; 16-key k-steps of P V are NT / 2
 constexpr int DT = DP / 8;  // n-tiles of O
 constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
-// Two Q buffers: the loaders fetch the next tile's Q while the computing warpgroups still work on
-// this one's last keys, so a tile starts without waiting for its Q (and its warpgroups do not all
-// wait for the slowest one's last product first).
+// Two Q buffers (up to head_dim 128): the loaders fetch the next tile's Q while the computing
+// warpgroups still work on this one's last keys, so a tile starts without waiting for its Q (and
+// its warpgroups do not all wait for the slowest one's last product first).
 // Registers per thread: the loaders need few, the computing warpgroups hold S, P and O.
 constexpr int LOADER_REGS = WARPS == 8 ? 40 : 24, COMPUTE_REGS = WARPS == 8 ? 232 : 160;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
-static_assert((DP == 64 || DP == 128) && (BN == 64 || BN == 128), "wgmma tile geometry");
+static_assert((DP == 64 || DP == 128 || DP == 192 || DP == 256) && (BN == 64 || BN == 128),
+              "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
-constexpr int Q_BUFS = 2;
-// Q x 2, the K and V ring, and 1 KB to align the base for the 128-byte swizzle.
+// Above head_dim 128 one Q buffer (configs.py's wgmma_q_buffers): two, with the K/V ring, would
+// pass the shared memory a block has; the next tile's Q then loads once this one's products end.
+constexpr int Q_BUFS = DP > 128 ? 1 : 2;
+// Q x Q_BUFS, the K and V ring, and 1 KB to align the base for the 128-byte swizzle.
 static_assert(2 * (Q_BUFS * Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, "configs.py's shared memory");
 }  // namespace
 
@@ -56,7 +60,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                    const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
     __shared__ u64 full[STAGES], empty[STAGES], q_full[Q_BUFS], q_empty[Q_BUFS], tile_ready[Q_BUFS];
-    __shared__ u32 tile_slot[Q_BUFS];  // the block's work items n, n + 1 (slot n % 2), from loader thread 0
+    __shared__ u32 tile_slot[Q_BUFS];  // the block's work items n, n + 1 (slot n % Q_BUFS), from loader thread 0
     const u32 raw = smem_u32(smem_w);
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sK = sQ + Q_BUFS * Q_ELEMS;   // [STAGES][BN x DP], swizzled ([Q_BUFS][BM x DP] before)
@@ -74,13 +78,14 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 
     if (threadIdx.x == 0) {
         mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
-        mbar_init_ring(q_full, q_empty, LOADERS, 32 * WARPS);  // item n's Q in buffer n % 2
+        mbar_init_ring(q_full, q_empty, LOADERS, 32 * WARPS);  // item n's Q in buffer n % Q_BUFS
         for (int i = 0; i < Q_BUFS; ++i) mbar_init(&tile_ready[i], 1);
     }
     __syncthreads();
     // The block's n-th work item (n = 0, 1, ...; n_work or more: none left), the same for every
-    // thread: loader thread 0 publishes it in slot n % 2 (publish_item) once item n - 2's Q buffer
-    // is handed back, so every thread has read item n - 2 from that slot; the others wait for it.
+    // thread: loader thread 0 publishes it in slot n % Q_BUFS (publish_item) once item
+    // n - Q_BUFS's Q buffer is handed back, so every thread has read item n - Q_BUFS from that
+    // slot; the others wait for it.
     auto item = [&](u32 n) -> u32 {
         ring_wait_full(tile_ready, n);
         return tile_slot[n % Q_BUFS];
@@ -102,7 +107,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         u32 ring = 0;  // K/V buffers filled so far
         u32 next = blockIdx.x;  // (thread 0) the block's next item
         for (u32 n = 0;; ++n) {
-            ring_wait_empty(q_empty, n);  // item n - 2's Q (in the same buffer) is no longer read
+            ring_wait_empty(q_empty, n);  // item n - Q_BUFS's Q (the same buffer) is read no more
             if (threadIdx.x == 0) publish_item(n, next, next);
             const u32 x = item(n);
             if (x >= n_work) break;

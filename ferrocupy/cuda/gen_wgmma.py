@@ -6,7 +6,7 @@ committed header is this script's output. Run: python -m ferrocupy.cuda.gen_wgmm
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "ferro_wgmma_ops.cuh"
-NS = (64, 128)  # the N sizes the sm_90a kernels use (keys per tile, head_dim)
+NS = (64, 128, 192, 256)  # the N sizes the sm_90a kernels use (keys per tile, head_dim)
 
 
 def _acc(n: int) -> tuple[str, str]:
