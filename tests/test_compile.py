@@ -11,8 +11,9 @@ Two runs share that matrix. The default run (`python -m pytest`) compiles, with 
 it is built for (the narrowest above, for a code path built only there): a code path is a source
 and the defines that choose code (dtype, mask and dropout compiled out, swizzled rows, warps,
 m-tiles, decode rows, dK/dV column parts, packed sequences), as against SIZE_DEFINES, which only
-size its tiles. Every
-other case carries the `compile` marker, which pyproject.toml's addopts deselects:
+size its tiles; of a variant built with and without softcap, ALiBi and sinks it takes the build
+with them, which compiles every statement of the other (SUPERSET_DEFINE). Every other case
+carries the `compile` marker, which pyproject.toml's addopts deselects:
 `python -m pytest -m compile` compiles them (the narrower head_dims, sm_80, and everything nvcc
 builds), and .ci/run runs it after the default run, so CI compiles every variant. (Naming one of
 them by node id needs `-m compile` too, or `-m ""`; addopts deselects it otherwise.)
@@ -48,6 +49,11 @@ DEFAULT_RUN_ARCH = "90"  # the GPUs the project is measured on (H100, H200); sm_
 # Defines that size a variant's tiles (extents, buffers, shared memory) rather than choose its code.
 SIZE_DEFINES = frozenset({"FERRO_HEAD_DIM", "FERRO_SMEM_BYTES", "FERRO_BN", "FERRO_STAGES",
                           "FERRO_KEY_LANES", "FERRO_COMBINE_THREADS"})
+# FERRO_MODS=1 (softcap, ALiBi and sinks compiled in) adds code to its FERRO_MODS=0 twin's and
+# chooses none of its own: the kernels test it only as a constant in plain `if`s (no #if,
+# `if constexpr` or specialization on it: test_mods_adds_code_only), so its build compiles every
+# statement the twin's does. The default run builds a code path's mods variant alone.
+SUPERSET_DEFINE = "FERRO_MODS=1"
 COMPILE_TIMEOUT_S = 900
 # The default run's widest head_dim: wider builds of the same code paths (up to 256) take about
 # twice as long each and go to the `compile` pass, keeping the README's test command quick.
@@ -205,24 +211,27 @@ def _head_dim(defines) -> int:
 
 def _code_path(job) -> tuple:
     path, arch, defines = job[:3]
-    return path, arch, tuple(d for d in defines if d.partition("=")[0] not in SIZE_DEFINES)
+    return path, arch, tuple(d for d in defines
+                             if d.partition("=")[0] not in SIZE_DEFINES and d != SUPERSET_DEFINE)
 
 
 def default_run_jobs(jobs) -> set:
     """The NVRTC jobs the default run compiles: for sm_90 and sm_90a, each code path (source,
-    architecture, and the defines outside SIZE_DEFINES) at the widest head_dim up to
-    DEFAULT_RUN_HEAD_DIM it is built for (else the narrowest), in every size built there. The
-    widest takes the most registers and shared memory."""
-    def rank(hd: int) -> tuple:
-        return (hd <= DEFAULT_RUN_HEAD_DIM, hd if hd <= DEFAULT_RUN_HEAD_DIM else -hd)
+    architecture, and the defines outside SIZE_DEFINES, FERRO_MODS aside) at the widest head_dim
+    up to DEFAULT_RUN_HEAD_DIM it is built for (else the narrowest), in every size built there,
+    with softcap, ALiBi and sinks where a variant has them (SUPERSET_DEFINE). The widest takes
+    the most registers and shared memory."""
+    def rank(job) -> tuple:
+        hd = _head_dim(job[2])
+        return (hd <= DEFAULT_RUN_HEAD_DIM, hd if hd <= DEFAULT_RUN_HEAD_DIM else -hd,
+                SUPERSET_DEFINE in job[2])
 
     ours = [job for job in jobs if job[1].startswith(DEFAULT_RUN_ARCH)]
     chosen: dict = {}
     for job in ours:
-        hd = _head_dim(job[2])
-        if _code_path(job) not in chosen or rank(hd) > rank(chosen[_code_path(job)]):
-            chosen[_code_path(job)] = hd
-    return {job[:3] for job in ours if _head_dim(job[2]) == chosen[_code_path(job)]}
+        if _code_path(job) not in chosen or rank(job) > chosen[_code_path(job)]:
+            chosen[_code_path(job)] = rank(job)
+    return {job[:3] for job in ours if rank(job) == chosen[_code_path(job)]}
 
 
 def _kernel_cases():
@@ -404,6 +413,23 @@ def test_default_run_builds_every_source_and_code_path():
         _code_path(job) for job in _NVRTC_JOBS if job[1].startswith(DEFAULT_RUN_ARCH)}
     for case in NVRTC_CASES:  # the rest is what `-m compile` builds
         assert (tuple(case.values) in default) != any(m.name == "compile" for m in case.marks)
+
+
+def test_mods_adds_code_only():
+    """SUPERSET_DEFINE's premise: FERRO_MODS reaches the kernels only as ferro_score.cuh's
+    BuildOptions::MODS, a constant they test in plain `if`s or pass on as a template argument,
+    never in a preprocessor test, an `if constexpr`, a specialization or a type choice, so a
+    FERRO_MODS=1 build compiles every statement of its FERRO_MODS=0 twin."""
+    choosers = re.compile(r"#\s*(el)?if|constexpr\s*\(|template\s*<\s*>|conditional|enable_if")
+    for path in sorted([*CUDA_DIR.glob("*.cu"), *CUDA_DIR.glob("*.cuh")]):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//")[0]
+            if "FERRO_MODS" in code:
+                assert path.name == "ferro_score.cuh" and re.fullmatch(
+                    r"#ifndef FERRO_MODS|#define FERRO_MODS 0|typedef Options<.*> BuildOptions;",
+                    code.strip()), f"{path.name}:{n}: {line}"
+            elif "MODS" in code:
+                assert not choosers.search(code), f"{path.name}:{n} chooses code by MODS: {line}"
 
 
 # Shared-memory limits per block (bytes) and their compute capabilities: sm_86 / sm_89, sm_80,
