@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from compile_cache import (CACHE_ENV, CompileCache, cache_dir, compile_key, nvcc_identity,
+                           nvrtc_identity)
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "ferrocupy" / "cuda"
 ARCHS = ("80", "90")
@@ -90,11 +92,15 @@ def find_nvcc() -> str | None:
     return None
 
 
+def nvcc_options(path: Path, arch: str, defines) -> list:
+    return ["-std=c++17", f"-arch=sm_{arch}", "-cubin", f"-I{CUDA_DIR}", f"-I{path.parent}",
+            *(f"-D{d}" for d in defines)]
+
+
 def compile_nvcc(nvcc: str, path: Path, arch: str, defines, out_dir: Path):
     """Compile `path` to a cubin for sm_`arch`; returns (ok, compiler output)."""
     out = out_dir / f"{path.stem}-sm{arch}-{abs(hash(tuple(defines)))}.cubin"
-    cmd = [nvcc, "-std=c++17", f"-arch=sm_{arch}", "-cubin", f"-I{CUDA_DIR}",
-           f"-I{path.parent}", *(f"-D{d}" for d in defines), "-o", str(out), str(path)]
+    cmd = [nvcc, *nvcc_options(path, arch, defines), "-o", str(out), str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     ok = proc.returncode == 0 and out.is_file() and out.stat().st_size > 0
     return ok, f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
@@ -128,12 +134,18 @@ def _loader_view(path: Path):
         return path.read_text(), ("-std=c++17", f"-I{CUDA_DIR}", f"-I{path.parent}")
 
 
-def compile_nvrtc(nvrtc, path: Path, arch: str, defines):
-    """Compile `path` with NVRTC to a cubin for sm_`arch`, as the loader would (plus the options
-    CuPy's RawModule adds); returns (ok, log)."""
+def nvrtc_inputs(path: Path, arch: str, defines) -> tuple[str, tuple]:
+    """(source, options) of an NVRTC compile: the loader's, plus the options CuPy's RawModule
+    adds."""
     source, base = _loader_view(path)
-    options = (*base, f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space",
-               *(f"-D{d}" for d in defines))
+    return source, (*base, f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space",
+                    *(f"-D{d}" for d in defines))
+
+
+def compile_nvrtc(nvrtc, path: Path, arch: str, defines):
+    """Compile `path` with NVRTC to a cubin for sm_`arch`, as the loader would; returns (ok,
+    log)."""
+    source, options = nvrtc_inputs(path, arch, defines)
     prog = nvrtc.createProgram(source, str(path), (), ())
     try:
         try:
@@ -283,23 +295,65 @@ def _selected_jobs(request, test_name: str) -> list:
     return jobs
 
 
+def _slowest_first(jobs) -> list:
+    """The jobs in the pool's order: the likely slowest first (softcap, ALiBi and sinks compiled
+    in, then the widest head_dim), so that no long compile starts last while the other cores
+    idle."""
+    return sorted(jobs, key=lambda job: (SUPERSET_DEFINE not in job[2], -_head_dim(job[2])))
+
+
 @pytest.fixture(scope="module")
-def nvcc_results(request, nvcc, tmp_path_factory):
+def compile_cache(request):
+    """The record of successful compiles (tests/compile_cache.py); says at the module's end how
+    many compiles it spared."""
+    cache = CompileCache(cache_dir())
+    yield cache
+    if cache.root is None:
+        note = f"compile cache off ({CACHE_ENV}=0): {cache.compiled} kernel compiles"
+    else:
+        note = (f"compile cache {cache.root}: {cache.compiled} kernel compiles, {cache.hits} "
+                f"skipped as compiled before with identical inputs ({CACHE_ENV}=0 compiles all)")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and cache.compiled + cache.hits:
+        reporter.write_line(f"\n{note}")
+
+
+def cached_compile(cache, compiler: str, inputs, compile_one, job):
+    """`compile_one(job)`'s (ok, log), or `cache`'s note where the key of `compiler` and the
+    job's `inputs(*job)` (source, options) compiled before."""
+    source, options = inputs(*job)
+    key = compile_key(compiler, job[0].name, source, options)
+    return cache.compile(key, f"{job[0].name} sm_{job[1]} {' '.join(job[2])}",
+                         lambda: compile_one(job))
+
+
+def _compile_all(request, test_name: str, cache, compiler: str, inputs, compile_one) -> dict:
+    """A future per selected job of `test_name`: its `cached_compile`."""
+    pool = ThreadPoolExecutor(_workers())
+    request.addfinalizer(pool.shutdown)
+    return {job: pool.submit(cached_compile, cache, compiler, inputs, compile_one, job)
+            for job in _slowest_first(_selected_jobs(request, test_name))}
+
+
+@pytest.fixture(scope="module")
+def nvcc_results(request, nvcc, compile_cache, tmp_path_factory):
     """The selected nvcc cases compiled, one compile per core at a time; each test waits for
     its own result, so a failure is reported against its (file, arch, variant)."""
     out_dir = tmp_path_factory.mktemp("nvcc")
-    with ThreadPoolExecutor(_workers()) as pool:
-        yield {job: pool.submit(compile_nvcc, nvcc, *job, out_dir)
-               for job in _selected_jobs(request, "test_kernel_compiles_with_nvcc")}
+    return _compile_all(request, "test_kernel_compiles_with_nvcc", compile_cache,
+                        nvcc_identity(nvcc),
+                        lambda path, arch, defines: (_loader_view(path)[0],
+                                                     nvcc_options(path, arch, defines)),
+                        lambda job: compile_nvcc(nvcc, *job, out_dir))
 
 
 @pytest.fixture(scope="module")
-def nvrtc_results(request):
+def nvrtc_results(request, compile_cache):
     """As `nvcc_results`, through NVRTC (which releases the GIL while it compiles)."""
     nvrtc = load_nvrtc()
-    with ThreadPoolExecutor(_workers()) as pool:
-        yield {job: pool.submit(compile_nvrtc, nvrtc, *job)
-               for job in _selected_jobs(request, "test_kernel_compiles_with_nvrtc")}
+    return _compile_all(request, "test_kernel_compiles_with_nvrtc", compile_cache,
+                        nvrtc_identity(nvrtc), nvrtc_inputs,
+                        lambda job: compile_nvrtc(nvrtc, *job))
 
 
 @pytest.mark.parametrize("path, arch, defines", NVCC_CASES)
@@ -402,6 +456,46 @@ def test_nvrtc_machinery(tiny, arch):
     assert not ok and "undeclared_name" in log
     ok, log = compile_nvrtc(nvrtc, tiny / "greedy.cu", arch, ())
     assert not ok and "shared" in log.lower(), log
+
+
+def test_compile_cache(tiny, tmp_path):
+    """A success is recorded and then skipped while its inputs stay the same; a failure never is;
+    a header's edit or another option compiles again; `-I` folders do not count."""
+    nvrtc = load_nvrtc()
+    cache = CompileCache(tmp_path / "records")
+    compiler = nvrtc_identity(nvrtc)
+    assert "libnvrtc" in compiler  # the library's bytes, not only its version
+
+    def through_cache(name, defines=(), arch="90"):
+        return cached_compile(cache, compiler, nvrtc_inputs,
+                              lambda job: compile_nvrtc(nvrtc, *job), (tiny / name, arch, defines))
+
+    assert through_cache("tiny.cu", ("FERRO_HEAD_DIM=32",))[0] and cache.compiled == 1
+    ok, log = through_cache("tiny.cu", ("FERRO_HEAD_DIM=32",))
+    assert ok and "compiled before" in log and (cache.hits, cache.compiled) == (1, 1)
+    assert len(list((tmp_path / "records").iterdir())) == 1
+    through_cache("tiny.cu", ("FERRO_HEAD_DIM=64",))
+    through_cache("tiny.cu", ("FERRO_HEAD_DIM=32",), arch="80")
+    assert (cache.hits, cache.compiled) == (1, 3)
+    (tiny / "tiny_common.cuh").write_text(TINY_HEADER + "// edited\n")
+    assert through_cache("tiny.cu", ("FERRO_HEAD_DIM=32",))[0] and cache.compiled == 4
+    for _ in range(2):  # failures are compiled, and fail, every time
+        ok, log = through_cache("broken.cu")
+        assert not ok and "undeclared_name" in log
+    assert (cache.hits, cache.compiled) == (1, 6)
+    assert len(list((tmp_path / "records").iterdir())) == 4
+    options = nvrtc_inputs(tiny / "tiny.cu", "90", ())[1]
+    assert compile_key(compiler, "tiny.cu", "x", (*options, "-I/elsewhere")) == \
+        compile_key(compiler, "tiny.cu", "x", options)
+    off = CompileCache(None)
+    assert off.compile("k", "x", lambda: (True, "ran")) == (True, "ran") and off.compiled == 1
+
+
+def test_compile_cache_folder(tmp_path):
+    assert cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "ferrocupy" / "compiled-ok"
+    assert cache_dir({}) == Path.home() / ".cache" / "ferrocupy" / "compiled-ok"
+    assert cache_dir({CACHE_ENV: "0", "XDG_CACHE_HOME": str(tmp_path)}) is None
+    assert cache_dir({CACHE_ENV: "1"}) is not None
 
 
 def test_default_run_builds_every_source_and_code_path():
