@@ -246,6 +246,14 @@ def default_run_jobs(jobs) -> set:
     return {job[:3] for job in ours if rank(job) == chosen[_code_path(job)]}
 
 
+def _slowest_first(jobs) -> list:
+    """The jobs in the pools' (and the cases') order: the likely slowest first (as measured: with
+    softcap, ALiBi and sinks compiled in, then the backward's, then sm_90a's, then the widest
+    head_dim), so that no long compile starts last while the other cores idle."""
+    return sorted(jobs, key=lambda job: (SUPERSET_DEFINE not in job[2], "_bwd" not in job[0].name,
+                                         job[1] != "90a", -_head_dim(job[2])))
+
+
 def _kernel_cases():
     """(nvrtc cases, nvcc cases); all but the default run's NVRTC cases marked `compile`."""
     nvrtc, nvcc = _table_jobs()
@@ -262,8 +270,9 @@ def _kernel_cases():
     cases = (
         [pytest.param(*job[:3], id=job[3],
                       marks=() if job[:3] in in_default_run else pytest.mark.compile)
-         for job in nvrtc],
-        [pytest.param(*job[:3], id=job[3], marks=pytest.mark.compile) for job in nvcc])
+         for job in _slowest_first(nvrtc)],
+        [pytest.param(*job[:3], id=job[3], marks=pytest.mark.compile)
+         for job in _slowest_first(nvcc)])
     for c in cases:
         if not c:
             c.append(pytest.param(None, None, None, id="no-kernels", marks=pytest.mark.skip(
@@ -295,13 +304,6 @@ def _selected_jobs(request, test_name: str) -> list:
     return jobs
 
 
-def _slowest_first(jobs) -> list:
-    """The jobs in the pool's order: the likely slowest first (softcap, ALiBi and sinks compiled
-    in, then the widest head_dim), so that no long compile starts last while the other cores
-    idle."""
-    return sorted(jobs, key=lambda job: (SUPERSET_DEFINE not in job[2], -_head_dim(job[2])))
-
-
 @pytest.fixture(scope="module")
 def compile_cache(request):
     """The record of successful compiles (tests/compile_cache.py); says at the module's end how
@@ -313,9 +315,11 @@ def compile_cache(request):
     else:
         note = (f"compile cache {cache.root}: {cache.compiled} kernel compiles, {cache.hits} "
                 f"skipped as compiled before with identical inputs ({CACHE_ENV}=0 compiles all)")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and cache.compiled + cache.hits:
-        reporter.write_line(f"\n{note}")
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is not None and capture is not None and cache.compiled + cache.hits:
+        with capture.global_and_fixture_disabled():  # else captured as the last test's teardown
+            reporter.write_line(f"\n{note}")
 
 
 def cached_compile(cache, compiler: str, inputs, compile_one, job):
