@@ -1,4 +1,5 @@
-"""pytest setup: the `gpu` marker, a fresh `rng` per test, and `helpers` on the import path.
+"""pytest setup: the `gpu` marker, a fresh `rng` per test, `helpers` on the import path, and the
+kernel compiles (tests/test_compile.py) begun in the background as collection ends.
 
 Every test gets new random inputs; the seed is printed (pytest shows it on failure) and a failure
 can be replayed with FERROCUPY_TEST_SEED=<seed>.
@@ -26,7 +27,28 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a usable CUDA GPU (skipped when there is none)")
 
 
+def _compile_module(item):
+    """tests/test_compile.py's module where `item` is one of its kernel compile cases, else None."""
+    module = getattr(item, "module", None)
+    is_kernel_case = getattr(module, "is_kernel_case", None)
+    return module if is_kernel_case is not None and is_kernel_case(item) else None
+
+
+def pytest_collection_finish(session):
+    """The selected kernel compiles begin now, in the background (tests/test_compile.py's
+    start_compiles)."""
+    if session.config.option.collectonly:
+        return
+    for module in {_compile_module(item) for item in session.items} - {None}:
+        module.start_compiles(session)
+
+
 def pytest_collection_modifyitems(config, items):
+    # The kernel compile cases run last: each waits for its compile, begun as collection ends, so
+    # the compiles use the cores the other tests leave idle until then.
+    kernel_cases = [item for item in items if _compile_module(item)]
+    if kernel_cases:
+        items[:] = [item for item in items if not _compile_module(item)] + kernel_cases
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

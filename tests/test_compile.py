@@ -33,6 +33,7 @@ written to tmp_path, including sources that must fail, so these tests can fail.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -292,11 +293,11 @@ def _workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _selected_jobs(request, test_name: str) -> list:
-    """(path, arch, defines) of this session's selected cases of `test_name`: only those are
-    compiled (`-m`, `-k` and node ids all narrow it)."""
+def _selected_jobs(items, test_name: str) -> list:
+    """(path, arch, defines) of the session's selected cases (`items`) of `test_name`: only those
+    are compiled (`-m`, `-k` and node ids all narrow it)."""
     jobs = []
-    for item in request.session.items:
+    for item in items:
         if getattr(item, "originalname", None) == test_name:
             job = tuple(item.callspec.params[n] for n in ("path", "arch", "defines"))
             if job[0] is not None:
@@ -304,11 +305,16 @@ def _selected_jobs(request, test_name: str) -> list:
     return jobs
 
 
+@functools.lru_cache(maxsize=None)
+def _session_cache() -> CompileCache:
+    return CompileCache(cache_dir())
+
+
 @pytest.fixture(scope="module")
 def compile_cache(request):
     """The record of successful compiles (tests/compile_cache.py); says at the module's end how
     many compiles it spared."""
-    cache = CompileCache(cache_dir())
+    cache = _session_cache()
     yield cache
     if cache.root is None:
         note = f"compile cache off ({CACHE_ENV}=0): {cache.compiled} kernel compiles"
@@ -331,12 +337,40 @@ def cached_compile(cache, compiler: str, inputs, compile_one, job):
                          lambda: compile_one(job))
 
 
-def _compile_all(request, test_name: str, cache, compiler: str, inputs, compile_one) -> dict:
-    """A future per selected job of `test_name`: its `cached_compile`."""
+def _compile_all(add_cleanup, jobs, compiler: str, inputs, compile_one) -> dict:
+    """A future per job: its `cached_compile`, one compile per core at a time. `add_cleanup`
+    takes the pool's shutdown (the compiles not started are dropped: a run cut short does not
+    wait for them)."""
     pool = ThreadPoolExecutor(_workers())
-    request.addfinalizer(pool.shutdown)
-    return {job: pool.submit(cached_compile, cache, compiler, inputs, compile_one, job)
-            for job in _slowest_first(_selected_jobs(request, test_name))}
+    add_cleanup(lambda: pool.shutdown(cancel_futures=True))
+    return {job: pool.submit(cached_compile, _session_cache(), compiler, inputs, compile_one, job)
+            for job in _slowest_first(jobs)}
+
+
+NVRTC_TEST = "test_kernel_compiles_with_nvrtc"
+_STARTED: dict = {}  # NVRTC_TEST: its futures, once start_compiles has begun them
+
+
+def start_compiles(session) -> None:
+    """Begin the session's selected NVRTC compiles in the background. conftest.py calls this as
+    collection ends and runs this module's kernel cases last, so the compiles take the cores the
+    other test files leave idle (those run on one); NVRTC releases the GIL. Where NVRTC cannot
+    load, nothing starts (the fixture then skips, saying why)."""
+    jobs = _selected_jobs(session.items, NVRTC_TEST)
+    if NVRTC_TEST in _STARTED or not jobs:
+        return
+    try:
+        nvrtc = load_nvrtc()
+    except pytest.skip.Exception:
+        return
+    _STARTED[NVRTC_TEST] = _compile_all(session.config.add_cleanup, jobs, nvrtc_identity(nvrtc),
+                                        nvrtc_inputs, lambda job: compile_nvrtc(nvrtc, *job))
+
+
+def is_kernel_case(item) -> bool:
+    """Whether `item` only waits for a compile start_compiles or nvcc_results began (conftest.py
+    runs these last)."""
+    return getattr(item, "originalname", None) in (NVRTC_TEST, "test_kernel_compiles_with_nvcc")
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +378,8 @@ def nvcc_results(request, nvcc, compile_cache, tmp_path_factory):
     """The selected nvcc cases compiled, one compile per core at a time; each test waits for
     its own result, so a failure is reported against its (file, arch, variant)."""
     out_dir = tmp_path_factory.mktemp("nvcc")
-    return _compile_all(request, "test_kernel_compiles_with_nvcc", compile_cache,
+    return _compile_all(request.addfinalizer,
+                        _selected_jobs(request.session.items, "test_kernel_compiles_with_nvcc"),
                         nvcc_identity(nvcc),
                         lambda path, arch, defines: (_loader_view(path)[0],
                                                      nvcc_options(path, arch, defines)),
@@ -353,11 +388,11 @@ def nvcc_results(request, nvcc, compile_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nvrtc_results(request, compile_cache):
-    """As `nvcc_results`, through NVRTC (which releases the GIL while it compiles)."""
-    nvrtc = load_nvrtc()
-    return _compile_all(request, "test_kernel_compiles_with_nvrtc", compile_cache,
-                        nvrtc_identity(nvrtc), nvrtc_inputs,
-                        lambda job: compile_nvrtc(nvrtc, *job))
+    """As `nvcc_results`, through NVRTC (which releases the GIL while it compiles), begun by
+    start_compiles."""
+    load_nvrtc()  # skips, saying why, where it cannot load
+    start_compiles(request.session)  # where conftest.py's hook did not
+    return _STARTED[NVRTC_TEST]
 
 
 @pytest.mark.parametrize("path, arch, defines", NVCC_CASES)
