@@ -22,7 +22,12 @@ Neither needs a GPU: nvcc is a plain program, and NVRTC is a library that CuPy l
 touching the driver (`cupy_backends.cuda.libs.nvrtc`; CuPy's own `compile_using_nvrtc` asks the
 driver for the device's architecture and so fails on a machine with no GPU). Both compile to a
 cubin, so the assembler runs too: register or shared-memory overflows fail here, not at first use.
-Only the selected cases are compiled, one compile per core at a time (NVRTC releases the GIL).
+Only the selected cases are compiled, one compile per core at a time (NVRTC releases the GIL),
+the likely slowest first. The NVRTC compiles begin in the background as collection ends and their
+cases run last (conftest.py), so in the default run they take the core the other tests leave
+idle. A compile that succeeded is recorded outside the clone (tests/compile_cache.py, keyed by the
+compiler, the source with its headers and the options) and skipped by later runs while its inputs
+stay the same; FERROCUPY_COMPILE_CACHE=0 compiles everything. Failures are never recorded.
 
 A `.cu` file may declare the compile-time variants it is built in, in a comment line such as
 `// ferro-variants: FERRO_HEAD_DIM=32,64,96,128`; each listed value is compiled separately (several
