@@ -41,10 +41,12 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import queue
 import re
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -342,14 +344,56 @@ def cached_compile(cache, compiler: str, inputs, compile_one, job):
                          lambda: compile_one(job))
 
 
-def _compile_all(add_cleanup, jobs, compiler: str, inputs, compile_one) -> dict:
-    """A future per job: its `cached_compile`, one compile per core at a time. `add_cleanup`
-    takes the pool's shutdown (the compiles not started are dropped: a run cut short does not
-    wait for them)."""
-    pool = ThreadPoolExecutor(_workers())
-    add_cleanup(lambda: pool.shutdown(cancel_futures=True))
-    return {job: pool.submit(cached_compile, _session_cache(), compiler, inputs, compile_one, job)
-            for job in _slowest_first(jobs)}
+class CompilePool:
+    """Jobs in a queue, each run by whichever of the pool's threads takes it first; `grow` adds
+    threads, so a pool can start on fewer cores than it ends with."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list = []
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def grow(self, threads: int) -> None:
+        while len(self._threads) < threads:
+            self._threads.append(threading.Thread(target=self._work, name="compile"))
+            self._threads[-1].start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                future, fn, args = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the test waiting for it raises it
+                    future.set_exception(e)
+
+    def close(self) -> None:
+        """Drop the jobs not started (a run cut short does not wait for them); join the rest."""
+        while True:
+            try:
+                self._queue.get_nowait()[0].cancel()
+            except queue.Empty:
+                break
+        for thread in self._threads:
+            thread.join()
+
+
+def _compile_all(add_cleanup, jobs, compiler: str, inputs, compile_one, threads: int):
+    """(pool, a future per job: its `cached_compile`), the pool on `threads` threads; `add_cleanup`
+    takes its close."""
+    pool = CompilePool()
+    add_cleanup(pool.close)
+    futures = {job: pool.submit(cached_compile, _session_cache(), compiler, inputs, compile_one,
+                                job) for job in _slowest_first(jobs)}
+    pool.grow(threads)
+    return pool, futures
 
 
 NVRTC_TEST = "test_kernel_compiles_with_nvrtc"
@@ -359,8 +403,9 @@ _STARTED: dict = {}  # NVRTC_TEST: its futures, once start_compiles has begun th
 def start_compiles(session) -> None:
     """Begin the session's selected NVRTC compiles in the background. conftest.py calls this as
     collection ends and runs this module's kernel cases last, so the compiles take the cores the
-    other test files leave idle (those run on one); NVRTC releases the GIL. Where NVRTC cannot
-    load, nothing starts (the fixture then skips, saying why)."""
+    other test files leave idle: all but one (NVRTC releases the GIL; the tests keep a core, so
+    none runs slower), and every core once the kernel cases begin (`nvrtc_results`). Where NVRTC
+    cannot load, nothing starts (the fixture then skips, saying why)."""
     jobs = _selected_jobs(session.items, NVRTC_TEST)
     if NVRTC_TEST in _STARTED or not jobs:
         return
@@ -369,7 +414,8 @@ def start_compiles(session) -> None:
     except pytest.skip.Exception:
         return
     _STARTED[NVRTC_TEST] = _compile_all(session.config.add_cleanup, jobs, nvrtc_identity(nvrtc),
-                                        nvrtc_inputs, lambda job: compile_nvrtc(nvrtc, *job))
+                                        nvrtc_inputs, lambda job: compile_nvrtc(nvrtc, *job),
+                                        max(1, _workers() - 1))
 
 
 def is_kernel_case(item) -> bool:
@@ -388,7 +434,7 @@ def nvcc_results(request, nvcc, compile_cache, tmp_path_factory):
                         nvcc_identity(nvcc),
                         lambda path, arch, defines: (_loader_view(path)[0],
                                                      nvcc_options(path, arch, defines)),
-                        lambda job: compile_nvcc(nvcc, *job, out_dir))
+                        lambda job: compile_nvcc(nvcc, *job, out_dir), _workers())[1]
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +443,9 @@ def nvrtc_results(request, compile_cache):
     start_compiles."""
     load_nvrtc()  # skips, saying why, where it cannot load
     start_compiles(request.session)  # where conftest.py's hook did not
-    return _STARTED[NVRTC_TEST]
+    pool, futures = _STARTED[NVRTC_TEST]
+    pool.grow(_workers())  # the other tests are done: every core
+    return futures
 
 
 @pytest.mark.parametrize("path, arch, defines", NVCC_CASES)
