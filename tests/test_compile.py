@@ -64,6 +64,15 @@ SIZE_DEFINES = frozenset({"FERRO_HEAD_DIM", "FERRO_SMEM_BYTES", "FERRO_BN", "FER
 # `if constexpr` or specialization on it: test_mods_adds_code_only), so its build compiles every
 # statement the twin's does. The default run builds a code path's mods variant alone.
 SUPERSET_DEFINE = "FERRO_MODS=1"
+# FERRO_BF16 (0: float16, 1: bfloat16, absent: float32) chooses, between the two 16-bit types,
+# only the element conversions and the MMA instructions' type suffix, in the three headers of
+# HALF_TWIN_HEADERS (elsewhere the kernels test only whether it is defined:
+# test_half_twins_differ_in_three_headers_only). The default run builds one twin of each code
+# path, float16 for the forward sources (HALF_TWIN_FLOAT16) and bfloat16 for the others, so both
+# branches of each of those headers compile there; the compile pass builds the other twin.
+HALF_TWIN = "FERRO_BF16"
+HALF_TWIN_HEADERS = frozenset({"ferro_convert.cuh", "ferro_mma_f16.cuh", "ferro_wgmma.cuh"})
+HALF_TWIN_FLOAT16 = frozenset({"flash_fwd.cu", "flash_fwd_wgmma.cu"})
 COMPILE_TIMEOUT_S = 900
 # The default run's widest head_dim: wider builds of the same code paths (up to 256) take about
 # twice as long each and go to the `compile` pass, keeping the README's test command quick.
@@ -231,20 +240,28 @@ def _head_dim(defines) -> int:
 
 def _code_path(job) -> tuple:
     path, arch, defines = job[:3]
-    return path, arch, tuple(d for d in defines
+    return path, arch, tuple(HALF_TWIN if d.partition("=")[0] == HALF_TWIN else d for d in defines
                              if d.partition("=")[0] not in SIZE_DEFINES and d != SUPERSET_DEFINE)
+
+
+def _default_twin(job) -> bool:
+    """Whether the job is the 16-bit twin the default run builds (always, for float32)."""
+    path, _, defines = job[:3]
+    want = f"{HALF_TWIN}={0 if path.name in HALF_TWIN_FLOAT16 else 1}"
+    return all(d == want for d in defines if d.partition("=")[0] == HALF_TWIN)
 
 
 def default_run_jobs(jobs) -> set:
     """The NVRTC jobs the default run compiles: for sm_90 and sm_90a, each code path (source,
-    architecture, and the defines outside SIZE_DEFINES, FERRO_MODS aside) at the widest head_dim
-    up to DEFAULT_RUN_HEAD_DIM it is built for (else the narrowest), in every size built there,
-    with softcap, ALiBi and sinks where a variant has them (SUPERSET_DEFINE). The widest takes
-    the most registers and shared memory."""
+    architecture, and the defines outside SIZE_DEFINES, FERRO_MODS aside, the two 16-bit types
+    one) at the widest head_dim up to DEFAULT_RUN_HEAD_DIM it is built for (else the narrowest),
+    in every size built there, with softcap, ALiBi and sinks where a variant has them
+    (SUPERSET_DEFINE), in the 16-bit type HALF_TWIN_FLOAT16 names. The widest takes the most
+    registers and shared memory."""
     def rank(job) -> tuple:
         hd = _head_dim(job[2])
         return (hd <= DEFAULT_RUN_HEAD_DIM, hd if hd <= DEFAULT_RUN_HEAD_DIM else -hd,
-                SUPERSET_DEFINE in job[2])
+                _default_twin(job), SUPERSET_DEFINE in job[2])
 
     ours = [job for job in jobs if job[1].startswith(DEFAULT_RUN_ARCH)]
     chosen: dict = {}
@@ -599,6 +616,39 @@ def test_default_run_builds_every_source_and_code_path():
         _code_path(job) for job in _NVRTC_JOBS if job[1].startswith(DEFAULT_RUN_ARCH)}
     for case in NVRTC_CASES:  # the rest is what `-m compile` builds
         assert (tuple(case.values) in default) != any(m.name == "compile" for m in case.marks)
+
+
+def test_default_run_builds_both_branches_of_the_half_twin_headers():
+    """Of each 16-bit code path the default run builds one twin, and over the run both: float16
+    through the forward sources, bfloat16 through the others, each of which includes the headers
+    that choose between them."""
+    default = default_run_jobs(_NVRTC_JOBS)
+    twins = {d for job in default for d in job[2] if d.partition("=")[0] == HALF_TWIN}
+    assert twins == {f"{HALF_TWIN}=0", f"{HALF_TWIN}=1"}
+    assert all(_default_twin(job) for job in default)
+    float16 = {job[0].name for job in default if f"{HALF_TWIN}=0" in job[2]}
+    assert float16 == HALF_TWIN_FLOAT16
+    for header in ("ferro_mma_f16.cuh", "ferro_wgmma.cuh"):
+        assert any(f'#include "{header}"' in (CUDA_DIR / name).read_text()
+                   for name in HALF_TWIN_FLOAT16), header
+
+
+def test_half_twins_differ_in_three_headers_only():
+    """HALF_TWIN's premise: outside HALF_TWIN_HEADERS the kernels test FERRO_BF16 only for being
+    defined (16-bit or float32), never its value, so the two 16-bit twins of a code path differ
+    only in those headers' conversions and instruction types. (append_kv.cu sets it from its
+    own FERRO_APPEND_DTYPE and is built in every dtype by the default run.)"""
+    presence = re.compile(r"#\s*if(n)?def\s+FERRO_BF16\b|#\s*error\b.*")
+    for path in sorted([*CUDA_DIR.glob("*.cu"), *CUDA_DIR.glob("*.cuh")]):
+        if path.name in HALF_TWIN_HEADERS:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//")[0].strip()
+            if HALF_TWIN not in code:
+                continue
+            assert presence.fullmatch(code) or (
+                path.name == "append_kv.cu" and re.fullmatch(r"#define FERRO_BF16 [01]", code)), \
+                f"{path.name}:{n} tests FERRO_BF16's value: {line}"
 
 
 def test_mods_adds_code_only():
