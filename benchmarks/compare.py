@@ -189,8 +189,10 @@ def main(argv=None) -> int:
     if args.list:
         cases = harness.filter_cases(harness.build_cases(dtypes, args.quick), args.cases)
         for c in cases:
+            issue = 26 if c.issue26 else 25
             mark = ("  [issue-3 floor]" if c.floor else "  [issue-27 gate]" if c.gate else
-                    f"  [issue-25 gate: vs {c.plain_call.id}]" if c.plain_call else "")
+                    f"  [issue-{issue} gate: vs {c.plain_call.id}]" if c.plain_call else
+                    f"  [issue-26 gate: vs {report.DEFAULT_PEER}]" if c.suite == "d256" else "")
             print(f"{c.id}{mark}")
         minutes = estimate_seconds(cases, settings) / 60
         print(f"{len(cases)} cases, dtypes {', '.join(dtypes)}, "
@@ -285,9 +287,9 @@ def main(argv=None) -> int:
         print("\n" + "\n".join(summary))
     if call_rows:
         print("\n" + call_cost.format_table(call_rows))
-    gate25 = report.gate25_lines(rows)     # last: what issue 25's "Done when" reads
-    if gate25:
-        print("\n" + "\n".join(gate25))
+    for gate in (report.gate25_lines(rows), report.gate26_lines(rows)):  # last: what issues
+        if gate:                                                          # 25 and 26 read
+            print("\n" + "\n".join(gate))
     return 1 if wrong else 0
 
 

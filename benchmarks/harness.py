@@ -22,6 +22,28 @@ The additive bias [1, H, S, S] is gated against SDPA with the same bias (forward
 (ferrocupy given the forward's lse, SDPA through autograd with the same attn_mask) is reported,
 not gated.
 
+Issue 26's gate (bfloat16, `issue26_cases`; ferrocupy's own calls beside each other unless said):
+- head_dim 256 ("attn-...-d256-..."), forward and backward (given lse), S 4096 and 16384, causal
+  and not, H8 (hidden 2048), B = 16384 / S: >= GATE26_D256 of torch's default SDPA.
+- varlen ("varlen-..."): VARLEN_LENGTHS, 8 packed sequences of 16384 tokens (cu_seqlens), H16
+  D128, forward and backward, causal and not, >= GATE26_VARLEN of the TFLOP/s of the dense call
+  at their mean length (B8 S2048, "-dense"), the varlen call counted over its real work (the sum
+  of its sequences' FLOPs). The dense call also runs torch's default SDPA, for reference.
+- paged decode ("paged-..."): the decode shapes (DECODE_SHAPES, one query row), the cache as
+  pages of 16 and of 256 keys (block_table: each sequence's blocks a random permutation of the
+  pool), every sequence full (kv_lens), beside the same keys contiguous with kv_lens ("-page0"):
+  paged time <= GATE26_PAGED x contiguous time. Both sides are timed as the kernels' launches
+  alone (as lab/paged_decode_ab.py): ferrocupy's front door reads every index tensor (kv_lens,
+  block_table, cu_seqlens) to the host before launching, a host round trip per call that is
+  not the kernels' (and is a tenth of a small decode); the first call, the one checked, goes
+  through the front door with every check. The varlen cases are timed the same way.
+- softcap (MODS_SOFTCAP), ALiBi (the usual slopes 2^(-8 (h + 1) / H)) and attention sinks
+  (MODS_SINKS), forward and backward (the sinks' backward writes grad_sinks too; its value is
+  not checked: it sums over every batch entry, while the check samples heads), each alone
+  beside the same call without it ("mods-...-plain"), B4 S4096 H16 D128 causal (MODS_SHAPE):
+  >= GATE26_MODS of the plain call's TFLOP/s. The values are chosen so that an option left out
+  moves the answer well past the check's tolerance.
+
 Nothing here imports CuPy or PyTorch at module level: the pure parts (cases, counting, the timing
 logic with injected events) run and are tested on a machine without a GPU.
 """
@@ -71,8 +93,24 @@ WINDOW_SHAPE = (1, 16384, 32, 8, 128, 4096)
 DROPOUT_SHAPE, DROPOUT_P, DROPOUT_SEED = (4, 4096, 16, 128), 0.1, 1234
 KVLENS_SHAPE = (16, 1024, 4096, 16, 128, 3072)
 GQA_SHAPE = (4, 4096, 32, 8, 128)                  # the grid's GQA case (B, S, H, Hkv, D), causal
-# The field each option suite sets (0: its plain call); GQA's plain call has kv_heads = heads.
-OPTION_FIELDS = {"window": "window", "dropout": "dropout", "kvlens": "kv_len"}
+# Issue 26's gate (see the module docstring): head_dim 256 against torch's default SDPA, varlen
+# against the dense call at the mean length (TFLOP/s over real work), paged decode's time against
+# contiguous decode's, softcap / ALiBi / sinks against the plain call (TFLOP/s).
+GATE26_D256, GATE26_VARLEN, GATE26_PAGED, GATE26_MODS = 1.1, 0.9, 1.05, 0.9
+D256_SEQS = (4096, 16384)
+# 8 packed sequences of 16384 tokens, mean 2048, ragged as real documents are (not tile multiples)
+VARLEN_LENGTHS = (500, 4096, 1000, 3100, 1536, 2560, 771, 2821)
+VARLEN_HEADS, VARLEN_DIM = 16, 128
+PAGE_SIZES = (16, 256)
+MODS = ("softcap", "alibi", "sinks")
+MODS_SHAPE = (4, 4096, 16, 128)                    # (B, S, H, D), causal
+MODS_SOFTCAP = 2.0                                 # scores ~N(0, 1): the cap bends them
+MODS_SINKS = (2.0, 6.0)                            # sinks[h] spread evenly over this range
+ISSUE26_SUITES = ("d256", "varlen", "paged", "mods")
+# The field each option suite sets (its type's zero: its plain call); GQA's plain call has
+# kv_heads = heads.
+OPTION_FIELDS = {"window": "window", "dropout": "dropout", "kvlens": "kv_len",
+                 "varlen": "seqlens", "paged": "page_size", "mods": "mod"}
 
 # Relative error ||impl - ref|| / ||ref|| against a float64 reference, per dtype: (forward,
 # backward). These guard against timing a wrong answer; precision itself is the tests' business.
@@ -108,22 +146,31 @@ class Case:
     window: int = 0            # attention: key j visible iff |i + causal_offset - j| < window
     dropout: float = 0.0       # attention: dropout_prob (seed DROPOUT_SEED)
     kv_len: int = 0            # attention: kv_lens of every batch entry (0: no kv_lens)
+    seqlens: tuple = ()        # varlen: the packed sequences' lengths (batch of them, summing
+    #                            to batch * seq_q); () the dense call
+    page_size: int = 0         # paged decode: keys per page (0: a contiguous cache)
+    mod: str = ""              # one of MODS ("" the plain call)
 
     @property
     def id(self) -> str:
         if self.kind == "rope":
             form = f"-{self.rope}" if self.rope else ""
             return f"rope-{self.dtype}-{'x'.join(map(str, self.shape))}{form}"
+        if self.suite == "paged":
+            return (f"paged-{self.dtype}-b{self.batch}-h{self.heads}kv{self.kv_heads}"
+                    f"-d{self.head_dim}-sk{self.seq_k}-page{self.page_size}")
         if self.kind == "decode":
             return (f"decode-{self.dtype}-b{self.batch}-h{self.heads}kv{self.kv_heads}"
                     f"-d{self.head_dim}-sk{self.seq_k}" + (f"-q{self.seq_q}" if self.seq_q > 1 else ""))
         mask = "causal" if self.causal else "noncausal"
-        if self.suite in ("train", "bias", "window", "dropout", "kvlens"):
+        if self.suite in ("train", "bias", "window", "dropout", "kvlens", "varlen", "mods"):
             # direction "step": forward + backward, timed as one; the option last (0: plain)
             heads = f"h{self.heads}" + (f"kv{self.kv_heads}" if self.suite != "bias" else "")
             seq = f"s{self.seq_q}" + (f"-sk{self.seq_k}" if self.seq_k != self.seq_q else "")
             last = {"window": f"-w{self.window}", "dropout": f"-p{self.dropout:g}",
-                    "kvlens": f"-kvlen{self.kv_len}"}.get(self.suite, "")
+                    "kvlens": f"-kvlen{self.kv_len}",
+                    "varlen": "-mixed" if self.seqlens else "-dense",
+                    "mods": f"-{self.mod or 'plain'}"}.get(self.suite, "")
             return (f"{self.suite}-{self.direction}-{self.dtype}-b{self.batch}-{heads}"
                     f"-d{self.head_dim}-{seq}-{mask}{last}")
         heads = f"-h{self.heads}kv{self.kv_heads}" if self.suite == "gqa" else ""
@@ -132,16 +179,21 @@ class Case:
 
     @property
     def plain_call(self) -> "Case | None":
-        """Issue 25's option gate: this case without its option (window 0, dropout 0, no
-        kv_lens, or GQA's kv_heads = heads; the same shape), whose ferrocupy TFLOP/s this case
-        is held to. None for a plain call, any other case, and GQA outside GATE25_GQA_DTYPES."""
-        if self.kind != "attn":
-            return None
+        """Issue 25's and 26's option gates: this case without its option (window 0, dropout
+        0, no kv_lens, GQA's kv_heads = heads; issue 26's dense call, contiguous cache, no
+        softcap/ALiBi/sinks; the same shape), whose ferrocupy throughput this case is held to.
+        None for a plain call, any other case, and GQA outside GATE25_GQA_DTYPES."""
         if self.suite == "gqa":
             gated = self.kv_heads != self.heads and self.dtype in GATE25_GQA_DTYPES
             return replace(self, kv_heads=self.heads) if gated else None
         name = OPTION_FIELDS.get(self.suite)
-        return replace(self, **{name: 0}) if name and getattr(self, name) else None
+        value = getattr(self, name) if name else None
+        return replace(self, **{name: type(value)()}) if value else None
+
+    @property
+    def issue26(self) -> bool:
+        """One of issue 26's cases (a gated one or a plain call beside one)."""
+        return self.suite in ISSUE26_SUITES
 
     @property
     def gate(self) -> bool:
@@ -165,6 +217,9 @@ class Case:
     def flops(self) -> int:
         if self.kind == "rope":
             return 0
+        if self.seqlens:                        # the real work: each sequence's own
+            return sum(attention_flops(1, self.heads, n, n, self.head_dim, self.causal,
+                                       self.direction) for n in self.seqlens)
         if self.suite in ("window", "kvlens"):  # the option and its plain call alike: the
             keys = self.kv_len or self.seq_k      # visible pairs (kv_lens: rows sit kv_len -
             shift = keys - self.seq_k             # seq_k positions earlier)
@@ -263,6 +318,7 @@ def build_cases(dtypes=("float32",), quick: bool = False) -> list[Case]:
                               suite="decode"))
         if not quick and dt == "bfloat16":
             cases.extend(issue25_cases(dt))
+            cases.extend(issue26_cases(dt))
         cases.append(Case("rope", dt, shape=ROPE_SHAPE, suite="rope"))
         cases.extend(Case("rope", dt, shape=ROPE_SHAPE, suite="rope", rope=form)
                      for form in ROPE_FORMS)
@@ -293,6 +349,39 @@ def issue25_cases(dt: str) -> list[Case]:
     cases.extend(Case("attn", dt, b, s, s, h, h, d, True, direction=direction, suite="gqa")
                  for direction in ("fwd", "bwd"))
     return cases
+
+
+def issue26_cases(dt: str) -> list[Case]:
+    """head_dim 256 against SDPA; varlen beside the dense call at its mean length; paged decode
+    beside contiguous decode; softcap, ALiBi and sinks beside the plain call (module docstring)."""
+    d = 256
+    cases = [Case("attn", dt, TOKENS // s, s, s, HIDDEN // d, HIDDEN // d, d, causal,
+                  direction=direction, suite="d256")
+             for direction in ("fwd", "bwd") for causal in (False, True) for s in D256_SEQS]
+    n, h, d = len(VARLEN_LENGTHS), VARLEN_HEADS, VARLEN_DIM
+    mean = sum(VARLEN_LENGTHS) // n
+    cases.extend(Case("attn", dt, n, mean, mean, h, h, d, causal, direction=direction,
+                      suite="varlen", seqlens=lens)
+                 for direction in ("fwd", "bwd") for causal in (True, False)
+                 for lens in (VARLEN_LENGTHS, ()))
+    cases.extend(Case("decode", dt, batch, 1, keys, 32, 8, 128, True, keys - 1, suite="paged",
+                      kv_len=keys, page_size=page)
+                 for batch, keys in DECODE_SHAPES for page in PAGE_SIZES + (0,))
+    b, s, h, d = MODS_SHAPE
+    cases.extend(Case("attn", dt, b, s, s, h, h, d, True, direction=direction, suite="mods",
+                      mod=mod) for direction in ("fwd", "bwd") for mod in MODS + ("",))
+    return cases
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's slopes for `heads` heads (a power of two): 2^(-8 (h + 1) / heads)."""
+    return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
+
+
+def sink_logits(heads: int) -> list[float]:
+    """The sinks' logits: MODS_SINKS's range spread evenly over the heads."""
+    lo, hi = MODS_SINKS
+    return [lo + (hi - lo) * h / max(1, heads - 1) for h in range(heads)]
 
 
 def filter_cases(cases, patterns) -> list[Case]:

@@ -34,11 +34,14 @@ class WrongAnswer(Exception):
 def implementations(case) -> list[str]:
     if case.kind == "rope":
         return ["ferrocupy", "torch-eager"]
-    if case.suite in ("dropout", "kvlens"):   # no peer draws ferrocupy's dropout mask or takes
-        return ["ferrocupy"]                   # a causal_offset: ferrocupy against its plain call
+    if case.suite in ("dropout", "kvlens", "paged", "mods"):  # no peer draws ferrocupy's
+        return ["ferrocupy"]    # dropout mask, takes a causal_offset or a paged cache, or is
+    #                             timed beside issue 26's options: ferrocupy vs its plain call
+    if case.suite == "varlen":  # the dense call at the mean length: SDPA too, for reference
+        return ["ferrocupy"] + ([] if case.seqlens else ["torch-sdpa-default"])
     torch = [f"torch-{b}" for b in TORCH_BACKENDS]
     gqa_plain = case.suite == "gqa" and case.kv_heads == case.heads   # issue 25's plain call
-    if case.suite in ("train", "bias", "window") or gqa_plain:   # no math: it would time a
+    if case.suite in ("train", "bias", "window", "d256") or gqa_plain:  # no math: it times a
         torch = [n for n in torch if n != "torch-math"]          # score matrix
     if case.suite in ("bias", "window"):
         torch.append("torch-flex")
@@ -151,6 +154,20 @@ def head(x, layout: str, b: int, h: int | None):
     return x[b].transpose(0, 1) if _is_torch(x) else x[b].transpose(1, 0, 2)
 
 
+def seq_head(case, x, layout: str, b: int, h: int):
+    """[S, D] of sequence b, head h: batch entry b, or a varlen case's packed sequence b (x
+    [1, total, H, D])."""
+    if not case.seqlens:
+        return head(x, layout, b, h)
+    cu = cu_seqlens(case)
+    return head(x, layout, 0, h)[int(cu[b]):int(cu[b + 1])]
+
+
+def cu_seqlens(case) -> np.ndarray:
+    """A varlen case's int32 [N + 1] sequence starts (host)."""
+    return np.concatenate([[0], np.cumsum(case.seqlens)]).astype(np.int32)
+
+
 def _empty_like(x):
     return _torch().empty_like(x) if _is_torch(x) else _cp().empty_like(x)
 
@@ -172,8 +189,10 @@ class CaseRun:
         if case.kind == "rope":
             shapes = {"x": case.shape}
         else:
-            q = (case.batch, case.seq_q, case.heads, case.head_dim)
-            kv = (case.batch, case.seq_k, case.kv_heads, case.head_dim)
+            rows = (1, sum(case.seqlens)) if case.seqlens else (case.batch, case.seq_q)
+            q = (*rows, case.heads, case.head_dim)
+            kv = (*rows[:1], case.seq_k if not case.seqlens else rows[1], case.kv_heads,
+                  case.head_dim)
             shapes = {"q": q, "k": kv, "v": kv}
             if case.direction != "fwd":
                 shapes["do"] = q
@@ -184,6 +203,15 @@ class CaseRun:
                                             dtype=cp.float32), case.dtype)
             for st in self.sets:
                 st["bias"] = bias
+        extra = {}                 # issue 26's per-call inputs, shared by the input sets
+        if case.seqlens:
+            extra["cu_seqlens"] = cp.asarray(cu_seqlens(case))
+        if case.mod == "alibi":
+            extra["alibi_slopes"] = cp.asarray(harness.alibi_slopes(case.heads), dtype=np.float32)
+        if case.mod == "sinks":
+            extra["sinks"] = cp.asarray(harness.sink_logits(case.heads), dtype=np.float32)
+        for st in self.sets:
+            st.update(extra)
         if case.kv_len:            # a KV cache: its slots past kv_lens hold NaN, read by no kernel
             for st in self.sets:
                 for name in ("k", "v"):
@@ -220,7 +248,7 @@ class CaseRun:
             arr, layout = outs[name]
             num = den = 0.0
             for (b, h), ref in per_head.items():
-                got = to_f64(head(arr, layout, b, h))
+                got = to_f64(seq_head(self.case, arr, layout, b, h))
                 num += float(((got - ref) ** 2).sum())
                 den += float((ref**2).sum())
             err = math.sqrt(num / den) if den else (0.0 if num == 0 else math.inf)
@@ -254,8 +282,10 @@ def _samples(case):
 
 def attention_reference(case, s) -> dict:
     """float64 forward (and backward; both for a training step) of the sampled heads, with the
-    case's bias, window, kv_lens (the keys past it left out) and dropout (SPEC's Philox mask,
-    ferrocupy.reference's); rows in chunks to bound memory."""
+    case's bias, window, kv_lens (the keys past it left out), dropout (SPEC's Philox mask,
+    ferrocupy.reference's), softcap, ALiBi and sinks (SPEC's order: softcap, then ALiBi, then
+    the mask; a sink joins each row's denominator), each varlen sequence on its own; rows in
+    chunks to bound memory."""
     from ferrocupy.reference import dropout_keep, dropout_scale
 
     cp = _cp()
@@ -264,32 +294,46 @@ def attention_reference(case, s) -> dict:
     bwd = case.direction != "fwd"
     names = {"fwd": ("out",), "bwd": ("dq", "dk", "dv"), "step": ("out", "dq", "dk", "dv")}
     res = {n: {} for n in names[case.direction]}
-    chunk = max(1, (32 << 20) // max(case.seq_k, 1))
-    n_keys = case.kv_len or case.seq_k          # kv_lens: rows sit kv_len - seq_k earlier
-    offset = case.causal_offset + n_keys - case.seq_k
-    cols = cp.arange(n_keys)[None, :]
     drop = {"heads": case.heads, "seed": harness.DROPOUT_SEED, "dropout_prob": case.dropout}
+    cap = harness.MODS_SOFTCAP if case.mod == "softcap" else 0.0
+    slopes, sinks = (np.asarray(to_f64(s[n])).tolist() if n in s else None
+                     for n in ("alibi_slopes", "sinks"))
     for b, g in _samples(case):
-        k, v = (to_f64(head(s[n], "bshd", b, g))[:n_keys] for n in ("k", "v"))
+        k, v = (to_f64(seq_head(case, s[n], "bshd", b, g)) for n in ("k", "v"))
+        seq_k = k.shape[0]
+        n_keys = case.kv_len or seq_k           # kv_lens: rows sit kv_len - seq_k earlier
+        k, v = k[:n_keys], v[:n_keys]
+        offset = case.causal_offset + n_keys - seq_k
+        cols = cp.arange(n_keys)[None, :]
+        chunk = max(1, (32 << 20) // max(n_keys, 1))
         dk, dv = cp.zeros_like(k), cp.zeros_like(v)
         for h in range(g * group, (g + 1) * group):
-            q = to_f64(head(s["q"], "bshd", b, h))
-            do = to_f64(head(s["do"], "bshd", b, h)) if bwd else None
+            q = to_f64(seq_head(case, s["q"], "bshd", b, h))
+            do = to_f64(seq_head(case, s["do"], "bshd", b, h)) if bwd else None
             bias = to_f64(head(s["bias"], "bhsd", 0, h)) if "bias" in s else None
             outs, dqs = [], []
-            for i0 in range(0, case.seq_q, chunk):
+            for i0 in range(0, q.shape[0], chunk):
                 qc = q[i0:i0 + chunk]
                 sc = scale * (qc @ k.T)
+                if cap:
+                    tanh = cp.tanh(sc / cap)
+                    sc = cap * tanh
+                rows = cp.arange(i0, i0 + qc.shape[0])[:, None] + offset
+                if slopes is not None:
+                    sc = sc - slopes[h] * cp.abs(rows - cols)
                 if bias is not None:
                     sc = sc + bias[i0:i0 + chunk]
-                rows = cp.arange(i0, i0 + qc.shape[0])[:, None] + offset
                 if case.causal:
                     sc = cp.where(cols <= rows, sc, -cp.inf)
                 if case.window:
                     sc = cp.where(cp.abs(rows - cols) < case.window, sc, -cp.inf)
                 m = sc.max(axis=1, keepdims=True)
+                if sinks is not None:
+                    m = cp.maximum(m, sinks[h])
                 p = cp.exp(sc - cp.where(cp.isfinite(m), m, 0.0))
                 lsum = p.sum(axis=1, keepdims=True)
+                if sinks is not None:
+                    lsum = lsum + cp.exp(sinks[h] - m)
                 p = cp.where(lsum > 0, p / cp.where(lsum > 0, lsum, 1.0), 0.0)
                 kept = p                        # P' = P * keep / (1 - p) multiplies V
                 if case.dropout:
@@ -304,6 +348,8 @@ def attention_reference(case, s) -> dict:
                     dp = dc @ v.T                   # dP', then dP = dP' * keep / (1 - p)
                     dp = dp * factor if case.dropout else dp
                     ds = p * (dp - (dc * o).sum(axis=1, keepdims=True))
+                    if cap:                         # through the cap: 1 - tanh^2
+                        ds = ds * (1.0 - tanh**2)
                     dqs.append(scale * (ds @ k))
                     dk += scale * (ds.T @ qc)
                     dv += kept.T @ dc
@@ -391,7 +437,7 @@ def prepare_ferrocupy(case, sets, positions=None) -> Prepared:
         raise Unsupported(f"not supported yet ({case.dtype}; the CUDA engine takes "
                           f"{', '.join(takes)})")
     t = UnifiedTensor
-    runs, outs = [], []
+    runs, outs, front = [], [], None     # front: the checked call (else runs[0])
     if case.kind == "rope" and not case.rope:
         for st in sets:
             x = t(to_cupy(st["x"]).copy())        # in place: its own copy
@@ -408,37 +454,114 @@ def prepare_ferrocupy(case, sets, positions=None) -> Prepared:
     else:
         opts = AttentionOptions(causal=case.causal, causal_offset=case.causal_offset,
                                 window=case.window, dropout_prob=case.dropout,
-                                seed=harness.DROPOUT_SEED if case.dropout else 0)
-        kv_lens = (t(_cp().full((case.batch,), case.kv_len, dtype=np.int32)) if case.kv_len
-                   else None)
-        for st in sets:
-            q, k, v = (t(to_cupy(st[n])) for n in ("q", "k", "v"))
-            out = t(_empty_like(q.buffer()))
-            mask = t(to_cupy(st["bias"])) if "bias" in st else None
-            if case.direction == "fwd":
-                runs.append(lambda q=q, k=k, v=v, o=out, m=mask:
-                            eng.flash_attention_v2_with(q, k, v, o, opts, m, kv_lens=kv_lens))
-                outs.append({"out": (out.buffer(), "bshd")})
-                continue
-            # As a training step: the forward writes out and its float32 log-sum-exp, and the
-            # backward is given both (so it does not recompute the LSE), with the forward's
-            # options and mask. Only the backward is timed, as with torch, whose autograd graph
-            # keeps its forward's LSE.
-            lse = t(_cp().empty((case.batch, case.heads, case.seq_q), dtype=np.float32))
-            eng.flash_attention_v2_with(q, k, v, out, opts, mask, lse=lse)
-            do = t(to_cupy(st["do"]))
-            g = [t(_empty_like(x.buffer())) for x in (q, k, v)]
-            runs.append(lambda q=q, k=k, v=v, o=out, do=do, g=g, m=mask, lse=lse:
-                        eng.flash_attention_v2_backward_with(q, k, v, o, do, *g, opts, m,
-                                                             lse=lse))
-            outs.append({n: (x.buffer(), "bshd") for n, x in zip(("dq", "dk", "dv"), g)})
+                                seed=harness.DROPOUT_SEED if case.dropout else 0,
+                                softcap=harness.MODS_SOFTCAP if case.mod == "softcap" else 0.0)
+        calls = [_attention_calls(eng, case, st, opts) for st in sets]
+        runs = [run for _, run, _ in calls]
+        outs = [out for _, _, out in calls]
+        front = calls[0][0]
 
     def check():
         for arr, _ in outs[0].values():
             if case.kind != "rope" or case.rope:  # an output, not the in-place input
                 _poison(arr)
-        runs[0]()
+        (front or runs[0])()
         _cp().cuda.Device().synchronize()
         return outs[0]
 
     return Prepared("ferrocupy", _ferro_stream(eng), runs, check)
+
+
+def _attention_calls(eng, case, st, opts):
+    """(front, run, outputs) of input set `st`: `front()` the call through ferrocupy's front door
+    (every check), `run()` the call timed: the same, or its launches alone where the call carries
+    index tensors (kv_lens, cu_seqlens, block_table: harness's docstring says why); `outputs`
+    {name: (array, layout)}. A varlen case's [1, total, H, D] inputs go in as [total, H, D]."""
+    from ferrocupy import UnifiedTensor as t
+
+    cp = _cp()
+    packed = (lambda x: x[0]) if case.seqlens else (lambda x: x)
+    full = {n: to_cupy(st[n]) for n in ("q", "k", "v", "do") if n in st}
+    q, k, v = (t(packed(full[n])) for n in ("q", "k", "v"))
+    out_full = _empty_like(full["q"])
+    out = t(packed(out_full))
+    mask = t(to_cupy(st["bias"])) if "bias" in st else None
+    named, scalars = {}, {}
+    if case.kv_len:
+        named["kv_lens"] = t(cp.full((case.batch,), case.kv_len, dtype=np.int32))
+    if case.page_size:
+        k, v, named["block_table"] = paged_cache(case, k, v)
+    named.update((n, t(st[n])) for n in ("alibi_slopes", "sinks") if n in st)
+    if case.seqlens:
+        named["cu_seqlens_q"] = named["cu_seqlens_k"] = t(st["cu_seqlens"])
+        scalars = {"max_seqlen_q": max(case.seqlens), "max_seqlen_k": max(case.seqlens)}
+    indexed = any(n in named for n in ("kv_lens", "block_table", "cu_seqlens_q"))
+    if case.direction == "fwd":
+        def front():
+            eng.flash_attention_v2_with(q, k, v, out, opts, mask, **named, **scalars)
+
+        plan = indexed and eng.plan_attention(q, k, v, out, opts, mask, **named, **scalars)
+        run = _launches(eng, plan, dict(q=q, k=k, v=v, out=out, mask=mask, **named)) \
+            if indexed else front
+        return front, run, {"out": (out_full, "bshd")}
+    # As a training step: the forward writes out and its float32 log-sum-exp, and the backward
+    # is given both (so it does not recompute the LSE), with the forward's options, mask and
+    # issue 26's inputs (the sinks' backward writes grad_sinks). Only the backward is timed, as
+    # with torch, whose autograd graph keeps its forward's LSE.
+    rows = (case.heads, sum(case.seqlens)) if case.seqlens else (case.batch, case.heads,
+                                                                 case.seq_q)
+    named["lse"] = t(cp.empty(rows, dtype=np.float32))
+    eng.flash_attention_v2_with(q, k, v, out, opts, mask, **named, **scalars)
+    do = t(packed(full["do"]))
+    grads_full = [_empty_like(full[n]) for n in ("q", "k", "v")]
+    g = [t(packed(x)) for x in grads_full]
+    if "sinks" in named:
+        named["grad_sinks"] = t(cp.empty((case.heads,), dtype=np.float32))
+
+    def front():
+        eng.flash_attention_v2_backward_with(q, k, v, out, do, *g, opts, mask, **named,
+                                             **scalars)
+
+    tensors = dict(q=q, k=k, v=v, out=out, grad_out=do, grad_q=g[0], grad_k=g[1], grad_v=g[2],
+                   mask=mask, **named)
+    run = _launches(eng, eng.plan_attention_backward(q, k, v, out, do, *g, opts, mask, **named,
+                                                     **scalars), tensors) if indexed else front
+    return front, run, dict(zip(("dq", "dk", "dv"), ((x, "bshd") for x in grads_full)))
+
+
+def _launches(eng, plan, tensors: dict):
+    """A call running `plan`'s kernels alone on `tensors` (plan argument name -> UnifiedTensor or
+    None) on the engine's stream, as lab/paged_decode_ab.py: the front door's per-call checks
+    (index tensors read to the host: a round trip) stay out. On the reference backend, which
+    has no launches, `plan.run`."""
+    backend = eng.backend
+    if backend.name != "cuda":
+        return lambda: plan.run(**tensors)
+    ptrs = dict.fromkeys(plan.names, 0)
+    ptrs.update((n, x.buffer().data.ptr) for n, x in tensors.items() if x is not None)
+    launch = backend.plan(plan.op, plan.specs, plan.params, plan.layout, ptrs, plan.extras)
+    stream = _ferro_stream(eng)
+    stream = int(getattr(stream, "ptr", stream))
+    return lambda: backend.run_plan(launch, ptrs, stream)
+
+
+def paged_cache(case, k, v, seed: int = 0):
+    """k, v ([B, Sk, Hkv, D] UnifiedTensors) as pools of pages of `case.page_size` keys, [B * Sk
+    / page, page, Hkv, D], with the int32 block table [B, Sk / page]: the pool's blocks in a
+    random order, as an allocator that has run a while leaves them."""
+    from ferrocupy import UnifiedTensor as t
+
+    cp = _cp()
+    per = case.seq_k // case.page_size
+    order = np.random.default_rng(seed).permutation(case.batch * per).astype(np.int32)
+    where = cp.asarray(order)
+    pools = []
+    for x in (k, v):
+        a = x.buffer()
+        pool = cp.empty((len(order), case.page_size) + tuple(a.shape[2:]), dtype=a.dtype)
+        bits = np.dtype(f"int{8 * a.dtype.itemsize}")  # (a copy any dtype takes: bfloat16's)
+        pool.view(bits)[where] = a.view(bits).reshape(pool.shape)
+        pools.append(t(pool))
+    return pools[0], pools[1], t(cp.asarray(order.reshape(case.batch, per)))
+
+

@@ -236,18 +236,8 @@ def gate25_lines(rows: list[dict]) -> list[str]:
               for r in rows if r.get("suite") == "train"]
     lines += [_vs_default(r, h.GATE25_BIAS, " with the same bias")
               for r in rows if r.get("suite") == "bias" and r.get("direction") == "fwd"]
-    need = h.GATE25_OPTION
-    for r in rows:
-        if not r.get("plain"):
-            continue
-        plain = next((p for p in rows if p["case"] == r["plain"]), None)
-        if plain is None or not (r.get("ferro_thr") and plain.get("ferro_thr")):
-            lines.append(f"  {r['case']}: no ratio (ferrocupy has no number here or on the "
-                         f"plain call), need >= {need:.2f}: FAIL")
-            continue
-        x = r["ferro_thr"] / plain["ferro_thr"]
-        lines.append(f"  {r['case']}: {x:.2f}x the plain call's TFLOP/s ({plain['case']}; "
-                     f"visible keys), need >= {need:.2f}: {_verdict(x >= need)}")
+    lines += [_vs_plain(r, rows, h.GATE25_OPTION, "TFLOP/s", "; visible keys")
+              for r in rows if r.get("plain") and r.get("suite") not in h.ISSUE26_SUITES]
     if not lines:
         return []
     passed = sum(line.endswith(": PASS") for line in lines)
@@ -256,6 +246,45 @@ def gate25_lines(rows: list[dict]) -> list[str]:
             f"{h.GATE25_BWD[0]}x and >= {h.GATE25_BWD[1]}x, training step >= {h.GATE25_TRAIN}x, "
             f"bias >= {h.GATE25_BIAS}x; window, dropout, kv_lens and GQA >= "
             f"{h.GATE25_OPTION}x their plain calls):")
+    return [head] + lines + [f"  {passed} of {len(lines)} lines PASS"]
+
+
+def _vs_plain(r: dict, rows: list[dict], need: float, what: str, counted: str = "") -> str:
+    """'CASE: R x the plain call's WHAT (PLAIN), need >= N: PASS/FAIL': ferrocupy's throughput
+    over its own on the plain call (`r["plain"]`); with what "time", the plain call's
+    throughput over this one's (the same work: the time ratio), need <= N."""
+    plain = next((p for p in rows if p["case"] == r["plain"]), None)
+    rel = "<=" if what == "time" else ">="
+    if plain is None or not (r.get("ferro_thr") and plain.get("ferro_thr")):
+        return (f"  {r['case']}: no ratio (ferrocupy has no number here or on the plain call), "
+                f"need {rel} {need:.2f}: FAIL")
+    x = r["ferro_thr"] / plain["ferro_thr"]
+    if what == "time":
+        x = 1 / x
+    ok = x <= need if what == "time" else x >= need
+    return (f"  {r['case']}: {x:.2f}x the plain call's {what} ({plain['case']}{counted}), "
+            f"need {rel} {need:.2f}: {_verdict(ok)}")
+
+
+def gate26_lines(rows: list[dict]) -> list[str]:
+    """Issue 26's gate on the rows present (harness.GATE26_*, the cases of
+    harness.issue26_cases): a heading, one PASS/FAIL line each, then how many passed. head_dim
+    256 against torch's default SDPA; varlen, paged decode, softcap, ALiBi and sinks against
+    their plain calls (ferrocupy's dense call at the mean length, contiguous decode, the call
+    without the option). Empty when no row is one of the gate's."""
+    h = harness
+    lines = [_vs_default(r, h.GATE26_D256) for r in rows if r.get("suite") == "d256"]
+    needs = {"varlen": (h.GATE26_VARLEN, "TFLOP/s", "; real work"),
+             "paged": (h.GATE26_PAGED, "time", ""), "mods": (h.GATE26_MODS, "TFLOP/s", "")}
+    lines += [_vs_plain(r, rows, *needs[r["suite"]]) for r in rows
+              if r.get("plain") and r.get("suite") in needs]
+    if not lines:
+        return []
+    passed = sum(line.endswith(": PASS") for line in lines)
+    head = (f"issue-26 gate (ferrocupy, same run; head_dim 256 >= {h.GATE26_D256}x torch's "
+            f"default SDPA; varlen >= {h.GATE26_VARLEN}x the dense call's TFLOP/s at the mean "
+            f"length; paged decode time <= {h.GATE26_PAGED}x contiguous decode's; softcap, "
+            f"ALiBi and sinks >= {h.GATE26_MODS}x the plain call's TFLOP/s):")
     return [head] + lines + [f"  {passed} of {len(lines)} lines PASS"]
 
 

@@ -52,8 +52,11 @@ def test_case_list_sizes():
     # grid, GQA, decode (3 at one row a head, 1 at four), RoPE (+ the floor) and its 4 forms
     assert len(build_cases(["float32"])) == 48 + 2 + 4 + 2 + 4
     # issue 25's bfloat16 cases: 3 training steps, the bias (fwd, bwd), the window and dropout
-    # (fwd, bwd) and kv_lens each beside its plain call, GQA's plain calls (fwd, bwd)
-    assert len(build_cases(harness.DTYPES)) == 3 * (48 + 2 + 4 + 1 + 4) + 1 + 3 + 2 + 2 + 4 + 2 + 2
+    # (fwd, bwd) and kv_lens each beside its plain call, GQA's plain calls (fwd, bwd); issue 26's
+    # (bfloat16): head_dim 256 (8), varlen and its dense calls (8), paged decode at 2 page sizes
+    # and contiguous (3 shapes x 3), 3 model options and the plain call (fwd, bwd)
+    assert len(build_cases(harness.DTYPES)) == (3 * (48 + 2 + 4 + 1 + 4) + 1 + 3 + 2 + 2 + 4
+                                                + 2 + 2 + 8 + 8 + 9 + 8)
     assert len(build_cases(["float32"], quick=True)) == 8 + 1 + 2 + 4
     assert len(build_cases(harness.DTYPES, quick=True)) == 3 * (8 + 1 + 1 + 4) + 1
     assert not [c for c in build_cases(["bfloat16", "float16"]) if c.floor]
@@ -324,8 +327,9 @@ def test_compare_list_dtypes(capsys):
     assert "attn-bwd-bfloat16-d128-s4096-causal" in out and "float32" not in out
     assert compare.main(["--list", "--dtype", "bf16,fp16", "--cases", "s1024-,s4096-,s16384-"]) == 0
     ids = [line for line in capsys.readouterr().out.splitlines() if line.startswith("attn-")]
-    # the half-precision attention cases: D64/D128, S 1k/4k/16k, causal or not, fwd and bwd
-    assert len(ids) == 2 * 2 * 3 * 2 * 2
+    # the half-precision attention cases: D64/D128, S 1k/4k/16k, causal or not, fwd and bwd;
+    # issue 26's head_dim 256 (bfloat16, S 4k/16k)
+    assert len(ids) == 2 * 2 * 3 * 2 * 2 + 2 * 2 * 2
     assert {i.split("-")[4] for i in ids} == {"s1024", "s4096", "s16384"}
     assert compare.main(["--list", "--dtype", "float64"]) == 2
     assert compare.main(["--list", "--dtype", ","]) == 2

@@ -127,7 +127,8 @@ def test_option_cases_pair_with_their_plain_calls():
     """Every option case of the full set names its plain call, which is in the set: the same
     shape, dtype and direction without the option. GQA outside bfloat16 is not gated."""
     full = {c.id: c for c in harness.build_cases(harness.DTYPES)}
-    assert {i: c.plain_call.id for i, c in full.items() if c.plain_call} == OPTION_PAIRS
+    assert {i: c.plain_call.id for i, c in full.items()
+            if c.plain_call and not c.issue26} == OPTION_PAIRS
     same = ("kind", "dtype", "batch", "seq_q", "seq_k", "heads", "head_dim", "causal",
             "causal_offset", "direction", "suite")
     for opt, plain in OPTION_PAIRS.items():
