@@ -32,6 +32,17 @@ per line, for the cases that ran:
     python benchmarks/compare.py --dtype bf16,fp16 \
         --cases s1024-,s4096-,s16384-,train-,bias-,window-,dropout-,kvlens-,gqa-
 
+(that subset also picks up issue 26's head_dim 256 and model-option cases, whose ids hold
+"s4096-" or "s16384-"). The full set adds issue 26's bfloat16 cases too (harness's docstring has
+the shapes): head_dim 256 ("attn-...-d256-...", against sdpa-default), varlen ("varlen-...-mixed":
+8 packed sequences of mixed lengths, 16384 tokens, beside "-dense", the dense call at their mean
+length; TFLOP/s over the real work), paged decode ("paged-...-page16", "-page256" beside
+"-page0", the same keys contiguous: time against time) and softcap, ALiBi and sinks
+("mods-...-softcap", "-alibi", "-sinks" beside "-plain"), forward and backward. Their gate,
+printed last, PASS/FAIL per line (bfloat16 only; about a minute of cases on an H100):
+
+    python benchmarks/compare.py --dtype bf16 --cases d256-,varlen-,paged-,mods-
+
 Prints a header (date, GPU, driver, CUDA, CuPy, torch, cuDNN), measures the ceilings (device copy
 bandwidth, a large matmul per dtype), then every case: each implementation's first output is
 checked against a float64 reference and only a right answer is timed (median of CUDA-event timed
