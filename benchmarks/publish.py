@@ -145,7 +145,15 @@ def results_page(runs: list[Run]) -> str:
            "attention sweep is D64 and D128, S 512 to 16384 at 16384 tokens a batch and hidden "
            "2048 (B = 16384 / S, H = 2048 / D). Decode counts the bytes of K and V, RoPE the "
            "bytes read and written; `%ceil` is throughput over the ceiling measured in the same "
-           "run (a large matmul, or copy bandwidth).", ""]
+           "run (a large matmul, or copy bandwidth). Issue 26's gate runs in bfloat16 with "
+           "`python benchmarks/compare.py --dtype bf16 --cases d256-,varlen-,paged-,mods-`: "
+           "head_dim 256 against `sdpa-default`; 8 packed sequences of mixed lengths (16384 "
+           "tokens, varlen) against ferrocupy's dense call at their mean length, in TFLOP/s "
+           "over the sequences' own work; paged decode (pages of 16 and 256 keys, scattered) "
+           "against the same keys contiguous, in time; softcap, ALiBi and sinks against the "
+           "call without them. The calls with index tensors (varlen, paged and its contiguous "
+           "pair) are timed as their kernels' launches: the front door reads those tensors "
+           "to the host to check them, a round trip per call that is not the kernels'.", ""]
     for gpu, by_dtype in latest(runs).items():
         out += [f"## {gpu}", "", f"![ferrocupy vs PyTorch SDPA, {gpu}]({plot_path(gpu).name})",
                 ""]
