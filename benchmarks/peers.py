@@ -501,7 +501,7 @@ def _attention_calls(eng, case, st, opts):
             eng.flash_attention_v2_with(q, k, v, out, opts, mask, **named, **scalars)
 
         plan = indexed and eng.plan_attention(q, k, v, out, opts, mask, **named, **scalars)
-        run = _launches(eng, plan, dict(q=q, k=k, v=v, out=out, mask=mask, **named)) \
+        run = launches_only(eng, plan, dict(q=q, k=k, v=v, out=out, mask=mask, **named)) \
             if indexed else front
         return front, run, {"out": (out_full, "bshd")}
     # As a training step: the forward writes out and its float32 log-sum-exp, and the backward
@@ -524,12 +524,12 @@ def _attention_calls(eng, case, st, opts):
 
     tensors = dict(q=q, k=k, v=v, out=out, grad_out=do, grad_q=g[0], grad_k=g[1], grad_v=g[2],
                    mask=mask, **named)
-    run = _launches(eng, eng.plan_attention_backward(q, k, v, out, do, *g, opts, mask, **named,
+    run = launches_only(eng, eng.plan_attention_backward(q, k, v, out, do, *g, opts, mask, **named,
                                                      **scalars), tensors) if indexed else front
     return front, run, dict(zip(("dq", "dk", "dv"), ((x, "bshd") for x in grads_full)))
 
 
-def _launches(eng, plan, tensors: dict):
+def launches_only(eng, plan, tensors: dict):
     """A call running `plan`'s kernels alone on `tensors` (plan argument name -> UnifiedTensor or
     None) on the engine's stream, as lab/paged_decode_ab.py: the front door's per-call checks
     (index tensors read to the host: a round trip) stay out. On the reference backend, which

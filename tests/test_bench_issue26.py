@@ -140,6 +140,39 @@ def test_paged_cache_holds_the_keys_scattered(cpu_pipeline):  # noqa: F811
                 assert np.array_equal(pool[table[b, j // 16], j % 16], dense[b, j])
 
 
+def test_launches_alone_on_cuda(cpu_pipeline, monkeypatch):  # noqa: F811
+    """On the CUDA backend, a call with index tensors is timed as the backend's launches of its
+    plan (made once, with every argument's address, 0 for an absent one) on the engine's
+    stream, with no front door (no host read of the index tensors) per call."""
+    import types
+
+    from ferrocupy import UnifiedTensor
+
+    seen = []
+    backend = types.SimpleNamespace(
+        name="cuda", plan=lambda *a: seen.append(("plan", a)) or "launch",
+        run_plan=lambda *a: seen.append(("run", a)))
+    plan = types.SimpleNamespace(op="forward", names=("q", "k", "mask", "kv_lens"),
+                                 specs="specs", params="params", layout="layout",
+                                 extras="extras", run=lambda **kw: seen.append(("front", kw)))
+    buffers = {n: types.SimpleNamespace(data=types.SimpleNamespace(ptr=p))
+               for n, p in (("q", 100), ("k", 200), ("kv_lens", 300))}
+    tensors = {n: UnifiedTensor.__new__(UnifiedTensor) for n in buffers}
+    monkeypatch.setattr(UnifiedTensor, "buffer", lambda self: buffers[
+        next(n for n, x in tensors.items() if x is self)])
+    monkeypatch.setattr(peers, "_ferro_stream", lambda eng: types.SimpleNamespace(ptr=7))
+    run = peers.launches_only(types.SimpleNamespace(backend=backend), plan,
+                          {**tensors, "mask": None})
+    ptrs = {"q": 100, "k": 200, "mask": 0, "kv_lens": 300}
+    assert seen == [("plan", ("forward", "specs", "params", "layout", ptrs, "extras"))]
+    run()
+    run()
+    assert seen[1:] == [("run", ("launch", ptrs, 7))] * 2
+    backend.name = "reference"                   # no launches there: the plan's run
+    peers.launches_only(types.SimpleNamespace(backend=backend), plan, tensors)()
+    assert seen[-1] == ("front", tensors)
+
+
 def test_varlen_reference_is_each_sequence_alone(cpu_pipeline):  # noqa: F811
     """The varlen reference of the last sequence equals a dense reference of that sequence
     alone (its own causal mask, keys of no other sequence)."""
