@@ -98,7 +98,7 @@ GQA_SHAPE = (4, 4096, 32, 8, 128)                  # the grid's GQA case (B, S, 
 # contiguous decode's, softcap / ALiBi / sinks against the plain call (TFLOP/s).
 GATE26_D256, GATE26_VARLEN, GATE26_PAGED, GATE26_MODS = 1.1, 0.9, 1.05, 0.9
 D256_SEQS = (4096, 16384)
-# 8 packed sequences of 16384 tokens, mean 2048, ragged as real documents are (not tile multiples)
+# 8 packed sequences of 16384 tokens, mean 2048, ragged as documents are (not tile multiples)
 VARLEN_LENGTHS = (500, 4096, 1000, 3100, 1536, 2560, 771, 2821)
 VARLEN_HEADS, VARLEN_DIM = 16, 128
 PAGE_SIZES = (16, 256)
@@ -353,7 +353,8 @@ def issue25_cases(dt: str) -> list[Case]:
 
 def issue26_cases(dt: str) -> list[Case]:
     """head_dim 256 against SDPA; varlen beside the dense call at its mean length; paged decode
-    beside contiguous decode; softcap, ALiBi and sinks beside the plain call (module docstring)."""
+    beside contiguous decode; softcap, ALiBi and sinks beside the plain call (see the module
+    docstring)."""
     d = 256
     cases = [Case("attn", dt, TOKENS // s, s, s, HIDDEN // d, HIDDEN // d, d, causal,
                   direction=direction, suite="d256")

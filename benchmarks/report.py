@@ -238,14 +238,19 @@ def gate25_lines(rows: list[dict]) -> list[str]:
               for r in rows if r.get("suite") == "bias" and r.get("direction") == "fwd"]
     lines += [_vs_plain(r, rows, h.GATE25_OPTION, "TFLOP/s", "; visible keys")
               for r in rows if r.get("plain") and r.get("suite") not in h.ISSUE26_SUITES]
+    return _gate_block(
+        f"issue-25 gate (ferrocupy / torch's default SDPA, same run; forward >= "
+        f"{h.GATE25_FWD[0]}x each and >= {h.GATE25_FWD[1]}x geometric mean, backward >= "
+        f"{h.GATE25_BWD[0]}x and >= {h.GATE25_BWD[1]}x, training step >= {h.GATE25_TRAIN}x, "
+        f"bias >= {h.GATE25_BIAS}x; window, dropout, kv_lens and GQA >= "
+        f"{h.GATE25_OPTION}x their plain calls):", lines)
+
+
+def _gate_block(head: str, lines: list[str]) -> list[str]:
+    """`head`, the lines, then how many PASS; empty without lines."""
     if not lines:
         return []
     passed = sum(line.endswith(": PASS") for line in lines)
-    head = (f"issue-25 gate (ferrocupy / torch's default SDPA, same run; forward >= "
-            f"{h.GATE25_FWD[0]}x each and >= {h.GATE25_FWD[1]}x geometric mean, backward >= "
-            f"{h.GATE25_BWD[0]}x and >= {h.GATE25_BWD[1]}x, training step >= {h.GATE25_TRAIN}x, "
-            f"bias >= {h.GATE25_BIAS}x; window, dropout, kv_lens and GQA >= "
-            f"{h.GATE25_OPTION}x their plain calls):")
     return [head] + lines + [f"  {passed} of {len(lines)} lines PASS"]
 
 
@@ -278,14 +283,11 @@ def gate26_lines(rows: list[dict]) -> list[str]:
              "paged": (h.GATE26_PAGED, "time", ""), "mods": (h.GATE26_MODS, "TFLOP/s", "")}
     lines += [_vs_plain(r, rows, *needs[r["suite"]]) for r in rows
               if r.get("plain") and r.get("suite") in needs]
-    if not lines:
-        return []
-    passed = sum(line.endswith(": PASS") for line in lines)
-    head = (f"issue-26 gate (ferrocupy, same run; head_dim 256 >= {h.GATE26_D256}x torch's "
-            f"default SDPA; varlen >= {h.GATE26_VARLEN}x the dense call's TFLOP/s at the mean "
-            f"length; paged decode time <= {h.GATE26_PAGED}x contiguous decode's; softcap, "
-            f"ALiBi and sinks >= {h.GATE26_MODS}x the plain call's TFLOP/s):")
-    return [head] + lines + [f"  {passed} of {len(lines)} lines PASS"]
+    return _gate_block(
+        f"issue-26 gate (ferrocupy, same run; head_dim 256 >= {h.GATE26_D256}x torch's "
+        f"default SDPA; varlen >= {h.GATE26_VARLEN}x the dense call's TFLOP/s at the mean "
+        f"length; paged decode time <= {h.GATE26_PAGED}x contiguous decode's; softcap, "
+        f"ALiBi and sinks >= {h.GATE26_MODS}x the plain call's TFLOP/s):", lines)
 
 
 def write_json(payload: dict, path: str) -> None:

@@ -435,9 +435,9 @@ def test_compare_list_shows_the_option_cases(capsys):
     assert lines[-1].startswith(f"{len(listed)} cases, dtypes bfloat16, float16, full set")
 
 
-def test_compare_prints_the_gate_last(cpu_torch, monkeypatch, capsys):
-    """compare.py's whole run on the CPU (device, ceilings and case list faked): the new cases
-    measured and the issue-25 block printed after the tables."""
+def fake_device(monkeypatch, cases):
+    """compare.py on the CPU: a device, its ceilings and its case list (`cases`, whatever the
+    flags) faked; the quick set's settings one call each, timed on the host clock."""
     info = {"date": "2026-01-01 00:00 UTC", "gpu": "CPU stand-in", "compute_capability": "9.0",
             "sms": 1, "memory_gib": 1.0, "l2_mb": 0.0, "l2_bytes": 0, "driver": "-",
             "cuda_runtime": "-", "cupy": "-", "cupy_tf32": "0", "python": "3", "torch": None}
@@ -446,11 +446,16 @@ def test_compare_prints_the_gate_last(cpu_torch, monkeypatch, capsys):
     monkeypatch.setattr(harness, "measure_ceilings", lambda d, s: {
         "copy_gbps": 1.0, "copy": {"x": 1.0}, "matmul_tflops": {"float32": 1.0},
         "matmul": {"float32": "x"}})
-    cases = [TRAIN, BIAS, BIAS_BWD, WINDOW, PLAIN, DROPOUT, DROPOUT.plain_call, KVLENS,
-             KVLENS.plain_call]
     monkeypatch.setattr(harness, "build_cases", lambda dtypes, quick: cases)
     monkeypatch.setattr(harness, "QUICK", SETTINGS)
     monkeypatch.setattr(harness, "CupyEvents", HostEvents)
+
+
+def test_compare_prints_the_gate_last(cpu_torch, monkeypatch, capsys):
+    """compare.py's whole run on the CPU (device, ceilings and case list faked): the new cases
+    measured and the issue-25 block printed after the tables."""
+    fake_device(monkeypatch, [TRAIN, BIAS, BIAS_BWD, WINDOW, PLAIN, DROPOUT, DROPOUT.plain_call,
+                              KVLENS, KVLENS.plain_call])
     assert compare.main(["--quick", "--dtype", "float32", "--cases",
                          "train-,bias-,window-,dropout-,kvlens-"]) == 0
     out = capsys.readouterr().out

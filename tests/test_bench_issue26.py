@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from test_bench_harness import HostEvents, _ok, cpu_pipeline  # noqa: F401 - the fixture
-from test_bench_issue25 import cpu_torch  # noqa: F401 - the fixture
+from test_bench_issue25 import cpu_torch, fake_device  # noqa: F401 - the fixture
 
 import compare
 import harness
@@ -358,19 +358,8 @@ def test_compare_list_shows_the_gate_cases(capsys):
 def test_compare_prints_the_gate_last(cpu_pipeline, monkeypatch, capsys):  # noqa: F811
     """compare.py's whole run on the CPU (device, ceilings and case list faked): the new cases
     measured and the issue-26 block printed last, after the tables."""
-    info = {"date": "2026-01-01 00:00 UTC", "gpu": "CPU stand-in", "compute_capability": "9.0",
-            "sms": 1, "memory_gib": 1.0, "l2_mb": 0.0, "l2_bytes": 0, "driver": "-",
-            "cuda_runtime": "-", "cupy": "-", "cupy_tf32": "0", "python": "3", "torch": None}
-    monkeypatch.setattr(harness, "gpu_status", lambda: (True, ""))
-    monkeypatch.setattr(harness, "device_info", lambda: info)
-    monkeypatch.setattr(harness, "measure_ceilings", lambda d, s: {
-        "copy_gbps": 1.0, "copy": {"x": 1.0}, "matmul_tflops": {"float32": 1.0},
-        "matmul": {"float32": "x"}})
-    cases = [D256, VARLEN, VARLEN.plain_call, PAGED, PAGED.plain_call, MODS["alibi"],
-             MODS["alibi"].plain_call]
-    monkeypatch.setattr(harness, "build_cases", lambda dtypes, quick: cases)
-    monkeypatch.setattr(harness, "QUICK", SETTINGS)
-    monkeypatch.setattr(harness, "CupyEvents", HostEvents)
+    fake_device(monkeypatch, [D256, VARLEN, VARLEN.plain_call, PAGED, PAGED.plain_call,
+                              MODS["alibi"], MODS["alibi"].plain_call])
     assert compare.main(["--quick", "--dtype", "float32", "--cases",
                          "d256-,varlen-,paged-,mods-"]) == 0
     out = capsys.readouterr().out
