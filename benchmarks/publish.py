@@ -67,8 +67,8 @@ class Run:
         rows = []
         for rec in self.payload["cases"]:
             if rec["dtype"] == dtype:
-                case = Case(**{k: (tuple(v) if k == "shape" else v) for k, v in rec.items()
-                               if k in fields})
+                case = Case(**{k: (tuple(v) if k in ("shape", "seqlens") else v)
+                               for k, v in rec.items() if k in fields})
                 rows.append(report.summarize(case, rec["results"], self.payload["ceilings"]))
         return rows
 

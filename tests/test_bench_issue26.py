@@ -5,6 +5,7 @@ the gate block. No GPU needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import replace
 
@@ -80,6 +81,27 @@ def test_issue26_cases_in_the_full_set():
     for c in cases:
         assert harness.case_by_id(c.id) == c and c.issue26 and c.dtype == "bfloat16"
         assert c.plain_call is None or c.plain_call.id in full
+
+
+def test_saved_runs_read_back(tmp_path, monkeypatch):
+    """A run's JSON (compare.py's records) gives publish.py the same cases back, varlen's
+    lengths a tuple again."""
+    import json
+
+    import publish
+
+    seen = []
+    summarize = report.summarize
+    monkeypatch.setattr(report, "summarize", lambda c, *a: seen.append(c) or summarize(c, *a))
+
+    cases = harness.issue26_cases("bfloat16")
+    res = {"ferrocupy": {"status": "ok", "ms": 1.0, "throughput": 1.0}}
+    records = [{"id": c.id, **dataclasses.asdict(c), "results": res} for c in cases]
+    payload = json.loads(json.dumps({"cases": records, "ceilings": {}}))
+    rows = publish.Run(tmp_path / "x.json", payload).rows("bfloat16")
+    assert [r["case"] for r in rows] == [c.id for c in cases]
+    assert [r["plain"] for r in rows] == [c.plain_call and c.plain_call.id for c in cases]
+    assert seen == cases
 
 
 def test_option_values():
