@@ -38,8 +38,11 @@ the shapes): head_dim 256 ("attn-...-d256-...", against sdpa-default), varlen ("
 8 packed sequences of mixed lengths, 16384 tokens, beside "-dense", the dense call at their mean
 length; TFLOP/s over the real work), paged decode ("paged-...-page16", "-page256" beside
 "-page0", the same keys contiguous: time against time) and softcap, ALiBi and sinks
-("mods-...-softcap", "-alibi", "-sinks" beside "-plain"), forward and backward. Their gate,
-printed last, PASS/FAIL per line (bfloat16 only; about a minute of cases on an H100):
+("mods-...-softcap", "-alibi", "-sinks" beside "-plain"); all but decode forward and backward.
+The calls with index tensors (varlen, paged and its contiguous pair) are timed as their kernels'
+launches (the front door's host read of those tensors stays out; the checked call goes through
+it). Their gate, printed last, PASS/FAIL per line (bfloat16 only; about a minute of cases on an
+H100, more where the kernels compile first):
 
     python benchmarks/compare.py --dtype bf16 --cases d256-,varlen-,paged-,mods-
 
