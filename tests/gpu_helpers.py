@@ -550,6 +550,49 @@ def pairwise(factors: dict, seed: int = 0, tries: int = 40) -> list[dict]:
     return [{n: factors[n][v] for n, v in zip(names, row)} for row in rows]
 
 
+FULL_GRID_ENV = "FERRO_FULL_GRID"
+
+
+def full_grid() -> bool:
+    """True when `covering` gives whole cartesian products (FERRO_FULL_GRID=1)."""
+    return os.environ.get(FULL_GRID_ENV, "") == "1"
+
+
+def axis(values, ids=None) -> list:
+    """One factor of `covering` as `pytest.mark.parametrize(name, values, ids=ids)` would name
+    its values (a list of ids, a function of the value, or None: a `pytest.param`'s own id, else
+    the value's str)."""
+    param_type = type(pytest.param(0))
+    out = []
+    for n, v in enumerate(values):
+        if isinstance(v, param_type):
+            out.append(v)
+        elif ids is None:
+            out.append(pytest.param(v, id=str(v)))
+        else:
+            out.append(pytest.param(v, id=ids[n] if isinstance(ids, (list, tuple)) else ids(v)))
+    return out
+
+
+def covering(factors: dict, seed: int = 0) -> list:
+    """`pytest.param`s over `factors` (argument name -> values, each a value or a `pytest.param`
+    with an id) for `pytest.mark.parametrize(",".join(factors), covering(factors))`: a pairwise
+    covering (every pair of values of every two factors in at least one row; `pairwise`), or
+    with FERRO_FULL_GRID=1 their whole cartesian product. Ids are the values' ids joined by "-"
+    in the factors' order.
+
+    A GPU round runs the covering (the suite must fit a device call or two); the full grid
+    finds what only a triple of values shows, for when time allows."""
+    table = {n: [(p.values[0], p.id) for p in axis(vals)] for n, vals in factors.items()}
+    if full_grid():
+        rows = [dict(zip(table, combo)) for combo in itertools.product(*table.values())]
+    else:
+        index = pairwise({n: list(range(len(vals))) for n, vals in table.items()}, seed=seed)
+        rows = [{n: table[n][i] for n, i in r.items()} for r in index]
+    return [pytest.param(*(v for v, _ in r.values()), id="-".join(i for _, i in r.values()))
+            for r in rows]
+
+
 # The option space of every forward and backward combination test (pairwise covered).
 OPTION_FACTORS = {
     "seqs": [(7, 7), (129, 129), (64, 129), (127, 300), (200, 33)],

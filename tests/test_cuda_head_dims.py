@@ -17,8 +17,8 @@ import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import (DROPOUT_SEED, check_backward, check_decode_case, check_forward,
-                         decoders, dev, gpu_pytestmark, make_case, ref)
+from gpu_helpers import (DROPOUT_SEED, axis, check_backward, check_decode_case, check_forward,
+                         covering, decoders, dev, gpu_pytestmark, make_case, ref)
 from half_rule import rounded
 from test_cuda_half import check_half
 
@@ -42,9 +42,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("d", HEAD_DIMS, ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,d,name", covering({
+    "dtype": axis(DTYPES),
+    "d": axis(HEAD_DIMS, ids=lambda d: f"d{d}"),
+    "name": axis(list(CASES)),
+}))
 def test_wide_head_dim_forward_and_backward(dev, ref, rng, dtype, d, name):
     case = make_case(rng, b=2, sq=150, sk=203, h=4, hkv=2, d=d, qk_scale=1.0, **CASES[name])
     if dtype == FLOAT32:
@@ -79,9 +81,11 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(DECODE_CASES))
-@pytest.mark.parametrize("d", [136, 160, 192, 200, 256], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,d,name", covering({
+    "dtype": axis(DTYPES),
+    "d": axis([136, 160, 192, 200, 256], ids=lambda d: f"d{d}"),
+    "name": axis(list(DECODE_CASES)),
+}))
 def test_wide_head_dim_decode(decoders, ref, rng, dtype, d, name):
     b, sq, h, hkv, sk, opts, mask, lens = DECODE_CASES[name]
     check_decode_case(decoders, ref, rng, dtype, b, sq, h, hkv, d, sk, AttentionOptions(**opts),

@@ -27,8 +27,8 @@ import ferrocupy.reference as reference
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from ferrocupy.params import AttentionDims, extras_params
-from gpu_helpers import (decoders, dev, device_under_test, gpu_pytestmark,  # noqa: F401
-                         kernels, restricted_device, self_check)
+from gpu_helpers import (axis, covering, decoders, dev, device_under_test,  # noqa: F401
+                         gpu_pytestmark, kernels, restricted_device, self_check)
 
 torch = pytest.importorskip("torch", reason="the dense oracle is written in PyTorch")
 from dense_options import dense, dense_grads, per_head_inputs  # noqa: E402
@@ -245,9 +245,11 @@ def _on_hopper(d) -> bool:
 
 
 # --- float32: the mma.sync kernels (no wgmma kernel takes float32) ---------------------------------
-@pytest.mark.parametrize("d", [40, 64, 96, 128], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,give_lse,d", covering({
+    "name": axis(list(CASES)),
+    "give_lse": axis([True, False], ids=["lse", "no-lse"]),
+    "d": axis([40, 64, 96, 128], ids=lambda d: f"d{d}"),
+}))
 def test_float32_against_the_dense_oracle(dev, rng, name, give_lse, d):
     t = make(rng, CASES[name], d=d)
     check_f32(run(dev, t, give_lse=give_lse), oracle(t), f"[{name} d{d}]")
@@ -266,10 +268,12 @@ def test_float32_gqa_one_kv_head_and_a_scale(dev, rng):
 
 
 # --- half precision: wgmma (sm_90a, head_dim <= 128) and mma.sync ----------------------------------
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("d", [64, 128, 40, 96], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,give_lse,d,dtype", covering({
+    "name": axis(list(CASES)),
+    "give_lse": axis([True, False], ids=["lse", "no-lse"]),
+    "d": axis([64, 128, 40, 96], ids=lambda d: f"d{d}"),
+    "dtype": axis(HALF),
+}))
 def test_half_rule(kernels, rng, name, give_lse, d, dtype):
     t = rounded(make(rng, CASES[name], sq=150, sk=211, d=d), dtype)
     check_half(run(kernels, t, give_lse=give_lse), t, f"[{name} d{d}]")
@@ -300,11 +304,13 @@ DECODE_SHAPES = [pytest.param(dict(sq=1, h=8, hkv=2), id="rows4"),
                  pytest.param(dict(sq=3, h=10, hkv=2), id="rows15")]
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(FLOAT32, id="f32"), *HALF])
-@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("shape", DECODE_SHAPES)
-@pytest.mark.parametrize("name", ["softcap-causal-mask", "alibi-h-causal-offset",
-                                  "alibi-bh-window-mask", "sinks-mask-dropout", "all"])
+@pytest.mark.parametrize("name,shape,d,dtype", covering({
+    "name": axis(["softcap-causal-mask", "alibi-h-causal-offset",
+                                  "alibi-bh-window-mask", "sinks-mask-dropout", "all"]),
+    "shape": axis(DECODE_SHAPES),
+    "d": axis([64, 128], ids=lambda d: f"d{d}"),
+    "dtype": axis([pytest.param(FLOAT32, id="f32"), *HALF]),
+}))
 def test_decode(decoders, rng, name, shape, d, dtype):
     spec = dict(CASES[name])
     if spec.get("causal"):

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import decoders, gpu_pytestmark, self_check  # noqa: F401
+from gpu_helpers import axis, covering, decoders, gpu_pytestmark, self_check  # noqa: F401
 from test_cuda_model_options import check_f32, check_half, oracle, rounded
 
 pytestmark = gpu_pytestmark()
@@ -107,9 +107,11 @@ def _case(rng, name, page, dtype, alibi=False):
     return t, paged(t, page, rng)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: f"page{p}")
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,name,page", covering({
+    "dtype": axis(DTYPES),
+    "name": axis(list(CASES)),
+    "page": axis(PAGES, ids=lambda p: f"page{p}"),
+}))
 def test_paged_decode_against_the_oracle(decoders, rng, dtype, name, page):
     t, tp = _case(rng, name, page, dtype)
     got = run(decoders, tp)

@@ -15,7 +15,8 @@ import pytest
 # gpu_helpers is in tests/, which conftest puts on sys.path.
 from ferrocupy import UnifiedTensor
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import ROPE_TOL, assert_close, dev, gpu_pytestmark, needs_real_gpu, ref
+from gpu_helpers import (ROPE_TOL, assert_close, axis, covering, dev, gpu_pytestmark,
+                         needs_real_gpu, ref)
 from rope_formula import POSITION_KINDS, make_positions, option_params
 
 __all__ = ["dev", "ref"]  # fixtures, imported for pytest (`rng` comes from conftest)
@@ -244,10 +245,12 @@ def same(a):
     return a
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kw", OPTIONS)
-@pytest.mark.parametrize("kind", POSITION_KINDS)
-@pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out"])
+@pytest.mark.parametrize("out_of_place,kind,kw,dtype", covering({
+    "out_of_place": axis([False, True], ids=["in-place", "out"]),
+    "kind": axis(POSITION_KINDS),
+    "kw": axis(OPTIONS),
+    "dtype": axis(DTYPES),
+}))
 def test_rope_options(dev, ref, rng, dtype, kw, kind, out_of_place):
     x = (2 * rng.standard_normal((2, 37, 3, 64))).astype(dtype)
     pos, positions = make_positions(rng, kind, 2, 37)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import gpu_pytestmark
+from gpu_helpers import axis, covering, gpu_pytestmark
 from rope_formula import POSITION_KINDS, option_params
 from test_cuda_torch import torch  # noqa: F401 - the fixture: torch with a CUDA device
 
@@ -29,10 +29,12 @@ def on_cuda(x):
     return None if x is None else x.cuda()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kw", OPTIONS)
-@pytest.mark.parametrize("kind", POSITION_KINDS)
-@pytest.mark.parametrize("layout", ["B,S,H,D", "B,S,H*D", "S,H*D"])
+@pytest.mark.parametrize("layout,kind,kw,dtype", covering({
+    "layout": axis(["B,S,H,D", "B,S,H*D", "S,H*D"]),
+    "kind": axis(POSITION_KINDS),
+    "kw": axis(OPTIONS),
+    "dtype": axis(DTYPES),
+}))
 def test_values_and_gradients(torch, gen, rng, dtype, kw, kind, layout):
     from test_torch_rope import check, positions_like, randn
 

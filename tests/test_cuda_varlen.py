@@ -33,7 +33,8 @@ import ferrocupy.reference as reference
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from ferrocupy.params import AttentionDims, extras_params
-from gpu_helpers import count_launches, decoders, dev, gpu_pytestmark, kernels  # noqa: F401
+from gpu_helpers import (axis, count_launches, covering, decoders, dev,  # noqa: F401
+                         gpu_pytestmark, kernels)
 
 torch = pytest.importorskip("torch", reason="the dense oracle is written in PyTorch")
 from dense_options import dense, dense_grads  # noqa: E402
@@ -179,17 +180,21 @@ def check(d, t: dict, *, backward=True, give_lse=True, what="") -> None:
 
 
 # --- named cases: every option inside each sequence -------------------------------------------
-@pytest.mark.parametrize("d", [40, 64, 128], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,give_lse,d", covering({
+    "name": axis(list(CASES)),
+    "give_lse": axis([True, False], ids=["lse", "no-lse"]),
+    "d": axis([40, 64, 128], ids=lambda d: f"d{d}"),
+}))
 def test_float32_against_the_oracle(kernels, rng, name, give_lse, d):
     t = make(rng, name, LENS_Q, LENS_K, d=d)
     check(kernels, t, give_lse=give_lse, what=f"[{name} d{d}]")
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,d,dtype", covering({
+    "name": axis(list(CASES)),
+    "d": axis([64, 128], ids=lambda d: f"d{d}"),
+    "dtype": axis(HALF),
+}))
 def test_half_by_the_half_rule(kernels, rng, name, d, dtype):
     t = rounded(make(rng, name, LENS_Q, LENS_K, d=d), dtype)
     check(kernels, t, what=f"[{name} d{d}]")
@@ -255,10 +260,12 @@ def test_fused_backward(rng, name, d, dtype):
 
 
 # --- decode: few query rows a KV group, on each decode design ---------------------------------
-@pytest.mark.parametrize("extra", [0, 2], ids=["frame-tight", "frame-wider"])
-@pytest.mark.parametrize("dtype", [FLOAT32, *HALF])
-@pytest.mark.parametrize("name", ["everything", "sinks", "alibi-per-sequence", "windows",
-                                  "bottom-right", "dropout"])
+@pytest.mark.parametrize("name,dtype,extra", covering({
+    "name": axis(["everything", "sinks", "alibi-per-sequence", "windows", "bottom-right",
+                  "dropout"]),
+    "dtype": axis([pytest.param(FLOAT32, id="f32"), *HALF]),
+    "extra": axis([0, 2], ids=["frame-tight", "frame-wider"]),
+}))
 def test_decode_designs(decoders, rng, name, dtype, extra):
     """Packed decode steps (0-2 query rows a sequence, 4 heads a KV head: at most 16 rows a
     KV group, the frame's up to 4) on each decode design (the tensor-core / streams kernels

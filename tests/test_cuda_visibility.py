@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferrocupy.dtypes import FLOAT32
-from gpu_helpers import (decoders, dev, device_under_test, gpu_pytestmark,  # noqa: F401
-                         kernels)
+from gpu_helpers import (axis, covering, decoders, dev, device_under_test,  # noqa: F401
+                         gpu_pytestmark, kernels)
 from test_cuda_model_options import (DECODE_SHAPES, HALF, _on_hopper, built, check_f32,
                                      check_half, make, oracle, rounded, run)
 
@@ -66,9 +66,11 @@ def _hopper_kernels_built(d) -> None:
 
 
 # --- float32: the mma.sync kernels --------------------------------------------------------------
-@pytest.mark.parametrize("d", [40, 64, 128], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,give_lse,d", covering({
+    "name": axis(list(CASES)),
+    "give_lse": axis([True, False], ids=["lse", "no-lse"]),
+    "d": axis([40, 64, 128], ids=lambda d: f"d{d}"),
+}))
 def test_float32_against_the_dense_oracle(dev, rng, name, give_lse, d):
     spec, size = CASES[name]
     t = make(rng, spec, d=d, **size)
@@ -88,10 +90,12 @@ def test_float32_gqa_one_kv_head(dev, rng):
 
 
 # --- half precision: wgmma (sm_90a, head_dim <= 128) and mma.sync ------------------------------
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("d", [64, 128, 96], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,give_lse,d,dtype", covering({
+    "name": axis(list(CASES)),
+    "give_lse": axis([True, False], ids=["lse", "no-lse"]),
+    "d": axis([64, 128, 96], ids=lambda d: f"d{d}"),
+    "dtype": axis(HALF),
+}))
 def test_half_rule(kernels, rng, name, give_lse, d, dtype):
     spec, size = CASES[name]
     size = dict(dict(sq=150, sk=211), **size)
@@ -124,10 +128,12 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(FLOAT32, id="f32"), *HALF])
-@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("shape", DECODE_SHAPES)
-@pytest.mark.parametrize("name", list(DECODE_CASES))
+@pytest.mark.parametrize("name,shape,d,dtype", covering({
+    "name": axis(list(DECODE_CASES)),
+    "shape": axis(DECODE_SHAPES),
+    "d": axis([64, 128], ids=lambda d: f"d{d}"),
+    "dtype": axis([pytest.param(FLOAT32, id="f32"), *HALF]),
+}))
 def test_decode(decoders, rng, name, shape, d, dtype):
     t = make(rng, DECODE_CASES[name], sk=2003, d=d, **shape)
     t = rounded(t, dtype) if dtype != FLOAT32 else t

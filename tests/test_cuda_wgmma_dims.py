@@ -21,7 +21,7 @@ import pytest
 
 from ferrocupy.cuda import configs
 from ferrocupy.dtypes import BFLOAT16, FLOAT16
-from gpu_helpers import device_under_test, gpu_pytestmark, self_check
+from gpu_helpers import axis, covering, device_under_test, gpu_pytestmark, self_check
 from test_cuda_half import ULP
 
 mo = pytest.importorskip("test_cuda_model_options", reason="the dense oracle needs PyTorch")
@@ -67,18 +67,22 @@ def _on_hopper() -> bool:
     return not self_check() and device_under_test().engine.backend.capability == 90
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("d", HEAD_DIMS, ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,give_lse,d,dtype", covering({
+    "name": axis(list(CASES)),
+    "give_lse": axis([True, False], ids=["lse", "no-lse"]),
+    "d": axis(HEAD_DIMS, ids=lambda d: f"d{d}"),
+    "dtype": axis(HALF),
+}))
 def test_half_rule_on_the_wgmma_kernels(launched, rng, name, give_lse, d, dtype):
     check_case(launched, rng, name, give_lse, d, dtype)
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("d", WIDE_HEAD_DIMS, ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("give_lse", [True, False], ids=["lse", "no-lse"])
-@pytest.mark.parametrize("name", ["plain", "causal-mask", "window-dropout", "all"])
+@pytest.mark.parametrize("name,give_lse,d,dtype", covering({
+    "name": axis(["plain", "causal-mask", "window-dropout", "all"]),
+    "give_lse": axis([True, False], ids=["lse", "no-lse"]),
+    "d": axis(WIDE_HEAD_DIMS, ids=lambda d: f"d{d}"),
+    "dtype": axis(HALF),
+}))
 def test_half_rule_above_128(launched, rng, name, give_lse, d, dtype):
     """Above 128 the wgmma forward and dQ (widths 192 and 256) beside the mma.sync dK/dV."""
     check_case(launched, rng, name, give_lse, d, dtype)
