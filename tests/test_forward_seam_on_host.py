@@ -224,9 +224,11 @@ def _addr(a):
 
 def run_case(lib, rng, *, mode, geometry, B=2, H=2, Hkv=1, D=12, Sq=21, Sk=27, causal=False,
              offset=0, window_left=None, window_right=None, kv_lens=None, varlen=None,
-             mask=False, dropout=0.0, softcap=0.0, alibi=None, sinks=False, scale=None):
+             mask=False, dropout=0.0, softcap=0.0, alibi=None, sinks=False, scale=None,
+             lowest_rows=0):
     """Runs one call through the emulated kernel and the reference; returns (out, lse, want_out,
-    want_lse). `varlen`: the sequences' (Sq_n, Sk_n) (B, Sq, Sk then the counts and maxima)."""
+    want_lse). `varlen`: the sequences' (Sq_n, Sk_n) (B, Sq, Sk then the counts and maxima).
+    `lowest_rows`: the mask's first rows hold float32's lowest value on every key (no -inf)."""
     opts = AttentionOptions(causal=causal, causal_offset=offset, window_left=window_left,
                             window_right=window_right, dropout_prob=dropout,
                             seed=int(rng.integers(2**32)), softcap=softcap, scale=scale)
@@ -252,7 +254,10 @@ def run_case(lib, rng, *, mode, geometry, B=2, H=2, Hkv=1, D=12, Sq=21, Sk=27, c
         if mask:
             m = rng.standard_normal((B if rng.integers(2) else 1, H if rng.integers(2) else 1,
                                      Sq, Sk)).astype(np.float32)
-            m[rng.random(m.shape) < 0.2] = -np.inf
+            if lowest_rows:
+                m[:, :, :lowest_rows] = np.finfo(np.float32).min
+            else:
+                m[rng.random(m.shape) < 0.2] = -np.inf
     al = None if alibi is None else rng.uniform(0, 0.5, (B, H) if alibi == "bh" else (H,)
                                                 ).astype(np.float32)
     sk_ = rng.normal(0, 2, H).astype(np.float32) if sinks else None
@@ -321,3 +326,21 @@ def test_forward_pipeline_matches_reference(lib, mode, geometry):
         kw = _draw(rng, mode)
         out, lse, want, want_lse = run_case(lib, rng, mode=mode, geometry=geometry, **kw)
         check(out, lse, want, want_lse, f"case {n}: mode {mode} geometry {geometry} {kw}")
+
+
+@pytest.mark.parametrize("mode,scale", [
+    (0, None), (0, 1.0), (1, 1.0), (1, 2.0), (2, 1.0),
+    pytest.param(1, None, marks=pytest.mark.xfail(strict=True, reason=(
+        "raw scores: a finite score below -FLT_MAX * scale overflows to -inf as raw_scores "
+        "divides it by the scale (REVIEW-score.md, finding 2)"))),
+    pytest.param(2, 0.5, marks=pytest.mark.xfail(strict=True, reason=(
+        "raw scores: as above (REVIEW-score.md, finding 2)")))])
+def test_rows_whose_every_score_is_float32s_lowest(lib, mode, scale):
+    """A row whose visible scores are all finite but near -FLT_MAX (an additive mask of float32's
+    lowest value on every key, as Hugging Face builds for padding) is a softmax of equal scores:
+    the mean of its values, its lse about the mask value (SPEC: only a row of -inf scores is
+    dead). The exponent fused as fma(s, sl2, -max * sl2) overflowed max * sl2 and gave NaN."""
+    rng = np.random.default_rng(3)
+    out, lse, want, want_lse = run_case(lib, rng, mode=mode, geometry=0, mask=True, Sq=8, Sk=10,
+                                        scale=scale, lowest_rows=3)
+    check(out, lse, want, want_lse, f"mode {mode} scale {scale}")
