@@ -88,7 +88,7 @@ static void lane(const Call& c, unsigned x, int warp, int g, int t, Quad* quad, 
     tl_t = t;
     tl_threadIdx.x = warp * 32 + g * 4 + t;
     constexpr int BM = 16 * MT * WARPS, NT = BN / 8, DT = DP / 8;
-    const bool wg = c.mode >= 2, raw = c.mode >= 1, plain = c.mode == 3;
+    const bool wg = c.mode >= 2, raw_kernel = c.mode >= 1, plain = c.mode == 3;
     const Lane L{g, t};
     AttnShape s = attn_shape(*c.p, *c.ex, MASK_F32);
     with_extras(s, *c.ex, c.alibi, c.sinks);
@@ -111,6 +111,7 @@ static void lane(const Call& c, unsigned x, int warp, int g, int t, Quad* quad, 
     }
     const Dropout<true> drop(s);
     const float slope = alibi_slope(s, T.b, T.h);
+    const bool raw = raw_kernel && raw_units<All>(s);
     const float sl2 = raw ? s.scale * FERRO_LOG2E : FERRO_LOG2E;
     float o[MT][DT][4] = {};
     float m_run[MT][2], l_run[MT][2];
@@ -139,7 +140,7 @@ static void lane(const Call& c, unsigned x, int warp, int g, int t, Quad* quad, 
                 raw_scores<All, NT>(s, c.mask, T.b, T.h, slope, i0, i1, j0, whole, L, sc[mt]);
             } else {
                 const bool whole = keys_wholly_visible<BN>(s, T, j0);
-                if (raw) raw_scores<All, NT>(s, c.mask, T.b, T.h, slope, i0, i1, j0, whole, L, sc[mt]);
+                if (raw_kernel) raw_scores<All, NT>(s, c.mask, T.b, T.h, slope, i0, i1, j0, whole, L, sc[mt]);
                 else score_tile<All, NT>(s, c.mask, T.b, T.h, slope, i0, i1, j0, whole, L, sc[mt]);
             }
             float alpha[2];
@@ -328,18 +329,15 @@ def test_forward_pipeline_matches_reference(lib, mode, geometry):
         check(out, lse, want, want_lse, f"case {n}: mode {mode} geometry {geometry} {kw}")
 
 
-@pytest.mark.parametrize("mode,scale", [
-    (0, None), (0, 1.0), (1, 1.0), (1, 2.0), (2, 1.0),
-    pytest.param(1, None, marks=pytest.mark.xfail(strict=True, reason=(
-        "raw scores: a finite score below -FLT_MAX * scale overflows to -inf as raw_scores "
-        "divides it by the scale (REVIEW-score.md, finding 2)"))),
-    pytest.param(2, 0.5, marks=pytest.mark.xfail(strict=True, reason=(
-        "raw scores: as above (REVIEW-score.md, finding 2)")))])
+@pytest.mark.parametrize("mode,scale", [(0, None), (0, 1.0), (1, None), (1, 1.0), (1, 2.0),
+                                        (2, 0.5), (2, 1.0)])
 def test_rows_whose_every_score_is_float32s_lowest(lib, mode, scale):
     """A row whose visible scores are all finite but near -FLT_MAX (an additive mask of float32's
     lowest value on every key, as Hugging Face builds for padding) is a softmax of equal scores:
     the mean of its values, its lse about the mask value (SPEC: only a row of -inf scores is
-    dead). The exponent fused as fma(s, sl2, -max * sl2) overflowed max * sl2 and gave NaN."""
+    dead). The exponent fused as fma(s, sl2, -max * sl2) overflowed max * sl2 and gave NaN; raw
+    units (the half forwards) overflowed such a score to -inf (a dead row) below -FLT_MAX *
+    scale, so a masked call's scores are scaled (raw_units)."""
     rng = np.random.default_rng(3)
     out, lse, want, want_lse = run_case(lib, rng, mode=mode, geometry=0, mask=True, Sq=8, Sk=10,
                                         scale=scale, lowest_rows=3)

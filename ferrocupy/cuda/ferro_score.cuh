@@ -156,20 +156,28 @@ __device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask,
         }
 }
 
-// The forwards' scores stay raw (q.k: the softmax folds the scale into its exponent, so the common
-// tile skips a multiply per element); a tile that needs a per-element rule (not `whole`, a mask,
-// softcap or ALiBi) is scored by score_tile and brought back to raw units.
+// Whether the forwards' scores stay raw (q.k: the softmax folds the scale into its exponent, so the
+// common tile skips a multiply per element): unless the call has an additive mask, whose finite
+// values below -FLT_MAX * scale have no raw form (they overflowed to -inf, and a row whose every
+// score was one came out dead). The softmax's sl2 and the lse's m_scale follow it.
+template <class OPT>
+__device__ __forceinline__ bool raw_units(const AttnShape& s) {
+    return !(OPT::MASK && s.has_mask);
+}
+
+// A forward's scores in raw_units' units: left as they are on a tile with nothing to do per
+// element (which a masked call never has); else scored by score_tile and, raw, brought back.
 template <class OPT, int NT>
 __device__ __forceinline__ void raw_scores(const AttnShape& s, const void* mask, u32 b, u32 h,
                                            float slope, long long i0, long long i1, long long j0,
                                            bool whole, Lane L, float (&sc)[NT][4]) {
     if (whole && !per_element<OPT>(s)) return;
     score_tile<OPT, NT>(s, mask, b, h, slope, i0, i1, j0, whole, L, sc);
-    const float inv_scale = 1.f / s.scale;
+    const float to_units = raw_units<OPT>(s) ? 1.f / s.scale : 1.f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) sc[nt][r] *= inv_scale;
+        for (int r = 0; r < 4; ++r) sc[nt][r] *= to_units;
 }
 
 // ---- dropout (SPEC "Dropout"): P' = P * keep / (1 - p), keep bits from Philox ---------------------

@@ -67,8 +67,10 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
     const int n_tiles = key_tiles<BN>(s, Tq, j_first);
 
     const Dropout<OPT::DROPOUT> drop(s);
-    // The softmax's scores: raw (q.k; m_run in raw units) or scaled, as Mma::RAW_SCORES says.
-    const float sl2 = Mma::RAW_SCORES ? s.scale * FERRO_LOG2E : FERRO_LOG2E;
+    // The softmax's scores: raw (q.k; m_run in raw units) where Mma::RAW_SCORES says and the call
+    // allows (raw_units), else scaled.
+    const bool raw = Mma::RAW_SCORES && raw_units<OPT>(s);
+    const float sl2 = raw ? s.scale * FERRO_LOG2E : FERRO_LOG2E;
 
     float o[MT][DT][4];
 #pragma unroll
@@ -120,7 +122,7 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
     const float sink = OPT::MODS ? sink_logit(s, Tq.h) : neg_inf();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-        finish_forward<T, DT, OPT::MODS>(o[mt], m_run[mt], l_run[mt], Mma::RAW_SCORES ? s.scale : 1.f,
+        finish_forward<T, DT, OPT::MODS>(o[mt], m_run[mt], l_run[mt], raw ? s.scale : 1.f,
                                          keep_scale, sink, Tq.row(mt, 0), s.seq_q,
                                          row_index(s, Tq.b, Tq.h), out, Tq.o,
                                          lse, L, D, vec > 1);

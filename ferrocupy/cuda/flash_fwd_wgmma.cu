@@ -148,7 +148,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         const int n_tiles = key_tiles<BN>(s, T, j_first);
         const Dropout<OPT::DROPOUT> drop(s);
         const float slope = OPT::MODS ? alibi_slope(s, T.b, T.h) : 0.f;
-        const float sl2 = s.scale * FERRO_LOG2E;  // m_run is in raw units
+        const bool raw = raw_units<OPT>(s);  // m_run in raw units (q.k), or scaled (a mask)
+        const float sl2 = raw ? s.scale * FERRO_LOG2E : FERRO_LOG2E;
         // Key tile t of this query tile sits in ring buffer (ring + t) % STAGES.
         auto k_tile = [&](int t) { return smem_u32(sK + ((ring + t) % STAGES) * KV_ELEMS); };
         auto v_tile = [&](int t) { return smem_u32(sV + ((ring + t) % STAGES) * KV_ELEMS); };
@@ -239,7 +240,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         }
         ring_release(q_empty, n);  // every product that reads this Q has completed
 
-        finish_forward<u16, DT, OPT::MODS>(o, m_run, l_run, s.scale, drop.keep_scale(),
+        finish_forward<u16, DT, OPT::MODS>(o, m_run, l_run, raw ? s.scale : 1.f, drop.keep_scale(),
                                            OPT::MODS ? sink_logit(s, T.h) : neg_inf(), T.row(0, 0),
                                            s.seq_q, row_index(s, T.b, T.h), out, T.o, lse, L, D, true);
         for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, ring + t);
