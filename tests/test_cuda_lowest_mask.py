@@ -16,7 +16,7 @@ import pytest
 
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
-from gpu_helpers import (FWD_TOL_BY_DTYPE, decoders, dev, gpu_pytestmark, kernels,  # noqa: F401
+from gpu_helpers import (FWD_TOL_BY_DTYPE, decoders, gpu_pytestmark, kernels,  # noqa: F401
                          ref)
 
 pytestmark = gpu_pytestmark()
