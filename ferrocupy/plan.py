@@ -487,6 +487,9 @@ def _check_append(specs: dict, dims, opts):
         if s.dtype not in (_dt.FLOAT32, dtype):
             raise TypeError(f"{name} has dtype {s.dtype} (shape {s.shape}); it must be float32 "
                             f"or q's dtype ({dtype})")
+    if sin.dtype != cos.dtype:  # the CUDA append reads both as one type (append_kv.cu)
+        raise TypeError(f"rotary_sin has dtype {sin.dtype} (shape {sin.shape}); it must be "
+                        f"rotary_cos's ({cos.dtype})")
     return int(k_new.shape[1]), 2 * int(cos.shape[1])
 
 

@@ -296,6 +296,28 @@ def test_bad_inputs_raise_naming_the_argument_and_write_nothing(rng):
         assert np.array_equal(v_cache, base["v_cache"], equal_nan=True)
 
 
+def test_rope_tables_of_two_dtypes_are_refused(rng):
+    """rotary_cos and rotary_sin share one dtype (flash-attn: both q's): the CUDA append reads
+    both tables as rotary_cos's type (append_kv.cu's `tables_f32`), so float32 cos beside
+    float16 sin would read sin's bytes as floats (past its end). Refused by name on every
+    backend, nothing written."""
+    t = case(rng, 2, 1, 2, 2, 1, 16, [3, 5], capacity=8, rotary_dim=16)
+    for n in ("q", "k_new", "v_new", "k_cache", "v_cache", "rotary_sin"):
+        t[n] = t[n].astype(np.float16)
+    for cos, sin in ((t["rotary_cos"], t["rotary_sin"]),
+                     (t["rotary_cos"].astype(np.float16), t["rotary_sin"].astype(np.float32))):
+        k_cache, v_cache = t["k_cache"].copy(), t["v_cache"].copy()
+        out = np.zeros_like(t["q"])
+        args = _kwargs(t) | dict(rotary_cos=cos, rotary_sin=sin)
+        with pytest.raises(TypeError, match=rf"rotary_sin has dtype {sin.dtype} \(shape "
+                           rf"\(9, 8\)\); it must be rotary_cos's \({cos.dtype}\)"):
+            _eng().attention_with_kvcache(t["q"], k_cache, v_cache, out,
+                                          AttentionOptions(causal=True), **args)
+        assert not out.any()
+        assert np.array_equal(k_cache, t["k_cache"], equal_nan=True)
+        assert np.array_equal(v_cache, t["v_cache"], equal_nan=True)
+
+
 def test_rotary_or_v_new_without_k_new_is_refused(rng):
     t = case(rng, 1, 1, 1, 2, 1, 8, [2], capacity=4, rotary_dim=4)
     out = np.zeros_like(t["q"])
