@@ -519,35 +519,11 @@ def _check_per_head(specs: dict, dims) -> None:
                          f"sinks, which this call does not have")
 
 
-# What the CUDA kernels do not take yet (SPEC part 2 runs on the reference backend first): each
-# is refused when a plan is made, never run to a wrong answer. (head_dim above MAX_HEAD_DIM is
-# refused for every backend, by AttentionDims.)
-_NOT_ON_GPU = "not on the GPU kernels yet; use ComputeEngine('reference')"
-
-
 def check_backend_reach(backend, specs: dict, opts, dims) -> None:
-    """The backend takes every option and tensor of the call (the one place that says what the
-    CUDA backend refuses)."""
-    if backend.name != "cuda":
-        return
-    _check_paged_reach(specs, dims)
-
-
-def _check_paged_reach(specs: dict, dims) -> None:
-    """A paged KV cache runs on the decode kernels (a KV group of at most DECODE_ROWS query
-    rows); the forward (prefill) kernels do not read one yet."""
-    table = specs.get("block_table")
-    if table is None:
-        return
-    from .cuda.configs import DECODE_ROWS
-
-    group_rows = dims.heads // dims.kv_heads * dims.seq_q
-    if group_rows > DECODE_ROWS and dims.seq_k:
-        raise ValueError(f"block_table (shape {table.shape}), a paged KV cache with "
-                         f"{group_rows} query rows per KV group (q shape {specs['q'].shape}, "
-                         f"{dims.heads // dims.kv_heads} heads per KV head): the CUDA kernels "
-                         f"read a paged cache in decode, at most {DECODE_ROWS} rows per KV "
-                         f"group; prefill over one is {_NOT_ON_GPU}")
+    """The backend takes every option and tensor of the call: the one place that refuses, by
+    name and before any launch, what a backend's kernels cannot take (SPEC: no silent fallback).
+    The CUDA kernels take every option today (a paged KV cache on the decode kernels and the
+    forward's paged builds alike), so it refuses nothing."""
 
 
 def check_device(backend, name: str, t) -> None:

@@ -12,8 +12,8 @@ import threading
 import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
-from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_ROTARY, EXTRAS_SINKS, EXTRAS_VARLEN,
-                      LAYOUT_TENSORS, contiguous_rope_layout, forward_params_of, seed_extras)
+from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_PAGED, EXTRAS_ROTARY, EXTRAS_SINKS,
+                      EXTRAS_VARLEN, LAYOUT_TENSORS, contiguous_rope_layout, forward_params_of, seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address
@@ -366,11 +366,11 @@ class CudaBackend:
     # --- planning ---------------------------------------------------------------------------------
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
                 rows: int = 0, many_blocks: bool = False, plain: bool = False,
-                lse_given: bool = True, mods: bool = False,
-                varlen: bool = False) -> configs.Variant:
+                lse_given: bool = True, mods: bool = False, varlen: bool = False,
+                paged: bool = False) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
                               self.capability, copy_bytes, rows, many_blocks, plain, lse_given,
-                              mods, varlen)
+                              mods, varlen, paged)
 
     def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict, extras=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; each
@@ -397,7 +397,10 @@ class CudaBackend:
     def _choice(self, op: str, buffers: dict, params, layout, ptrs: dict, extras) -> dict:
         """What selects an attention launch's variant (`variant`'s arguments bar the op): dtype,
         head_dim, copy width, and whether the call is `plain`, passes the forward's lse, needs
-        the model options built in, is varlen (packed sequences: the FERRO_VARLEN builds)."""
+        the model options built in, is varlen (packed sequences: the FERRO_VARLEN builds), is a
+        forward over a paged KV cache (the FERRO_PAGED builds). A paged cache's k and v strides
+        are a block's, a row's within the block and a head's (the layout's b, s, h), so the copy
+        width covers the block stride too."""
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)
         names = [a for a in configs.ARGS[op] if a not in _NOT_ROWS]
@@ -409,7 +412,8 @@ class CudaBackend:
         plain = (buffers.get("mask") is None and float(params["dropout_prob"]) == 0.0
                  and not mods)
         return dict(dtype=dtype, head_dim=d, copy_bytes=vec * dtype.itemsize, plain=plain,
-                    lse_given=lse_given, mods=mods, varlen=packed(extras))
+                    lse_given=lse_given, mods=mods, varlen=packed(extras),
+                    paged=op == configs.FORWARD and reads_pages(extras))
 
     def fused_variant(self, buffers: dict, params, layout, ptrs: dict,
                       extras=None) -> configs.Variant | None:
@@ -514,15 +518,17 @@ class CudaBackend:
 
     def _kernel(self, op: str, dtype, head_dim: int, copy_bytes: int, rows: int = 0,
                 many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
-                mods: bool = False, varlen: bool = False):
+                mods: bool = False, varlen: bool = False, paged: bool = False):
         """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
         decode blocks beyond one per SM, no mask or dropout, the forward's lse given, softcap,
-        ALiBi or sinks computed), chosen, compiled and given its shared memory once."""
-        key = (op, dtype, head_dim, copy_bytes, rows, many_blocks, plain, lse_given, mods, varlen)
+        ALiBi or sinks computed, packed sequences, a paged KV cache), chosen, compiled and given
+        its shared memory once."""
+        key = (op, dtype, head_dim, copy_bytes, rows, many_blocks, plain, lse_given, mods, varlen,
+               paged)
         hit = self._kernels.get(key)
         if hit is None:
             v = self.variant(op, dtype, head_dim, copy_bytes, rows, many_blocks, plain, lse_given,
-                             mods, varlen)
+                             mods, varlen, paged)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes
@@ -562,6 +568,11 @@ def model_options(op: str, extras: np.void, lse_given: bool = True) -> bool:
 def packed(extras: np.void) -> bool:
     """Whether the call is varlen (packed sequences): its kernels are the varlen builds."""
     return bool(int(extras["flags"]) & EXTRAS_VARLEN)
+
+
+def reads_pages(extras: np.void) -> bool:
+    """Whether the call reads a paged KV cache: its forward kernel is a paged build."""
+    return bool(int(extras["flags"]) & EXTRAS_PAGED)
 
 
 def _copy_width(dtype: np.dtype, d: int, ptrs, strides=()) -> int:

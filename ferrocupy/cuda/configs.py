@@ -144,6 +144,12 @@ class Variant:
     # bf16 d128, spills in others), so every table entry also comes as a varlen copy
     # (with_varlen), made by select, not listed in the table.
     varlen: bool = False
+    # a paged KV cache (FERRO_PAGED: K/V rows through `block_table`, ferro_pages.cuh) compiled in:
+    # the forward's builds that serve a paged prefill, never taken by another call (so the plain
+    # builds' parameters, code and registers stay theirs). Like varlen, every forward entry
+    # comes as a paged copy (with_paged), made by select, not listed in the table. The decode
+    # kernels take a paged cache at run time.
+    paged: bool = False
 
     @property
     def half(self) -> bool:
@@ -181,8 +187,10 @@ class Variant:
     def args(self) -> tuple:
         """Buffer names in the kernel's parameter order; then `vec`, `mask_kind`, the struct. A
         persistent kernel also takes `tile_counter` (a uint32 at 0 before the launch, which the
-        launch leaves at 0: its blocks claim their query tiles from it)."""
-        return ARGS[self.op] + ((TILE_COUNTER,) if self.persistent else ())
+        launch leaves at 0: its blocks claim their query tiles from it). A paged build takes
+        `block_table` after the forward's buffers."""
+        return (ARGS[self.op] + (("block_table",) if self.paged else ())
+                + ((TILE_COUNTER,) if self.persistent else ()))
 
     @property
     def threads(self) -> int:
@@ -277,6 +285,8 @@ class Variant:
             d["FERRO_DKDV_PARTS"] = self.parts
         if self.varlen:
             d["FERRO_VARLEN"] = 1
+        if self.paged:
+            d["FERRO_PAGED"] = 1
         return d
 
     @property
@@ -313,6 +323,7 @@ class Variant:
                 + (", softcap, ALiBi and sinks" if self.mods else "")
                 + (f", dK/dV in {self.parts} column ranges" if self.parts > 1 else "")
                 + (", packed sequences (varlen)" if self.varlen else "")
+                + (", paged KV cache" if self.paged else "")
                 + f", {self.shared_bytes} B shared")
 
 
@@ -566,7 +577,7 @@ def padded_head_dim(d: int) -> int:
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
            capability: int = 0, copy_bytes: int = 0, rows: int = 0,
            many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
-           mods: bool = False, varlen: bool = False) -> Variant:
+           mods: bool = False, varlen: bool = False, paged: bool = False) -> Variant:
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
@@ -576,7 +587,8 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     admits the variants built without them; `lse_given` (the backward has the forward's lse)
     admits the wgmma dQ kernel, which has no statistics pass; `mods` (the kernel computes
     softcap, ALiBi or sinks for the call) admits only the variants built with them; `varlen`
-    (packed sequences) gives the chosen one's varlen copy."""
+    (packed sequences) gives the chosen one's varlen copy, `paged` (the forward over a paged KV
+    cache) its paged copy."""
     dtype = np.dtype(dtype)
     candidates = (TABLE if table is None else table)[(op, dtype, padded_head_dim(head_dim))]
     need = []  # shared bytes of the candidates that fail only for it
@@ -589,7 +601,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
             continue
         if v.runs_on(capability, copy_bytes) and v.rows >= rows:
             if v.shared_bytes <= smem_limit:
-                return with_varlen(v, varlen)
+                return with_paged(with_varlen(v, varlen), paged)
             need.append(v.shared_bytes)
     rows_said = f" with {rows} query rows a KV group" if rows else ""
     raise ValueError(f"{op} in {dtype} at head_dim {head_dim}{rows_said} needs at least "
@@ -647,11 +659,23 @@ def with_varlen(v: Variant, varlen: bool) -> Variant:
     return dataclasses.replace(v, varlen=True) if varlen else v
 
 
+def with_paged(v: Variant, paged: bool) -> Variant:
+    """`v`, or (paged) its copy built to read a paged KV cache: the forward's alone, and never
+    a varlen one (a varlen call takes no block table)."""
+    if not paged:
+        return v
+    if v.op != FORWARD or v.varlen:
+        raise ValueError(f"a paged KV cache is read by the forward's dense builds alone, not by "
+                         f"{v.describe()}")
+    return dataclasses.replace(v, paged=True)
+
+
 def all_variants() -> list[Variant]:
-    """Every variant `select` can return (what the compile tests build): the table's, and each
-    one's varlen copy."""
+    """Every variant `select` can return (what the compile tests build): the table's, each
+    one's varlen copy, and each forward's paged copy."""
     table = [v for vs in TABLE.values() for v in vs]
-    return table + [with_varlen(v, True) for v in table]
+    return (table + [with_varlen(v, True) for v in table]
+            + [with_paged(v, True) for v in table if v.op == FORWARD])
 
 
 # RoPE: one thread per (token, group of heads, VEC frequencies or VEC passed-through features),

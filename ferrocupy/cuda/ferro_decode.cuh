@@ -11,8 +11,10 @@
 #include "ferro_visibility.cuh"
 #include "ferro_score.cuh"
 #include "ferro_epilogue.cuh"
+#include "ferro_pages.cuh"
 
 #include "ferro_elem.cuh"
+static_assert(!FERRO_PAGED, "the decode kernels take a paged cache at run time (DecodeBlock)");
 
 // A split's keys [j_lo, j_hi): split * split_keys on, clipped to what some row of the call can
 // see and to the reach (past it nothing is read).
@@ -31,16 +33,14 @@ __device__ __forceinline__ void split_keys_range(const AttnShape& s, u32 split, 
 // decode cases, H200, 2026-12-03.) `s` becomes batch b's shape (its kv_lens entry, or its
 // varlen sequence: for_sequence; a kernel leaves at once when the sequence has no row, R = 0,
 // so no block of that pair takes a ticket and its counter stays zero).
-// A paged cache (SPEC "Paged KV cache"; `pages` non-null): key j lies in row j % page of block
-// pages[j / page], at element block * k_block + row * rk.stride from rk.off (the KV head's
-// column); a contiguous one is a single page of every key (block 0, row j).
+// A paged cache (ferro_pages.cuh; `pg.pages` non-null): key j's K row at element
+// block * k_block + row * rk.stride from rk.off (the KV head's column).
 struct DecodeBlock {
     u32 b, hk, G;          // G: query heads per KV head
     int R;                 // rows: row r is head hk * G + r / seq_q, query r % seq_q
     Rows rk, rv;           // (b, hk)'s rows of K and V (paged: hk's column of a block)
     long long j_lo, j_hi;  // this split's keys
-    const int* pages;      // batch b's row of block_table (null: contiguous)
-    u32 page, page_shift;  // rows per block; log2 of it when a power of two, else 32
+    KeyPages pg;           // batch b's pages (contiguous: one page of every key)
     u64 k_block, v_block;  // elements from one block to the next (0: contiguous)
     u32 frame_q;           // s.frame_q: the workspace's rows per (batch, head)
     long long q0;          // the batch entry's first row of q and out (varlen; else 0)
@@ -72,11 +72,9 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
     d.q0 = s.q_start;
     d.G = s.heads / s.kv_heads;
     d.R = (int)(d.G * s.seq_q);
-    d.pages = nullptr, d.page = 0, d.page_shift = 32, d.k_block = d.v_block = 0;
-    if (block_table && ex.page_size) {  // seq_k is the capacity: max_blocks * page_size
-        d.page = ex.page_size;
-        d.page_shift = (d.page & (d.page - 1)) ? 32u : (u32)(__ffs(d.page) - 1);
-        d.pages = block_table + (u64)d.b * (s.seq_k / d.page);
+    d.pg = key_pages(block_table, ex.page_size, s.seq_k, d.b);
+    d.k_block = d.v_block = 0;
+    if (d.pg.pages) {
         d.k_block = lay.k.b, d.v_block = lay.v.b;
         d.rk = rows_of(lay.k, 0, d.hk), d.rv = rows_of(lay.v, 0, d.hk);
     } else {
@@ -86,33 +84,16 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
     return d;
 }
 
-// Where key j (one that exists: j < kv_len) lies: its block (the table read) and row.
-__device__ __forceinline__ void key_slot(const DecodeBlock& d, long long j, u64& block, u64& row) {
-    if (!d.pages) {
-        block = 0, row = (u64)j;
-        return;
-    }
-    const u64 jj = (u64)j;
-    const u64 t = d.page_shift < 32 ? jj >> d.page_shift : jj / d.page;
-    row = d.page_shift < 32 ? jj & (d.page - 1) : jj - t * d.page;
-    block = (u64)(u32)__ldg(d.pages + t);
-}
-
-// The keys of one tile [jt, jt + n) (jt < j_hi): translated once when they lie in one page (a
-// contiguous cache, or a page that holds the tile: its keys are consecutive rows of one block),
-// else each key on its own (`at`). Element offsets of key j's K and V rows (from rk.off, rv.off).
+// The keys of one tile [jt, jt + n) (jt < j_hi), translated once where one page holds them
+// (TileSlots): element offsets of key j's K and V rows (from rk.off, rv.off).
 struct TileKeys {
-    bool one_page;
-    long long jt;
-    u64 block, row;  // jt's
-    __device__ __forceinline__ TileKeys(const DecodeBlock& d, long long jt_, int n) : jt(jt_) {
-        key_slot(d, jt, block, row);
-        one_page = !d.pages || row + (u64)n <= d.page;
-    }
+    TileSlots slots;
+    __device__ __forceinline__ TileKeys(const DecodeBlock& d, long long jt, int n)
+        : slots(d.pg, jt, n) {}
     __device__ __forceinline__ void at(const DecodeBlock& d, long long j, u64& k_off,
                                        u64& v_off) const {
-        u64 bl = block, r = row + (u64)(j - jt);
-        if (!one_page) key_slot(d, j, bl, r);
+        u64 bl, r;
+        slots.at(d.pg, j, bl, r);
         k_off = bl * d.k_block + r * d.rk.stride;
         v_off = bl * d.v_block + r * d.rv.stride;
     }

@@ -78,20 +78,27 @@ __device__ __forceinline__ u64 desc_mn_major(u32 tile, int kk) {
     return sw128_desc(tile + kk * 2048, ROWS * 128, 1024);
 }
 
-// Copy rows [row0, row0 + ROWS) x [0, DP) of a row-strided matrix of 16-bit elements into the
-// swizzled layout, 16 bytes per cp.async; rows before 0 or past n_rows and columns past D (a
-// multiple of 8) are zero-filled.
-template <int ROWS, int DP, int THREADS>
-__device__ __forceinline__ void load_tile_sw128(u16* smem, const u16* base, u64 row_stride,
-                                                long long row0, long long n_rows, int D) {
+// Copy rows [row0, row0 + ROWS) x [0, DP) of a matrix of 16-bit elements (row `row` at element
+// row_at(row) of base, asked only of valid rows: ferro_copy.cuh's RowAt) into the swizzled
+// layout, 16 bytes per cp.async; rows before 0 or past n_rows and columns past D (a multiple of
+// 8) are zero-filled.
+template <int ROWS, int DP, int THREADS, class RowAt>
+__device__ __forceinline__ void load_tile_sw128_at(u16* smem, const u16* base, RowAt row_at,
+                                                   long long row0, long long n_rows, int D) {
     constexpr int CHUNKS = DP / 8;
 #pragma unroll 1  // unrolled, its addresses would be hoisted out of the key loop
     for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS, c = idx % CHUNKS;
         const long long row = row0 + r;
         const bool ok = row >= 0 && row < n_rows && 8 * c < D;
-        const u16* src = ok ? base + (u64)row * row_stride + 8 * c : base;
+        const u16* src = ok ? base + row_at(row) + 8 * c : base;
         u16* dst = smem + (c >> 3) * ROWS * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3);
         cp_async<16>(dst, src, ok);
     }
+}
+// Rows `row_stride` elements apart.
+template <int ROWS, int DP, int THREADS>
+__device__ __forceinline__ void load_tile_sw128(u16* smem, const u16* base, u64 row_stride,
+                                                long long row0, long long n_rows, int D) {
+    load_tile_sw128_at<ROWS, DP, THREADS>(smem, base, StridedRows{row_stride}, row0, n_rows, D);
 }

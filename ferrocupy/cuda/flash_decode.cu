@@ -88,12 +88,12 @@ flash_decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // thread, not a tile per warp).
     auto k_row = [&](long long j) {
         u64 bl, r;
-        key_slot(blk, j, bl, r);
+        key_slot(blk.pg, j, bl, r);
         return bl * blk.k_block + r * rk.stride;
     };
     auto v_row = [&](long long j) {
         u64 bl, r;
-        key_slot(blk, j, bl, r);
+        key_slot(blk.pg, j, bl, r);
         return bl * blk.v_block + r * rv.stride;
     };
     auto load_kv = [&](int t) {

@@ -9,12 +9,16 @@
 // during S = Q K_j^T, K_{j+1} during the softmax and O += P V_j); P stays in registers. Geometry
 // (FERRO_*: padded head_dim, a multiple of 16; warps; MT; BN) comes from cuda/configs.py, the one
 // table the backend and the compile tests read.
+// A paged KV cache (FERRO_PAGED builds, configs.py's `paged`): each K/V tile's rows come through
+// the block table (ferro_pages.cuh), translated once where one page holds the tile; the plain
+// builds address K and V by their strides as they always have.
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
 #include "ferro_tiles.cuh"
 #include "ferro_score.cuh"
 #include "ferro_epilogue.cuh"
+#include "ferro_pages.cuh"
 #ifdef FERRO_BF16
 #include "ferro_mma_f16.cuh"
 typedef MmaF16 Mma;
@@ -40,7 +44,7 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
                                         const float* __restrict__ alibi,
                                         const float* __restrict__ sinks,
                                         const int* __restrict__ cu_q, const int* __restrict__ cu_k,
-                                        const u32 vec,
+                                        const int* __restrict__ block_table, const u32 vec,
                                         const u32 mask_kind, const AttnLayout lay,
                                         const FlashV2Params p, const AttnExtras ex) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -57,8 +61,21 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
     if (Tq.empty()) return;  // a varlen tile past its sequence's rows (the whole block leaves)
 
     for_batch(s, kv_lens, Tq.b);  // before anything reads the keys' extent
-    const T* kb = k + Tq.k.off;
-    const T* vb = v + Tq.v.off;
+    // Paged: the KV head's column of block 0, each row through the pages.
+    const T* kb = k + (FERRO_PAGED ? rows_of(lay.k, 0, Tq.hk).off : Tq.k.off);
+    const T* vb = v + (FERRO_PAGED ? rows_of(lay.v, 0, Tq.hk).off : Tq.v.off);
+    // Key tile [j0, j0 + BN) of K or V (`t`: its strides; `rows`: (b, hk)'s rows) into `tile`.
+    // The pages are found anew for each tile from the parameters: nothing more lives in
+    // registers across the key loop (held there, they spilled at head_dim 128).
+    auto load_keys = [&](T* tile, const T* base, const Strides& t, const Rows& rows, long long j0) {
+        if constexpr (FERRO_PAGED) {
+            const KeyPages pg = key_pages(block_table, ex.page_size, p.seq_k, Tq.b);
+            load_tile_at<T, BN, DP, PITCH, THREADS>(tile, base, PagedRows(pg, t, j0, BN, s.kv_reach),
+                                                    j0, s.kv_reach, D, vec);
+        } else {
+            load_tile<T, BN, DP, PITCH, THREADS>(tile, base, rows.stride, j0, s.kv_reach, D, vec);
+        }
+    };
     const float slope = OPT::MODS ? alibi_slope(s, Tq.b, Tq.h) : 0.f;
 
     load_tile<T, BM, DP, PITCH, THREADS>(sQ, q + Tq.q.off, Tq.q.stride, Tq.m0, s.seq_q, D, vec);
@@ -81,21 +98,20 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = neg_inf(), l_run[mt][0] = l_run[mt][1] = 0.f;
 
-    if (n_tiles > 0) load_tile<T, BN, DP, PITCH, THREADS>(sK, kb, Tq.k.stride, j_first, s.kv_reach, D, vec);
+    if (n_tiles > 0) load_keys(sK, kb, lay.k, Tq.k, j_first);
     cp_async_commit();
 
     for (int it = 0; it < n_tiles; ++it) {
         const long long j0 = j_first + (long long)it * BN;
         cp_async_wait<0>();
         __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
-        load_tile<T, BN, DP, PITCH, THREADS>(sV, vb, Tq.v.stride, j0, s.kv_reach, D, vec);
+        load_keys(sV, vb, lay.v, Tq.v, j0);
         cp_async_commit();
 
         float sc[MT][NT][4];
         Mma::gemm_abt<MT, NT, DP, PITCH>(sQw, sK, sc);
         __syncthreads();  // every warp is done with K_j
-        if (it + 1 < n_tiles)
-            load_tile<T, BN, DP, PITCH, THREADS>(sK, kb, Tq.k.stride, j0 + BN, s.kv_reach, D, vec);
+        if (it + 1 < n_tiles) load_keys(sK, kb, lay.k, Tq.k, j0 + BN);
         cp_async_commit();
 
         const bool whole = keys_wholly_visible<BN>(s, Tq, j0);
@@ -135,10 +151,11 @@ flash_fwd_half(const u16* __restrict__ q, const u16* __restrict__ k, const u16* 
                u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
                const int* __restrict__ kv_lens, const float* __restrict__ alibi,
                const float* __restrict__ sinks, const int* __restrict__ cu_q,
-               const int* __restrict__ cu_k, const u32 vec, const u32 mask_kind,
-               const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
-    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, cu_q, cu_k, vec, mask_kind,
-                          lay, p, ex);
+               const int* __restrict__ cu_k, FERRO_BLOCK_TABLE_PARAM const u32 vec,
+               const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
+               const AttnExtras ex) {
+    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, cu_q, cu_k,
+                          FERRO_BLOCK_TABLE_ARG, vec, mask_kind, lay, p, ex);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
@@ -147,9 +164,10 @@ flash_attn_v2(const float* __restrict__ q, const float* __restrict__ k,
               const void* __restrict__ mask, float* __restrict__ lse,
               const int* __restrict__ kv_lens, const float* __restrict__ alibi,
               const float* __restrict__ sinks, const int* __restrict__ cu_q,
-              const int* __restrict__ cu_k, const u32 vec, const u32 mask_kind,
-              const AttnLayout lay, const FlashV2Params p, const AttnExtras ex) {
-    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, cu_q, cu_k, vec, mask_kind,
-                          lay, p, ex);
+              const int* __restrict__ cu_k, FERRO_BLOCK_TABLE_PARAM const u32 vec,
+              const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
+              const AttnExtras ex) {
+    forward<BuildOptions>(q, k, v, out, mask, lse, kv_lens, alibi, sinks, cu_q, cu_k,
+                          FERRO_BLOCK_TABLE_ARG, vec, mask_kind, lay, p, ex);
 }
 #endif

@@ -14,6 +14,8 @@
 // per tile (at S 1024, 8 key tiles per query tile). Blocks take tiles from a global counter (the
 // next free one, heaviest causal tiles first: no block is left with the long tail that a fixed
 // turn gave causal calls), or in a fixed turn where the backend passes no counter.
+// A paged KV cache (FERRO_PAGED builds, configs.py's `paged`): the loaders copy each K/V tile's
+// rows through the block table (ferro_pages.cuh), translated once where one page holds the tile.
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
@@ -23,6 +25,7 @@
 #include "ferro_mma_f16.cuh"
 #include "ferro_wgmma.cuh"
 #include "ferro_mbarrier.cuh"
+#include "ferro_pages.cuh"
 
 namespace {
 // PLAIN: built for calls without an additive mask, dropout, softcap, ALiBi or sinks (configs.py
@@ -37,8 +40,10 @@ constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
 // Two Q buffers (up to head_dim 128): the loaders fetch the next tile's Q while the computing
 // warpgroups still work on this one's last keys, so a tile starts without waiting for its Q (and
 // its warpgroups do not all wait for the slowest one's last product first).
-// Registers per thread: the loaders need few, the computing warpgroups hold S, P and O.
-constexpr int LOADER_REGS = WARPS == 8 ? 40 : 24, COMPUTE_REGS = WARPS == 8 ? 232 : 160;
+// Registers per thread: the loaders need few (a paged build's translate pages: at 12 warps 32,
+// what the computing warpgroups leave; 24 spilled), the computing warpgroups hold S, P and O.
+constexpr int LOADER_REGS = WARPS == 8 ? 40 : (FERRO_PAGED ? 32 : 24);
+constexpr int COMPUTE_REGS = WARPS == 8 ? 232 : 160;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 rows per warp");
 static_assert((DP == 64 || DP == 128 || DP == 192 || DP == 256) && (BN == 64 || BN == 128),
               "wgmma tile geometry");
@@ -55,7 +60,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                    u16* __restrict__ out, const void* __restrict__ mask, float* __restrict__ lse,
                    const int* __restrict__ kv_lens, const float* __restrict__ alibi,
                    const float* __restrict__ sinks, const int* __restrict__ cu_q,
-                   const int* __restrict__ cu_k, u32* __restrict__ tile_counter, const u32 vec,
+                   const int* __restrict__ cu_k, FERRO_BLOCK_TABLE_PARAM
+                   u32* __restrict__ tile_counter, const u32 vec,
                    const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
                    const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
@@ -118,14 +124,23 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             const int n_tiles = key_tiles<BN>(s, T, j_first);
             load_tile_sw128<BM, DP, LOADERS>(sQ + (n % Q_BUFS) * Q_ELEMS, q + T.q.off, T.q.stride, T.m0, s.seq_q, D);
             mbar_arrive_cp_async(&q_full[n % Q_BUFS]);
-            const u16* kb = k + T.k.off;
-            const u16* vb = v + T.v.off;
+            // Paged: the KV head's column of block 0, each row through the pages.
+            const u16* kb = k + (FERRO_PAGED ? rows_of(lay.k, 0, T.hk).off : T.k.off);
+            const u16* vb = v + (FERRO_PAGED ? rows_of(lay.v, 0, T.hk).off : T.v.off);
             for (int t = 0; t < n_tiles; ++t, ++ring) {
                 const u32 st = ring % STAGES;
                 ring_wait_empty(empty, ring);  // its use STAGES before is handed back
                 const long long j = j_first + (long long)t * BN;
-                load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
-                load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
+                if constexpr (FERRO_PAGED) {
+                    const KeyPages pg = key_pages(FERRO_BLOCK_TABLE_ARG, ex.page_size, p.seq_k, T.b);
+                    const PagedRows kr(pg, lay.k, j, BN, s.kv_reach);
+                    load_tile_sw128_at<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, kr, j, s.kv_reach, D);
+                    load_tile_sw128_at<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, kr.with_strides(lay.v),
+                                                        j, s.kv_reach, D);
+                } else {
+                    load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
+                    load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
+                }
                 mbar_arrive_cp_async(&full[st]);
             }
         }
