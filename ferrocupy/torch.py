@@ -428,8 +428,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
       `block_table[b, j // page_size]` (with `kv_lens` as the cache lengths over a capacity of
       `max_blocks * page_size`). Inference only, as kv_lens.
     Varlen runs on both (the CUDA kernels: one launch per kernel for the packed batch); a paged
-    cache runs on CUDA tensors in decode (at most 16 query rows a KV group), prefill over one on
-    CPU tensors (the reference backend) for now.
+    cache too (on CUDA tensors the decode kernels up to 16 query rows a KV group, the forward's
+    paged builds beyond).
     """
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=torch.float32,
@@ -552,7 +552,7 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
       unbounded), `softcap`, `alibi_slopes` (float32 `[H]` or `[B, H]`), `scale` as in
       `attention`.
     CPU tensors run the reference backend; CUDA tensors the kernels (a paged cache with more
-    than 16 query rows a KV group is refused there for now)."""
+    than 16 query rows a KV group: the forward's paged builds)."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                        for x in (q, k_cache, v_cache, k_new, v_new)):
         raise ValueError("ferrocupy.torch.attention_with_kvcache has no backward (a KV cache is "

@@ -3,10 +3,13 @@
 float64 oracle (tests/dense_options.py) on the pages gathered into a contiguous cache; every
 page size; blocks no sequence reaches hold NaN and block-table entries past a sequence's reach
 hold garbage, neither read; hypothesis over page sizes, tables and options; bad block ids and
-shapes refused by name with nothing written; the CUDA backend plans paged decode and refuses
-paged prefill at plan time (tests/test_cuda_paged.py runs paged decode on the GPU)."""
+shapes refused by name with nothing written; the CUDA backend plans paged decode and paged
+prefill, and refuses a bad block table before any launch (tests/test_cuda_paged.py and
+tests/test_cuda_paged_prefill.py run them on the GPU)."""
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import pytest
@@ -226,37 +229,43 @@ def forward_into(t, out):
                                    block_table=t["block_table"])
 
 
-# --- CUDA: paged KV on the decode kernels, prefill over pages refused when the plan is made -------
-PREFILL_REFUSAL = (r"block_table \(shape \(2, 3\)\), a paged KV cache with 18 query rows per KV "
-                   r"group .*at most 16 rows per KV group; prefill over one is not on the GPU "
-                   r"kernels yet")
+# --- CUDA: paged KV on the decode and forward kernels; bad tables refused before any launch ------
+class _CudaRunner(_CudaRecorder):
+    """The CUDA stand-in with a run: index tensors read from host memory, runs recorded (nothing
+    computed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = []
+
+    def current_stream(self) -> int:
+        return 0
+
+    def read_int32(self, ptr: int, n: int, stream: int) -> np.ndarray:
+        return (np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(ptr)).copy() if n
+                else np.empty(0, np.int32))
+
+    def run_plan(self, plan, ptrs, stream, *args, **kwargs) -> None:
+        self.runs.append(str(plan))
 
 
-def test_cuda_backend_plans_paged_decode_and_refuses_paged_prefill(rng):
+@pytest.mark.parametrize("sq", [1, 9], ids=["decode", "prefill"])
+def test_cuda_backend_runs_paged_calls_and_refuses_bad_tables_before_any_launch(rng, sq):
+    """A KV group of 2 rows (decode) or 18 (prefill, the forward's paged build): planned and
+    run; every bad table of _bad_calls refused by name before the plan runs, nothing written."""
     eng = _eng()
-    eng.backend = rec = _CudaRecorder()
-    t = paged_case(rng, 2, 1, 2, 1, 8, 4, 3, [9, 2])  # a KV group of 2 rows: decode
-    eng.plan_attention(t["q"], t["k"], t["v"], np.zeros_like(t["q"]), kv_lens=t["kv_lens"],
-                       block_table=t["block_table"])  # planned (its launches: on the first run)
-    t = paged_case(rng, 2, 9, 2, 1, 8, 4, 3, [9, 2])  # 18 rows: the forward kernels' call
-    out = np.zeros_like(t["q"])
-    with pytest.raises(ValueError, match=PREFILL_REFUSAL):
-        eng.plan_attention(t["q"], t["k"], t["v"], out, kv_lens=t["kv_lens"],
-                           block_table=t["block_table"])
-    with pytest.raises(ValueError, match=PREFILL_REFUSAL):
-        eng.flash_attention_v2_with(t["q"], t["k"], t["v"], out, kv_lens=t["kv_lens"],
-                                    block_table=t["block_table"])
-    assert rec.plans == [] and not out.any()
-
-
-@pytest.mark.gpu
-def test_the_cuda_backend_refuses_paged_prefill_on_the_gpu(rng):
-    import cupy
-
-    eng = ComputeEngine("cuda", quiet=True)
-    t = {n: cupy.asarray(a) for n, a in paged_case(rng, 2, 9, 2, 1, 8, 4, 3, [9, 2]).items()}
-    out = cupy.zeros_like(t["q"])
-    with pytest.raises(ValueError, match=PREFILL_REFUSAL):
-        eng.flash_attention_v2_with(t["q"], t["k"], t["v"], out, kv_lens=t["kv_lens"],
-                                    block_table=t["block_table"])
-    assert not out.any()
+    eng.backend = rec = _CudaRunner()
+    t, cases = _bad_calls(rng)
+    t["q"] = rng.standard_normal((2, sq, 2, 8), dtype=np.float32)
+    for change, err, match in cases:
+        if "block_table" not in match:
+            continue
+        args = dict(k=t["k"], v=t["v"], kv_lens=t["kv_lens"]) | change
+        out = np.zeros_like(t["q"])
+        k, v = args.pop("k"), args.pop("v")
+        with pytest.raises(err, match=match):
+            eng.flash_attention_v2_with(t["q"], k, v, out, **args)
+        assert not out.any() and rec.runs == []
+    eng.flash_attention_v2_with(t["q"], t["k"], t["v"], np.zeros_like(t["q"]),
+                                kv_lens=t["kv_lens"], block_table=t["block_table"])
+    assert rec.plans == rec.runs == ["forward"]

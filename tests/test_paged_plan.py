@@ -1,8 +1,10 @@
 """A paged KV cache on the CUDA backend, planned without a GPU (tests/test_backend_plan.py's fake
 device): a decode-shaped paged call plans the decode kernel with `block_table` as an argument
 filled in on each run and `page_size` in its AttnExtras; a contiguous call passes no table;
-paged prefill (more than DECODE_ROWS query rows a KV group) stays refused, by name, before
-anything is planned. The append's plan: its launch first (append_kv.cu), then the attention,
+paged prefill (more than DECODE_ROWS query rows a KV group) plans the forward's paged build
+(configs.py's `paged`, FERRO_PAGED: the wgmma kernel on sm_90a, mma.sync elsewhere and in
+float32), `block_table` after its buffers, its copy width covering the cache's block stride;
+a contiguous forward never takes a paged build. The append's plan: its launch first (append_kv.cu), then the attention,
 which with RoPE reads the rotated q from the workspace. tests/test_cuda_paged.py and
 tests/test_cuda_append.py run the kernels."""
 
@@ -14,7 +16,7 @@ import pytest
 from ferrocupy import AttentionOptions
 from ferrocupy.cuda import configs
 from ferrocupy.cuda.launch import NULL
-from ferrocupy.dtypes import BFLOAT16, FLOAT32
+from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from ferrocupy.params import EXTRAS_PAGED, AttentionDims, contiguous_layout
 from ferrocupy.plan import AttentionPlan, TensorSpec
 from test_backend_plan import backend, buf, forward_buffers, ptrs
@@ -60,22 +62,113 @@ def test_a_contiguous_decode_passes_no_table():
     assert args[configs.ARGS[configs.DECODE].index("block_table")] is NULL
 
 
-@pytest.mark.parametrize("sq,h,hkv,refused", [(1, 32, 8, False), (4, 16, 4, False),
-                                              (16, 2, 2, False), (17, 2, 2, True),
-                                              (9, 4, 2, True), (64, 8, 8, True)])
-def test_paged_calls_plan_exactly_where_the_decode_kernels_take_them(sq, h, hkv, refused):
-    """At most DECODE_ROWS query rows a KV group: decode (planned); more: prefill, refused
-    naming block_table and the rows; never a silent fallback."""
-    specs = paged_specs(2, sq, h, hkv, 64, 16, 4, 10)
-    rec = _CudaRecorder()
-    rows = h // hkv * sq
-    assert (rows > configs.DECODE_ROWS) == refused
-    if refused:
-        with pytest.raises(ValueError, match=rf"block_table \(shape \(2, 4\)\), a paged KV cache "
-                                             rf"with {rows} query rows per KV group"):
-            AttentionPlan(rec, "forward", specs, AttentionOptions())
+@pytest.mark.parametrize("sq,h,hkv", [(1, 32, 8), (4, 16, 4), (16, 2, 2), (17, 2, 2), (9, 4, 2),
+                                      (64, 8, 8)])
+def test_paged_calls_take_the_decode_kernels_up_to_16_rows_a_group_else_the_paged_forward(
+        sq, h, hkv):
+    """At most DECODE_ROWS query rows a KV group: decode; more: the forward's paged build
+    (nothing refused, nothing falls back to a contiguous copy)."""
+    plan, made, compiled = _paged_plan(backend(), sq=sq, h=h, hkv=hkv, d=64, page=16)
+    name = made.launches[0].fn.name
+    if h // hkv * sq <= configs.DECODE_ROWS:
+        assert name.startswith("flash_decode") and "FERRO_PAGED" not in dict(compiled[-1][2])
     else:
-        AttentionPlan(rec, "forward", specs, AttentionOptions())
+        assert name == "flash_fwd_wgmma" and dict(compiled[-1][2])["FERRO_PAGED"] == 1
+
+
+def _paged_plan(b, *, sq, h, hkv, d, page, dtype=BFLOAT16, opts=None, k=None, mask=False):
+    """(engine plan, backend plan, the loader's compiles) of a paged forward: 2 sequences, a
+    capacity of 1024 keys, kv_lens; `k`: the cache's TensorSpec (default C-contiguous)."""
+    specs = paged_specs(2, sq, h, hkv, d, page, 1024 // page, 2 * (1024 // page) + 1, dtype)
+    if k is not None:
+        specs |= dict(k=k, v=k)
+    if mask:
+        specs["mask"] = TensorSpec.contiguous((2, 1, sq, 1024), FLOAT32, "cpu")
+    opts = AttentionOptions(causal=True, causal_offset=1024 - sq) if opts is None else opts
+    plan = AttentionPlan(_CudaRecorder(), "forward", specs, opts)
+    bufs = {n: None if s is None else buf(s.shape, s.dtype) for n, s in plan.specs.items()}
+    return plan, b.plan("forward", bufs, plan.params, plan.layout, ptrs(bufs), plan.extras), \
+        b.loader.compiled
+
+
+PREFILL_BUILDS = [  # (capability, dtype): the kernel, its options
+    (90, BFLOAT16, "flash_fwd_wgmma", ("-arch=sm_90a",)),
+    (90, FLOAT16, "flash_fwd_wgmma", ("-arch=sm_90a",)),
+    (80, BFLOAT16, "flash_fwd_half", ()),
+    (90, FLOAT32, "flash_attn_v2", ()),
+]
+
+
+@pytest.mark.parametrize("page", [1, 16, 48, 64, 256])
+@pytest.mark.parametrize("capability,dtype,kernel,options", PREFILL_BUILDS,
+                         ids=["sm90-bf16", "sm90-f16", "sm80-bf16", "sm90-f32"])
+def test_paged_prefill_plans_the_forward_s_paged_build(page, capability, dtype, kernel, options):
+    b = backend(capability)
+    plan, made, compiled = _paged_plan(b, sq=100, h=8, hkv=2, d=128, page=page, dtype=dtype)
+    assert int(plan.extras["page_size"]) == page and int(plan.extras["flags"]) & EXTRAS_PAGED
+    (launch,) = made.launches
+    source, name, defines, opts = compiled[-1]
+    assert launch.fn.name == name == kernel and opts == options
+    assert dict(defines)["FERRO_PAGED"] == 1 and "FERRO_VARLEN" not in dict(defines)
+    forward = configs.ARGS[configs.FORWARD]
+    slots = [a.name if hasattr(a, "name") else a for a in launch.args]
+    assert slots[len(forward)] == "block_table"  # after the forward's buffers
+    assert slots[forward.index("kv_lens")] == "kv_lens"
+    v = configs.select(configs.FORWARD, dtype, 128, b._smem_limit, capability=capability,
+                       copy_bytes=16, plain=True, paged=True)
+    assert v.paged and v.args[len(forward)] == "block_table" and len(launch.args) == len(v.args) + 5
+    # the contiguous prefill beside it: the plain build, no table, no FERRO_PAGED
+    q, kc = (2, 100, 8, 128), (2, 1024, 2, 128)
+    p = AttentionDims.new(np.zeros(q), np.zeros(kc)).params(AttentionOptions(causal=True))
+    bufs = forward_buffers(q, kc, dtype)
+    (dense,) = b.plan("forward", bufs, p, contiguous_layout(p), ptrs(bufs)).launches
+    assert "FERRO_PAGED" not in dict(b.loader.compiled[-1][2])
+    assert "block_table" not in [a.name for a in dense.args if hasattr(a, "name")]
+
+
+@pytest.mark.parametrize("what,capability", [("mask", 80), ("softcap", 80), ("mask", 90),
+                                             ("softcap", 90)])
+def test_paged_prefill_with_a_mask_or_model_options_takes_those_paged_builds(what, capability):
+    """The general paged builds: the mma.sync one without softcap, ALiBi and sinks for a mask,
+    with them for softcap; on sm_90a the wgmma general build (which has them)."""
+    b = backend(capability)
+    opts = AttentionOptions(causal=True, causal_offset=924, softcap=5.0 if what == "softcap" else 0.0)
+    _, made, compiled = _paged_plan(b, sq=100, h=8, hkv=2, d=64, page=16, opts=opts,
+                                    mask=what == "mask")
+    defines = dict(compiled[-1][2])
+    assert defines["FERRO_PAGED"] == 1 and "FERRO_PLAIN" not in defines
+    mods = what == "softcap" or capability == 90
+    assert defines.get("FERRO_MODS") == (1 if mods else None)
+
+
+@pytest.mark.parametrize("extra,vec,kernel", [(0, 8, "flash_fwd_wgmma"), (8, 8, "flash_fwd_wgmma"),
+                                              (2, 2, "flash_fwd_half"), (1, 1, "flash_fwd_half")])
+def test_the_copy_width_covers_the_cache_s_block_stride(extra, vec, kernel):
+    """A cache whose blocks lie `extra` elements further apart than their rows fill: the
+    block stride alone decides the copy width (16, 4 or 2 bytes), and with it the kernel."""
+    page, hkv, d = 16, 2, 64
+    block = page * hkv * d + extra
+    k = TensorSpec((65, page, hkv, d), (block, hkv * d, d, 1), BFLOAT16, "cpu")
+    plan, made, _ = _paged_plan(backend(), sq=64, h=4, hkv=hkv, d=d, page=page, k=k)
+    assert int(plan.layout["k_b"]) == block
+    (launch,) = made.launches
+    assert launch.fn.name == kernel and int(launch.args[-5]) == vec  # (then mask kind, layout,
+    # the structs)
+
+
+def test_paged_builds_are_the_forward_s_dense_ones_alone():
+    """with_paged: each forward entry's copy, none for another op or a varlen build; every
+    forward entry's paged copy is in all_variants (what the compile tests build)."""
+    forward = [v for vs in configs.TABLE.values() for v in vs if v.op == configs.FORWARD]
+    paged = [v for v in configs.all_variants() if v.paged]
+    assert sorted(map(repr, paged)) == sorted(repr(configs.with_paged(v, True)) for v in forward)
+    assert all(v.defines["FERRO_PAGED"] == 1 and "FERRO_VARLEN" not in v.defines for v in paged)
+    assert all("FERRO_PAGED" not in v.defines for v in configs.all_variants() if not v.paged)
+    dq = configs.TABLE[(configs.BACKWARD_DQ, np.dtype(BFLOAT16), 64)][0]
+    with pytest.raises(ValueError, match="forward's dense builds alone"):
+        configs.with_paged(dq, True)
+    with pytest.raises(ValueError, match="forward's dense builds alone"):
+        configs.with_paged(configs.with_varlen(forward[0], True), True)
 
 
 def _append_plan(b, *, sq, rotary_dim, page=None, dtype=BFLOAT16, causal=True):

@@ -180,14 +180,19 @@ def test_attention_with_kvcache_op_under_opcheck_and_compile(rng):
         assert torch.equal(g, w)
 
 
-def test_cuda_backend_refuses_paged_prefill_through_torch(rng, monkeypatch):
-    """A stand-in CUDA backend (host memory): paged prefill is refused when the plan is made,
-    naming the argument, nothing written (a varlen backward's refusal: tests/test_varlen.py)."""
+def test_cuda_backend_plans_and_runs_paged_prefill_through_torch(rng, monkeypatch):
+    """A stand-in CUDA backend (host memory, runs recorded): paged prefill (18 rows a KV group,
+    the forward's paged build) is planned and run through ferrocupy.torch; a bad table is
+    refused by name before any run."""
     engine = ComputeEngine("reference", quiet=True)
-    engine.backend = varlen._CudaRecorder()
+    engine.backend = paged._CudaRunner()
     monkeypatch.setattr(ft, "_engine", lambda device: engine)
     p = {n: torch.from_numpy(a) for n, a in
          paged.paged_case(rng, 2, 9, 2, 1, 8, 4, 3, [9, 2]).items()}  # prefill: 18 rows
-    with pytest.raises(ValueError, match=r"block_table .*a paged KV cache with 18 query rows"):
-        ft.attention(p["q"], p["k"], p["v"], kv_lens=p["kv_lens"], block_table=p["block_table"])
-    assert engine.backend.plans == []
+    bad = p["block_table"].clone()
+    bad[0, 2] = 99
+    with pytest.raises(ValueError, match=r"block_table\[0, 2\] = 99 is not a block"):
+        ft.attention(p["q"], p["k"], p["v"], kv_lens=p["kv_lens"], block_table=bad)
+    assert engine.backend.runs == []
+    ft.attention(p["q"], p["k"], p["v"], kv_lens=p["kv_lens"], block_table=p["block_table"])
+    assert engine.backend.plans == engine.backend.runs == ["forward"]
