@@ -195,7 +195,7 @@ def _case_id(v, arch: str) -> str:
             f"{f'-s{v.stages}' if v.stages else ''}{f'-r{v.rows}' if v.rows else ''}"
             f"{f'-p{v.parts}' if v.parts > 1 else ''}"
             f"{'-plain' if v.plain else ''}{'-mods' if v.mods else ''}"
-            f"{'-varlen' if v.varlen else ''}-sm_{arch}")
+            f"{'-varlen' if v.varlen else ''}{'-paged' if v.paged else ''}-sm_{arch}")
 
 
 def _table_jobs() -> tuple[list, list]:
