@@ -74,12 +74,12 @@ def paged(t: dict, page: int, rng, spare: int = 3) -> dict:
 def run(dev, t: dict) -> dict:
     """The engine's out and lse (poisoned first) for `t` (paged when it has a block_table)."""
     put = {n: dev.put(t.get(n)) for n in ("q", "k", "v", "kv_lens", "block_table",
-                                          "alibi_slopes")}
+                                          "alibi_slopes", "sinks")}
     b, sq, h, _ = t["q"].shape
     out, lse = dev.poisoned(t["q"].shape, dtype=t["q"].dtype), dev.poisoned((b, h, sq))
     dev.engine.flash_attention_v2_with(put["q"], put["k"], put["v"], out, t["opts"], lse=lse,
                                        kv_lens=put["kv_lens"], block_table=put["block_table"],
-                                       alibi_slopes=put["alibi_slopes"])
+                                       alibi_slopes=put["alibi_slopes"], sinks=put["sinks"])
     return {"out": dev.get(out).astype(np.float64), "lse": dev.get(lse).astype(np.float64)}
 
 
@@ -155,26 +155,29 @@ def test_unaligned_paged_rows_take_the_element_copies(decoders, rng, dtype):
 
 
 @st.composite
-def paged_calls(draw):
-    """A decode call (at most 16 rows a KV group) over a paged cache of any page size."""
+def paged_calls(draw, prefill: bool = False):
+    """A decode call (at most 16 rows a KV group) over a paged cache of any page size; with
+    `prefill`, more rows (the forward kernels' call: tests/test_cuda_paged_prefill.py) in
+    float32 or bfloat16."""
     page = draw(st.integers(1, 300))
-    blocks = draw(st.integers(1, max(1, 2000 // page)))
+    blocks = draw(st.integers(1, max(1, (1500 if prefill else 2000) // page)))
     cap = blocks * page
     b = draw(st.integers(1, 3))
     hkv = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2, 4]))
-    sq = draw(st.integers(1, 16 // group))
+    sq = draw(st.integers(16 // group + 1, 200) if prefill else st.integers(1, 16 // group))
     lens = draw(st.lists(st.integers(0, cap), min_size=b, max_size=b))
     kind = draw(st.sampled_from(["causal", "window", "sides", "none"]))
-    off = draw(st.integers(-5, cap))
+    off = draw(st.integers(-sq if prefill else -5, cap))
     opts = {"causal": dict(causal=True, causal_offset=cap - sq),
             "window": dict(causal=True, causal_offset=off, window=draw(st.integers(1, 400))),
             "sides": dict(causal_offset=off, window_left=draw(st.integers(-1, 300)),
                           window_right=draw(st.integers(-1, 50))),
             "none": dict()}[kind]
     d = draw(st.sampled_from([32, 64, 128]))
+    dtype = draw(st.sampled_from([FLOAT32, BFLOAT16])) if prefill else FLOAT32
     return dict(page=page, b=b, sq=sq, h=hkv * group, hkv=hkv, d=d, capacity=cap, lens=lens,
-                opts=AttentionOptions(**opts), seed=draw(st.integers(0, 2**32 - 1)))
+                opts=AttentionOptions(**opts), dtype=dtype, seed=draw(st.integers(0, 2**32 - 1)))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

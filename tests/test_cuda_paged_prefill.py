@@ -24,20 +24,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from ferrocupy import AttentionOptions
-from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
+from ferrocupy.dtypes import FLOAT32
 from gpu_helpers import axis, covering, dev, gpu_pytestmark, kernels, self_check  # noqa: F401
 from test_cuda_model_options import check_f32, check_half, oracle, rounded
-from test_cuda_paged import contiguous_case, paged
+from test_cuda_paged import DTYPES, PAGES, contiguous_case, paged, paged_calls, run
 
 pytestmark = gpu_pytestmark()
 torch = pytest.importorskip("torch")
-
-DTYPES = [pytest.param(FLOAT32, id="f32"), pytest.param(FLOAT16, id="f16"),
-          pytest.param(BFLOAT16, id="bf16")]
-PAGES = [1, 16, 48, 64, 256]
 
 # (batch, seq_q, heads, kv_heads, head_dim, capacity, lens, options); every case has more than
 # 16 query rows a KV group, a capacity of whole pages of every size in PAGES. "br":
@@ -56,18 +51,6 @@ CASES = {
     "gqa2-d40-causal-br": (2, 96, 4, 2, 40, 768, [500, 768],
                            dict(causal=True, causal_offset=768 - 96)),
 }
-
-
-def run(dev, t: dict) -> dict:
-    """The engine's out and lse (poisoned first) for `t` (paged when it has a block_table)."""
-    put = {n: dev.put(t.get(n)) for n in ("q", "k", "v", "kv_lens", "block_table",
-                                          "alibi_slopes", "sinks")}
-    b, sq, h, _ = t["q"].shape
-    out, lse = dev.poisoned(t["q"].shape, dtype=t["q"].dtype), dev.poisoned((b, h, sq))
-    dev.engine.flash_attention_v2_with(put["q"], put["k"], put["v"], out, t["opts"], lse=lse,
-                                       kv_lens=put["kv_lens"], block_table=put["block_table"],
-                                       alibi_slopes=put["alibi_slopes"], sinks=put["sinks"])
-    return {"out": dev.get(out).astype(np.float64), "lse": dev.get(lse).astype(np.float64)}
 
 
 def in_dtype(t: dict, dtype) -> dict:
@@ -145,32 +128,8 @@ def test_unaligned_paged_rows_take_the_element_copies(dev, rng, dtype):
     check(dev, in_dtype(t, dtype), 48, rng, f"[d7 {dtype}]")
 
 
-@st.composite
-def prefill_calls(draw):
-    """A paged call of more than 16 query rows a KV group, any page size."""
-    page = draw(st.integers(1, 300))
-    blocks = draw(st.integers(1, max(1, 1500 // page)))
-    cap = blocks * page
-    b = draw(st.integers(1, 3))
-    hkv = draw(st.sampled_from([1, 2]))
-    group = draw(st.sampled_from([1, 2, 4]))
-    sq = draw(st.integers(16 // group + 1, 200))
-    lens = draw(st.lists(st.integers(0, cap), min_size=b, max_size=b))
-    kind = draw(st.sampled_from(["causal", "window", "sides", "none"]))
-    off = draw(st.integers(-sq, cap))
-    opts = {"causal": dict(causal=True, causal_offset=cap - sq),
-            "window": dict(causal=True, causal_offset=off, window=draw(st.integers(1, 400))),
-            "sides": dict(causal_offset=off, window_left=draw(st.integers(-1, 300)),
-                          window_right=draw(st.integers(-1, 50))),
-            "none": dict()}[kind]
-    d = draw(st.sampled_from([32, 64, 128]))
-    return dict(page=page, b=b, sq=sq, h=hkv * group, hkv=hkv, d=d, capacity=cap, lens=lens,
-                opts=AttentionOptions(**opts), dtype=draw(st.sampled_from([FLOAT32, BFLOAT16])),
-                seed=draw(st.integers(0, 2**32 - 1)))
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(call=prefill_calls())
+@given(call=paged_calls(prefill=True))
 def test_random_paged_prefill_calls(call):
     """Any page size, table order, lengths (0 and full included), GQA and visibility: float32
     against the oracle, bfloat16 by the half rule; bit for bit the contiguous call's answer."""

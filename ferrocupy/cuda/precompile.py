@@ -5,7 +5,8 @@
 NVRTC compiles each variant the first time it is launched (a few seconds each); CuPy then keeps
 the binary in its on-disk cache, so later processes start fast. This fills that cache for every
 variant `configs.select` can return on this GPU (NVRTC releases the GIL, so threads overlap),
-bar the varlen builds (configs.py's `varlen` copies), which compile at a varlen call's first run.
+bar the varlen and paged builds (configs.py's `varlen` and `paged` copies), which compile at such a
+call's first run.
 """
 
 from __future__ import annotations
