@@ -9,8 +9,8 @@ takes element-wise copies, with GQA, causal + offset and a window; the same call
 (strided) views; at head_dim 64 and 128 in half precision, forwards with more query tiles than
 SMs (the persistent kernel's loop); softcap, ALiBi and sinks (forward, backward with
 grad_sinks, decode); a negative offset and a window of two sides (forward, backward, decode);
-a paged cache in decode and KV-cache appends (contiguous and paged, rotated); varlen (packed
-sequences) forward, backward and decode; then RoPE. Prints one line per call; the sanitizer's
+a paged cache in decode and prefill and KV-cache appends (contiguous and paged, rotated);
+varlen (packed sequences) forward, backward and decode; then RoPE. Prints one line per call; the sanitizer's
 summary says whether anything was found.
 """
 
@@ -178,6 +178,12 @@ def main() -> None:
                 eng.flash_attention_v2_with(qd, kp, vp, outd, AttentionOptions(
                     causal=True, causal_offset=cap - 1), lse=lsed, kv_lens=lens_p,
                     block_table=table)
+                if not decode_only:  # and in prefill (80 rows a KV group: the paged forward)
+                    qp = put((2, 40, H, d))
+                    eng.flash_attention_v2_with(
+                        qp, kp, vp, UnifiedTensor.empty(qp.shape, dtype, device="cuda"),
+                        AttentionOptions(causal=True, causal_offset=cap - 40), kv_lens=lens_p,
+                        block_table=table)
                 for qa, cache_k, cache_v, tb in ((qd, kp, vp, table), (qm, kd, vd, None)):
                     rd = (d // 2) & ~1
                     rot = {} if rd < 2 else dict(
