@@ -10,8 +10,8 @@ takes element-wise copies, with GQA, causal + offset and a window; the same call
 SMs (the persistent kernel's loop); softcap, ALiBi and sinks (forward, backward with
 grad_sinks, decode); a negative offset and a window of two sides (forward, backward, decode);
 a paged cache in decode and prefill and KV-cache appends (contiguous and paged, rotated);
-varlen (packed sequences) forward, backward and decode; then RoPE. Prints one line per call; the sanitizer's
-summary says whether anything was found.
+varlen (packed sequences) forward, backward and decode; then RoPE. Prints one line per call;
+the sanitizer's summary says whether anything was found.
 """
 
 from __future__ import annotations
