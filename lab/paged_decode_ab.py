@@ -10,12 +10,12 @@
 Per (dtype, batch x keys, page size): a contiguous cache `[B, Sk, 8, 128]` with kv_lens (every
 sequence full) and the same keys as pages of a pool (`--order random`: each sequence's blocks
 scattered over the pool, as an allocator that has run a while leaves them; `linear`: in order),
-32 query heads, one query row (--seq-q: that many), causal bottom-right. The answers are checked equal (the same
-kernel and splits: the same bits) before timing. Each side is the backend's launches alone (the
-plan's checks, which copy kv_lens and block_table to the host, stay out), timed with
-benchmarks/harness.py's time_calls over enough input sets that consecutive calls miss L2; the
-two sides alternate in rounds (--rounds) and each side's median over the rounds is reported,
-with paged / contiguous and whether it is within 5%.
+32 query heads, one query row (--seq-q: that many), causal bottom-right. The answers are checked
+equal (the same kernel and splits: the same bits) before timing. Each side is the backend's
+launches alone (the plan's checks, which copy kv_lens and block_table to the host, stay out),
+timed with benchmarks/harness.py's time_calls over enough input sets that consecutive calls miss
+L2; the two sides alternate in rounds (--rounds) and each side's median over the rounds is
+reported, with paged / contiguous and whether it is within 5%.
 """
 
 from __future__ import annotations

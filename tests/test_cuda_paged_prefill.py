@@ -1,7 +1,8 @@
 """A paged KV cache on the CUDA forward kernels (SPEC "Paged KV cache": prefill, more than
 DECODE_ROWS = 16 query rows a KV group): the forward's paged builds (configs.py's `paged`,
 FERRO_PAGED), mma.sync in every dtype and, on an H100/H200, the sm_90a wgmma kernel in half
-precision (`kernels`: the engine's own pick, and mma.sync alone). Key j of batch b is row j % page_size of block block_table[b, j // page_size].
+precision (`kernels`: the engine's own pick, and mma.sync alone). Key j of batch b is row j %
+page_size of block block_table[b, j // page_size].
 
 Each call is made from one set of keys twice: as a contiguous `[B, capacity, Hkv, D]` cache with
 kv_lens (the float64 oracle's input) and paged, its pages scattered over a larger pool in random

@@ -3,10 +3,10 @@ device): a decode-shaped paged call plans the decode kernel with `block_table` a
 filled in on each run and `page_size` in its AttnExtras; a contiguous call passes no table;
 paged prefill (more than DECODE_ROWS query rows a KV group) plans the forward's paged build
 (configs.py's `paged`, FERRO_PAGED: the wgmma kernel on sm_90a, mma.sync elsewhere and in
-float32), `block_table` after its buffers, its copy width covering the cache's block stride;
-a contiguous forward never takes a paged build. The append's plan: its launch first (append_kv.cu), then the attention,
-which with RoPE reads the rotated q from the workspace. tests/test_cuda_paged.py and
-tests/test_cuda_append.py run the kernels."""
+float32), `block_table` after its buffers, its copy width covering the cache's block stride; a
+contiguous forward never takes a paged build. The append's plan: its launch first
+(append_kv.cu), then the attention, which with RoPE reads the rotated q from the workspace.
+tests/test_cuda_paged.py and tests/test_cuda_append.py run the kernels."""
 
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ def test_paged_prefill_with_a_mask_or_model_options_takes_those_paged_builds(wha
     """The general paged builds: the mma.sync one without softcap, ALiBi and sinks for a mask,
     with them for softcap; on sm_90a the wgmma general build (which has them)."""
     b = backend(capability)
-    opts = AttentionOptions(causal=True, causal_offset=924, softcap=5.0 if what == "softcap" else 0.0)
+    opts = AttentionOptions(causal=True, causal_offset=924,
+                            softcap=5.0 if what == "softcap" else 0.0)
     _, made, compiled = _paged_plan(b, sq=100, h=8, hkv=2, d=64, page=16, opts=opts,
                                     mask=what == "mask")
     defines = dict(compiled[-1][2])

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..dtypes import ATTENTION_DTYPES, BFLOAT16, FLOAT16, FLOAT32
 from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_PAGED, EXTRAS_ROTARY, EXTRAS_SINKS,
-                      EXTRAS_VARLEN, LAYOUT_TENSORS, contiguous_rope_layout, forward_params_of, seed_extras)
+                      EXTRAS_VARLEN, LAYOUT_TENSORS, contiguous_rope_layout, forward_params_of,
+                      seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
 from .launch import NULL, PackedLaunch, Plan, Slot, address

@@ -12,7 +12,8 @@
 #ifndef FERRO_PAGED
 #define FERRO_PAGED 0
 #endif
-static_assert(!(FERRO_PAGED && FERRO_VARLEN), "a paged build is dense: configs.py never builds both");
+static_assert(!(FERRO_PAGED && FERRO_VARLEN),
+              "a paged build is dense: configs.py never builds both");
 // The forward kernels' block_table parameter, after cu_seqlens_k, in their paged builds alone
 // (configs.py's Variant.args lists it there), so a plain build's parameters stay as they are.
 #if FERRO_PAGED

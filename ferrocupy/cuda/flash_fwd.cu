@@ -70,8 +70,8 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
     auto load_keys = [&](T* tile, const T* base, const Strides& t, const Rows& rows, long long j0) {
         if constexpr (FERRO_PAGED) {
             const KeyPages pg = key_pages(block_table, ex.page_size, p.seq_k, Tq.b);
-            load_tile_at<T, BN, DP, PITCH, THREADS>(tile, base, PagedRows(pg, t, j0, BN, s.kv_reach),
-                                                    j0, s.kv_reach, D, vec);
+            const PagedRows rows_at(pg, t, j0, BN, s.kv_reach);
+            load_tile_at<T, BN, DP, PITCH, THREADS>(tile, base, rows_at, j0, s.kv_reach, D, vec);
         } else {
             load_tile<T, BN, DP, PITCH, THREADS>(tile, base, rows.stride, j0, s.kv_reach, D, vec);
         }

@@ -132,14 +132,18 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                 ring_wait_empty(empty, ring);  // its use STAGES before is handed back
                 const long long j = j_first + (long long)t * BN;
                 if constexpr (FERRO_PAGED) {
-                    const KeyPages pg = key_pages(FERRO_BLOCK_TABLE_ARG, ex.page_size, p.seq_k, T.b);
+                    const KeyPages pg = key_pages(FERRO_BLOCK_TABLE_ARG, ex.page_size, p.seq_k,
+                                                  T.b);
                     const PagedRows kr(pg, lay.k, j, BN, s.kv_reach);
-                    load_tile_sw128_at<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, kr, j, s.kv_reach, D);
-                    load_tile_sw128_at<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, kr.with_strides(lay.v),
-                                                        j, s.kv_reach, D);
+                    load_tile_sw128_at<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, kr, j, s.kv_reach,
+                                                        D);
+                    load_tile_sw128_at<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb,
+                                                        kr.with_strides(lay.v), j, s.kv_reach, D);
                 } else {
-                    load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j, s.kv_reach, D);
-                    load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j, s.kv_reach, D);
+                    load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j,
+                                                     s.kv_reach, D);
+                    load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j,
+                                                     s.kv_reach, D);
                 }
                 mbar_arrive_cp_async(&full[st]);
             }
