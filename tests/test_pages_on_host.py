@@ -55,7 +55,7 @@ extern "C" int tile_rows(const int* table, unsigned page, unsigned seq_k, unsign
 
 // A contiguous cache (no table): row j of the one page.
 extern "C" unsigned long long contiguous_row(long long j) {
-    const KeyPages pg = key_pages(nullptr, 16, 64, 0);
+    const KeyPages pg = contiguous_pages();
     unsigned long long block, row;
     key_slot(pg, j, block, row);
     return block * 1000000 + row;

@@ -72,9 +72,9 @@ __device__ __forceinline__ DecodeBlock decode_block(AttnShape& s, const int* kv_
     d.q0 = s.q_start;
     d.G = s.heads / s.kv_heads;
     d.R = (int)(d.G * s.seq_q);
-    d.pg = key_pages(block_table, ex.page_size, s.seq_k, d.b);
-    d.k_block = d.v_block = 0;
-    if (d.pg.pages) {
+    d.pg = contiguous_pages(), d.k_block = d.v_block = 0;
+    if (block_table && ex.page_size) {
+        d.pg = key_pages(block_table, ex.page_size, s.seq_k, d.b);
         d.k_block = lay.k.b, d.v_block = lay.v.b;
         d.rk = rows_of(lay.k, 0, d.hk), d.rv = rows_of(lay.v, 0, d.hk);
     } else {

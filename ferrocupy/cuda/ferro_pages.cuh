@@ -29,17 +29,20 @@ struct KeyPages {
     u32 page, page_shift;  // rows per block; log2 of it when a power of two, else 32
 };
 
-// Batch b's pages, where the call is paged (`block_table` given and a page size), else the
-// contiguous cache's one page. seq_k is the capacity: max_blocks * page_size.
+// A contiguous cache: one page of every key.
+__device__ __forceinline__ KeyPages contiguous_pages() {
+    KeyPages pg;
+    pg.pages = nullptr, pg.page = 0, pg.page_shift = 32;
+    return pg;
+}
+// Batch b's pages of a paged call (block_table given, page_size >= 1). seq_k is the capacity:
+// max_blocks * page_size.
 __device__ __forceinline__ KeyPages key_pages(const int* block_table, u32 page_size, u32 seq_k,
                                               u32 b) {
     KeyPages pg;
-    pg.pages = nullptr, pg.page = 0, pg.page_shift = 32;
-    if (block_table && page_size) {
-        pg.page = page_size;
-        pg.page_shift = (page_size & (page_size - 1)) ? 32u : (u32)(__ffs(page_size) - 1);
-        pg.pages = block_table + (u64)b * (seq_k / page_size);
-    }
+    pg.page = page_size;
+    pg.page_shift = (page_size & (page_size - 1)) ? 32u : (u32)(__ffs(page_size) - 1);
+    pg.pages = block_table + (u64)b * (seq_k / page_size);
     return pg;
 }
 
