@@ -28,8 +28,8 @@ What transformers hands an attention function, and what becomes of it here:
 - `scaling` becomes `scale`; `dropout` (transformers passes it non-zero only in training) becomes
   `dropout_p`, seeded from torch's default generator.
 - `softcap` (Gemma 2's `attn_logit_softcapping`) and attention sinks (gpt-oss's `s_aux`, cast to
-  float32) go to `ferrocupy.torch.attention`'s `softcap=` and `sinks=` (the reference backend
-  takes both; the CUDA kernels refuse them, naming them, until their kernel work lands).
+  float32) go to `ferrocupy.torch.attention`'s `softcap=` and `sinks=` (every backend and
+  kernel path takes both).
   `position_bias` (T5-style relative bias) raises NotImplementedError.
 - The returned weights are None (as with `sdpa`): `output_attentions=True` needs `eager`.
 """
