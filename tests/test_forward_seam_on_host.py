@@ -145,7 +145,7 @@ static void lane(const Call& c, unsigned x, int warp, int g, int t, Quad* quad, 
             }
             float alpha[2];
             for (int rr = 0; rr < 2; ++rr)
-                alpha[rr] = online_softmax_raw<NT, All::MASK>(sc[mt], rr, m_run[mt][rr], l_run[mt][rr], sl2);
+                alpha[rr] = online_softmax_raw<NT, All::MASK>(sc[mt], rr, m_run[mt][rr], l_run[mt][rr], sl2, s.has_mask);
             rescale_rows<DT>(o[mt], alpha);
             const u32 bh[2] = {T.bh, T.bh}, rows[2] = {(u32)i0, (u32)i1};
             drop.template drop<NT, true>(sc[mt], bh, rows, (u32)j0, L);

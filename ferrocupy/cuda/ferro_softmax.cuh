@@ -22,15 +22,17 @@ __device__ __forceinline__ float quad_sum(float x) {
 // With sl2 = scale * log2(e) the scores may stay raw (q.k, before the scale, so the common tile
 // skips a multiply per element; max and m_run are then raw, and the row's LSE is
 // m_run * scale + log(l)); scaled scores take `online_softmax`.
-// MASKED: the scores may hold an additive mask, so a row's may all be finite and below
-// -FLT_MAX / sl2 (float32's or bfloat16's lowest as the mask on every key it sees). Then the
-// difference s - max is taken before the multiply, since the fused fma(s, sl2, -max * sl2) would
-// overflow max * sl2 to -inf and make P NaN (inf - inf). Without a mask a score is q.k, softcapped
-// or an ALiBi distance, far from that, and the fma (one instruction a score, not two) is exact
-// enough: the hot loop of the plain kernels.
+// MASKED (the kernel is built with the additive mask) and `has_mask` (the call has one): the scores
+// may hold a mask, so a row's may all be finite and below -FLT_MAX / sl2 (float32's or bfloat16's
+// lowest as the mask on every key it sees). Then the difference s - max is taken before the
+// multiply, since the fused fma(s, sl2, -max * sl2) would overflow max * sl2 to -inf and make P
+// NaN (inf - inf). Without a mask a score is q.k, softcapped or an ALiBi distance, far from that,
+// and the fma (one instruction a score, not two) is exact enough: the hot loop. A call without a
+// mask takes the fma in every variant, so the plain and the general builds give it the same bits
+// (an unaligned view runs a general mma.sync build, its aligned twin a plain wgmma one).
 template <int NT, bool MASKED>
 __device__ __forceinline__ float online_softmax_raw(float (&sc)[NT][4], int rr, float& m_run,
-                                                    float& l_run, float sl2) {
+                                                    float& l_run, float sl2, bool has_mask) {
     float mx = neg_inf();
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * rr], sc[nt][2 * rr + 1]));
@@ -41,15 +43,25 @@ __device__ __forceinline__ float online_softmax_raw(float (&sc)[NT][4], int rr, 
     m_run = m_new;
     const float m_sl2 = m_use * sl2;
     float sum = 0.f;
+    if (MASKED && has_mask) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float x = sc[nt][2 * rr + c];
-            const float e = MASKED ? exp2f((x - m_use) * sl2) : exp2f(fmaf(x, sl2, -m_sl2));
-            sum += e;
-            sc[nt][2 * rr + c] = e;
-        }
+            for (int c = 0; c < 2; ++c) {
+                const float e = exp2f((sc[nt][2 * rr + c] - m_use) * sl2);
+                sum += e;
+                sc[nt][2 * rr + c] = e;
+            }
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float e = exp2f(fmaf(sc[nt][2 * rr + c], sl2, -m_sl2));
+                sum += e;
+                sc[nt][2 * rr + c] = e;
+            }
+    }
     l_run = l_run * alpha + sum;
     return alpha;
 }
@@ -57,7 +69,7 @@ __device__ __forceinline__ float online_softmax_raw(float (&sc)[NT][4], int rr, 
 template <int NT>
 __device__ __forceinline__ float online_softmax(float (&sc)[NT][4], int rr, float& m_run,
                                                 float& l_run) {
-    return online_softmax_raw<NT, true>(sc, rr, m_run, l_run, FERRO_LOG2E);
+    return online_softmax_raw<NT, true>(sc, rr, m_run, l_run, FERRO_LOG2E, true);
 }
 
 // O's two rows (alpha[0]: c0/c1's, alpha[1]: c2/c3's) times the softmax's rescale factors, only

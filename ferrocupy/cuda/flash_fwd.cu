@@ -123,7 +123,8 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
             float alpha[2];
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr)
-                alpha[rr] = online_softmax_raw<NT, OPT::MASK>(sc[mt], rr, m_run[mt][rr], l_run[mt][rr], sl2);
+                alpha[rr] = online_softmax_raw<NT, OPT::MASK>(sc[mt], rr, m_run[mt][rr], l_run[mt][rr], sl2,
+                                                              s.has_mask);
             rescale_rows<DT>(o[mt], alpha);
             const u32 bh[2] = {Tq.bh, Tq.bh}, rows[2] = {(u32)Tq.row(mt, 0), (u32)Tq.row(mt, 1)};
             drop.template drop<NT, true>(sc[mt], bh, rows, (u32)j0, L);

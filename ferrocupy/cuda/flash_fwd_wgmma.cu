@@ -215,7 +215,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                 raw_scores<OPT, NT>(s, mask, T.b, T.h, slope, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
             }
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr) alpha[rr] = online_softmax_raw<NT, OPT::MASK>(sc, rr, m_run[rr], l_run[rr], sl2);
+            for (int rr = 0; rr < 2; ++rr) alpha[rr] = online_softmax_raw<NT, OPT::MASK>(sc, rr, m_run[rr], l_run[rr], sl2, s.has_mask);
             const u32 bh[2] = {T.bh, T.bh}, rows[2] = {(u32)T.row(0, 0), (u32)T.row(0, 1)};
             drop.template drop<NT, true>(sc, bh, rows, (u32)j0, L);
         };
