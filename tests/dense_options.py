@@ -31,13 +31,21 @@ def visible(sq, sk, offsets, *, causal, window_left, window_right):
     return vis[:, None], (a - j).abs()[:, None].double()
 
 
-def dense(q, k, v, *, causal=False, causal_offset=0, window_left=-1, window_right=-1,
-          softcap=0.0, alibi_slopes=None, sinks=None, mask=None, scale=None, kv_lens=None,
-          keep=None, dropout_prob=0.0, dtype=torch.float64):
+def dense(q, k, v, **options):
     """SPEC's formula, float64. Inputs are torch tensors (or arrays) of any float dtype;
     `alibi_slopes` [H] or [B, H]; `sinks` [H]; `mask` broadcastable to [B, H, Sq, Sk];
     `kv_lens` [B]: keys past kv_lens[b] do not exist and rows sit kv_lens[b] - Sk earlier;
     `keep` a bool [B, H, Sq, Sk] dropout keep-mask; `dtype`: what it computes in."""
+    out, lse, _ = _dense(q, k, v, **options)
+    return out, lse
+
+
+def _dense(q, k, v, *, causal=False, causal_offset=0, window_left=-1, window_right=-1,
+           softcap=0.0, alibi_slopes=None, sinks=None, mask=None, scale=None, kv_lens=None,
+           keep=None, dropout_prob=0.0, dtype=torch.float64):
+    """`dense`'s out and lse, and what `uncancelled` reads: a dict of the undropped
+    probabilities `prob` [B, H, Sq, Sk], the dropout factor `kept` (keep / (1 - p), or 1),
+    the softmax `scale` and the KV heads repeated to H (`kk`, `vv`)."""
     q, k, v = (torch.as_tensor(x).to(dtype) for x in (q, k, v))
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -67,11 +75,35 @@ def dense(q, k, v, *, causal=False, causal_offset=0, window_left=-1, window_righ
         lse = torch.logaddexp(lse, sink)
     safe = torch.where(torch.isinf(lse), 0.0, lse)  # a dead row without a sink: P = 0
     prob = torch.exp(s_live - safe[..., None]) * (~dead)
+    kept = 1.0
     if keep is not None:
         f32 = np.float32(dropout_prob)
-        prob = prob * torch.as_tensor(keep).to(dtype) * float(np.float32(1.0) / (np.float32(1.0) - f32))
-    out = torch.einsum("bhij,bjhd->bihd", prob, vv)
-    return out, lse
+        kept = torch.as_tensor(keep).to(dtype) * float(np.float32(1.0) / (np.float32(1.0) - f32))
+    out = torch.einsum("bhij,bjhd->bihd", prob * kept, vv)
+    return out, lse, dict(prob=prob, kept=kept, scale=scale, kk=kk, vv=vv)
+
+
+def uncancelled(q, k, v, grad_out, **options) -> dict:
+    """What float32 rounding in a backward is proportional to: each gradient's sum of the
+    magnitudes of its terms (float64 arrays, shaped as the gradients), the cancellation of
+    dS = P (dP - Delta) left out. A gradient that cancels to ~0 (grad_k of a lone key: dP =
+    Delta) still carries rounding of the order of eps32 times this; the softcap's tanh'
+    (<= 1) is bounded by 1."""
+    q, k, v, go = (torch.as_tensor(np.asarray(x, np.float64)) for x in (q, k, v, grad_out))
+    options = {n: o for n, o in options.items() if n != "dtype"}
+    out, _, f = _dense(q, k, v, **options)
+    prob, kept, scale = f["prob"], f["kept"], f["scale"]
+    dp = torch.einsum("bihd,bjhd->bhij", go.abs(), f["vv"].abs()) * kept  # |dP| bound
+    ds = prob * (dp + (prob * dp).sum(-1, keepdim=True))  # |P| (|dP| + |Delta|) bound
+    H, Hkv = q.shape[2], k.shape[2]
+
+    def per_kv_head(x):  # [B, S, H, D] -> [B, S, Hkv, D], a KV group's query heads summed
+        return x.reshape(*x.shape[:2], Hkv, H // Hkv, x.shape[-1]).sum(3)
+
+    grads = (scale * torch.einsum("bhij,bjhd->bihd", ds, f["kk"].abs()),
+             per_kv_head(scale * torch.einsum("bhij,bihd->bjhd", ds, q.abs())),
+             per_kv_head(torch.einsum("bhij,bihd->bjhd", prob * kept, go.abs())))
+    return dict(zip(("grad_q", "grad_k", "grad_v"), (g.numpy() for g in grads)))
 
 
 def dense_grads(q, k, v, grad_out, dtype=torch.float64, **options):

@@ -37,7 +37,7 @@ from gpu_helpers import (axis, count_launches, covering, decoders, dev,  # noqa:
                          gpu_pytestmark, kernels)
 
 torch = pytest.importorskip("torch", reason="the dense oracle is written in PyTorch")
-from dense_options import dense, dense_grads  # noqa: E402
+from dense_options import dense, dense_grads, uncancelled  # noqa: E402
 from test_cuda_model_options import check_f32, half_rule  # noqa: E402
 from test_varlen import CASES, _oracle_args, packed  # noqa: E402
 from test_cuda_wgmma_dims import ON_SM90, launched  # noqa: E402, F401
@@ -109,6 +109,9 @@ def oracle(t: dict, *, backward=False, dtype=torch.float64) -> dict:
                 "grad_v": np.zeros(k.shape)}
         if t.get("sinks") is not None:
             res["grad_sinks"] = np.zeros(t["sinks"].shape)
+        if dtype == torch.float64:  # what check_f32 / half_rule measure cancellation against
+            res |= {"|grad_q|": np.zeros(q.shape), "|grad_k|": np.zeros(k.shape),
+                    "|grad_v|": np.zeros(k.shape)}
     f = dict(t, q=q, k=k, v=v)
     for n in range(len(t["cu_seqlens_q"]) - 1):
         rq, rk, kw = _oracle_args(f, t["opts"], t["max_q"], t["max_k"], n)
@@ -121,6 +124,11 @@ def oracle(t: dict, *, backward=False, dtype=torch.float64) -> dict:
             res["grad_q"][rq], res["grad_k"][rk], res["grad_v"][rk] = g[0][0], g[1][0], g[2][0]
             if g[3] is not None:
                 res["grad_sinks"] += g[3]
+            if dtype == torch.float64:
+                u = uncancelled(q[None, rq], k[None, rk], v[None, rk], go[None, rq],
+                                sinks=t.get("sinks"), **kw)
+                for name, rows in (("grad_q", rq), ("grad_k", rk), ("grad_v", rk)):
+                    res[f"|{name}|"][rows] = u[name][0]
     return res
 
 
@@ -167,7 +175,8 @@ def check_half(got: dict, t: dict, what: str = "") -> None:
                             out_given=want["out"].astype(t["q"].dtype).astype(np.float64))
         inherited = {n: float(np.nanmax(np.abs(given[n] - want[n]), initial=0.0))
                      for n in given if n.startswith("grad")}
-    half_rule(got, want, plain, inherited, what)
+    sums = oracle(t, backward=True) if backward else None
+    half_rule(got, want, plain, inherited, what, sums)
 
 
 def check(d, t: dict, *, backward=True, give_lse=True, what="") -> None:
