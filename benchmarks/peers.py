@@ -296,7 +296,7 @@ def attention_reference(case, s) -> dict:
     res = {n: {} for n in names[case.direction]}
     drop = {"heads": case.heads, "seed": harness.DROPOUT_SEED, "dropout_prob": case.dropout}
     cap = harness.MODS_SOFTCAP if case.mod == "softcap" else 0.0
-    slopes, sinks = (np.asarray(to_f64(s[n])).tolist() if n in s else None
+    slopes, sinks = (to_f64(s[n]).get().tolist() if n in s else None  # (CuPy -> host)
                      for n in ("alibi_slopes", "sinks"))
     for b, g in _samples(case):
         k, v = (to_f64(seq_head(case, s[n], "bshd", b, g)) for n in ("k", "v"))

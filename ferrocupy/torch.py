@@ -149,13 +149,13 @@ def _run_cuda(plan, pointers: dict, device: torch.device, fresh=()) -> None:
                       capturing=torch.cuda.is_current_stream_capturing, fresh=fresh)
 
 
-def _seed_int(seed: Tensor) -> int:
-    """The op's int64 seed tensor as the engine's seed in [0, 2**64) (the shared zero seed of
-    an eager call without dropout: 0, without reading a tensor's value, ~0.4 us)."""
-    return 0 if seed is _ZERO_SEED else int(seed) % 2**64
+def _seed_int(seed: Optional[Tensor]) -> int:
+    """The op's int64 seed tensor as the engine's seed in [0, 2**64); None (a call without
+    dropout, whose seed nothing reads) is 0."""
+    return 0 if seed is None else int(seed) % 2**64
 
 
-def _options(causal, causal_offset, window, dropout_p, seed: Tensor, scale, window_left=None,
+def _options(causal, causal_offset, window, dropout_p, seed: Optional[Tensor], scale, window_left=None,
              window_right=None, softcap=0.0) -> AttentionOptions:
     return _options_of(causal, causal_offset, window, dropout_p, _seed_int(seed), scale,
                        window_left, window_right, softcap)
@@ -171,7 +171,7 @@ def _options_of(causal, causal_offset, window, dropout_p, seed: int, scale, wind
 
 # --- attention: forward -----------------------------------------------------------------------
 def _fwd_body(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
-              causal_offset: int, window: int, dropout_p: float, seed: Tensor,
+              causal_offset: int, window: int, dropout_p: float, seed: Optional[Tensor],
               scale: Optional[float], kv_lens: Optional[Tensor], window_left: Optional[int] = None,
               window_right: Optional[int] = None, softcap: float = 0.0,
               alibi_slopes: Optional[Tensor] = None,
@@ -237,7 +237,7 @@ def _(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale,
 # --- attention: backward ----------------------------------------------------------------------
 def _bwd_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               attn_mask: Optional[Tensor], causal: bool, causal_offset: int, window: int,
-              dropout_p: float, seed: Tensor, scale: Optional[float],
+              dropout_p: float, seed: Optional[Tensor], scale: Optional[float],
               window_left: Optional[int] = None, window_right: Optional[int] = None,
               softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
               sinks: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
@@ -359,20 +359,23 @@ class _EagerAttention(torch.autograd.Function):
         return grads[:3] + (grads[_SINKS_INPUT], None, None)
 
 
-_ZERO_SEED = torch.zeros((), dtype=torch.int64)
-
-
-def _seed_tensor(seed: Optional[int], dropout_p: float) -> Tensor:
+def _seed_tensor(seed: Optional[int], dropout_p: float) -> Optional[Tensor]:
+    """The ops' `seed`: None for a call without dropout (nothing reads it; no CPU tensor enters
+    a compiled graph, where CUDA graph trees refuse one as an input of a captured partition:
+    torch.compile(mode="reduce-overhead"), as transformers' static-cache generate runs); else
+    an int64 CPU scalar."""
     if seed is None:
-        if dropout_p == 0:
-            return torch.zeros((), dtype=torch.int64)  # no dropout: leave torch's RNG alone
+        if not dropout_p:
+            return None  # (torch's RNG left alone)
         # A fresh seed from torch's default CPU generator (torch.manual_seed makes it
         # reproducible); a tensor, so that torch.compile traces it with no graph break.
         return torch.randint(-2**63, 2**63 - 1, (), dtype=torch.int64)
     if isinstance(seed, Tensor):
-        return seed.to(device="cpu", dtype=torch.int64).reshape(())
+        return seed.to(device="cpu", dtype=torch.int64).reshape(()) if dropout_p else None
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+    if not dropout_p:
+        return None
     return torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64)
 
 
@@ -455,9 +458,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_o
     eager = _plain_eager(q, k, v, attn_mask, kv_lens) and all(
         x is None or type(x) is Tensor for x in (alibi_slopes, sinks, cu_seqlens_q,
                                                  cu_seqlens_k, block_table))
-    # (Eager, no dropout and no seed: one shared zero seed, never written, spares a tensor a call.)
-    seed_t = _ZERO_SEED if eager and seed is None and not dropout_p else _seed_tensor(seed,
-                                                                                      dropout_p)
+    seed_t = _seed_tensor(seed, dropout_p)
     rest = (attn_mask, causal, causal_offset, window, float(dropout_p), seed_t,
             None if scale is None else float(scale), kv_lens, *windows, alibi_slopes)
     out, lse = (_EagerAttention.apply(q, k, v, sinks, rest, tail) if eager
@@ -500,7 +501,7 @@ def _eager_inference(q, k, v, attn_mask, kv_lens) -> bool:
 
 def _forward_now(q, k, v, attn_mask, causal, causal_offset, window, dropout_p, seed, scale,
                  kv_lens, window_left=None, window_right=None, softcap=0.0) -> Tensor:
-    seed_int = _seed_int(_seed_tensor(seed, dropout_p)) if (dropout_p or seed is not None) else 0
+    seed_int = _seed_int(_seed_tensor(seed, dropout_p))
     opts = _options_of(causal, causal_offset, window, dropout_p, seed_int, scale, window_left,
                        window_right, softcap)
     # (A tensor on another device than q's fails the engine's checks, which name it: the first

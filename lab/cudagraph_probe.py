@@ -26,23 +26,25 @@ def case(sq, sk, mask, dtype):
     return q, k, v, m
 
 
-def f(q, k, v, m, causal, offset):
-    return ft.attention(q, k, v, attn_mask=m, causal=causal, causal_offset=offset) * 2.0
+def f(q, k, v, m, causal, offset, p=0.0):
+    return ft.attention(q, k, v, attn_mask=m, causal=causal, causal_offset=offset, dropout_p=p,
+                        seed=None if not p else 5) * 2.0
 
 
 for dtype in (torch.float32, torch.bfloat16):
-    for sq, sk, mask, causal in ((1, 17, None, True), (1, 17, "bool", False), (5, 17, None, True),
-                                 (5, 17, "bool", False)):
-        what = f"{dtype} sq{sq} sk{sk} mask={mask} causal={causal}"
+    for sq, sk, mask, causal, p in ((1, 17, None, True, 0.0), (1, 17, "bool", False, 0.0),
+                                    (5, 17, None, True, 0.0), (5, 17, "bool", False, 0.0),
+                                    (5, 17, None, True, 0.1)):
+        what = f"{dtype} sq{sq} sk{sk} mask={mask} causal={causal} dropout={p}"
         q, k, v, m = case(sq, sk, mask, dtype)
         try:
-            ex = torch._dynamo.explain(f)(q, k, v, m, causal, sk - 1 if sq == 1 else 0)
+            ex = torch._dynamo.explain(f)(q, k, v, m, causal, sk - 1 if sq == 1 else 0, p)
             breaks = ex.graph_break_count
             torch._dynamo.reset()
             g = torch.compile(f, mode="reduce-overhead")
-            want = f(q, k, v, m, causal, sk - 1 if sq == 1 else 0)
+            want = f(q, k, v, m, causal, sk - 1 if sq == 1 else 0, p)
             for i in range(4):
-                got = g(q, k, v, m, causal, sk - 1 if sq == 1 else 0)
+                got = g(q, k, v, m, causal, sk - 1 if sq == 1 else 0, p)
             err = (got.float() - want.float()).abs().max().item()
             print(f"OK   {what}: breaks {breaks}, max diff {err:.2e}", flush=True)
         except Exception as e:  # noqa: BLE001

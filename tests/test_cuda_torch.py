@@ -236,6 +236,35 @@ def test_torch_compile_fullgraph_on_cuda(torch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_torch_compile_reduce_overhead_on_cuda(torch, grad):
+    """torch.compile(mode="reduce-overhead"): CUDA graph trees capture the ops (as transformers'
+    static-cache generate does). Each replay, on new values copied into the same tensors, equals
+    the eager call bit for bit, and its gradients too."""
+    import ferrocupy.torch as ft
+
+    q, k, v = _ft_case(torch, 9, sq=64, sk=80)
+    q, k, v = (x.requires_grad_(grad) for x in (q, k, v))
+
+    def f(q, k, v):
+        return ft.attention(q, k, v, causal=True, causal_offset=16)
+
+    compiled = torch.compile(f, mode="reduce-overhead")
+    go = torch.randn_like(q)
+    for step in range(4):  # warm-up, record, replays
+        with torch.no_grad():
+            for x in (q, k, v):
+                x.copy_(torch.randn_like(x))
+        if grad:
+            got = torch.autograd.grad(compiled(q, k, v), (q, k, v), go)
+            want = torch.autograd.grad(f(q, k, v), (q, k, v), go)
+        else:
+            with torch.no_grad():
+                got, want = (compiled(q, k, v),), (f(q, k, v),)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f"step {step}"
+
+
 def test_cuda_graph_capture_and_replay_equals_eager(torch):
     """A decode step captured in a CUDA graph (after a warm-up call made the plan), replayed on
     new inputs copied into the captured tensors."""

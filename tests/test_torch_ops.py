@@ -591,3 +591,27 @@ def test_a_devices_engine_is_looked_up_once(monkeypatch):
     for name in ("cuda:1", "cuda:1", "cuda", "cuda"):
         assert ft._engine(torch.device(name)) == "engine"
     assert asked == [torch.device(n) for n in ("cuda:1", "cuda", "cuda")]
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_a_compiled_call_makes_a_cpu_seed_only_for_dropout(gen, dropout_p):
+    """torch.compile(mode="reduce-overhead") (CUDA graph trees; transformers' static-cache
+    generate) refuses a CPU tensor as an input of a captured partition ("storage data ptrs are
+    not allocated in pool", on the H100 for every such call while the ops always took an int64
+    CPU seed). A call without dropout passes the ops no seed, so its graph makes no tensor but
+    the op's outputs; one with dropout still draws its seed on the CPU (traced, no graph break)."""
+    q, k, v = _qkv(gen)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    f = torch.compile(lambda q, k, v: ft.attention(q, k, v, causal=True, dropout_p=dropout_p),
+                      backend=backend, fullgraph=True)
+    with torch.no_grad():
+        f(q, k, v)
+    (gm,) = graphs
+    made = [n.target for n in gm.graph.nodes if n.op == "call_function"
+            and n.target in (torch.zeros, torch.tensor, torch.randint, torch.empty)]
+    assert made == ([] if not dropout_p else [torch.randint]), gm.code
