@@ -72,6 +72,12 @@ def _cp():
     return cupy
 
 
+def _host(x) -> np.ndarray:
+    """A NumPy copy of a CuPy array (NumPy's own arrays as they are): CuPy refuses the implicit
+    conversion."""
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
 def _torch():
     torch = harness.torch_cuda()
     if torch is None:
@@ -296,7 +302,7 @@ def attention_reference(case, s) -> dict:
     res = {n: {} for n in names[case.direction]}
     drop = {"heads": case.heads, "seed": harness.DROPOUT_SEED, "dropout_prob": case.dropout}
     cap = harness.MODS_SOFTCAP if case.mod == "softcap" else 0.0
-    slopes, sinks = (to_f64(s[n]).get().tolist() if n in s else None  # (CuPy -> host)
+    slopes, sinks = (_host(to_f64(s[n])).tolist() if n in s else None
                      for n in ("alibi_slopes", "sinks"))
     for b, g in _samples(case):
         k, v = (to_f64(seq_head(case, s[n], "bshd", b, g)) for n in ("k", "v"))

@@ -155,8 +155,8 @@ def _seed_int(seed: Optional[Tensor]) -> int:
     return 0 if seed is None else int(seed) % 2**64
 
 
-def _options(causal, causal_offset, window, dropout_p, seed: Optional[Tensor], scale, window_left=None,
-             window_right=None, softcap=0.0) -> AttentionOptions:
+def _options(causal, causal_offset, window, dropout_p, seed: Optional[Tensor], scale,
+             window_left=None, window_right=None, softcap=0.0) -> AttentionOptions:
     return _options_of(causal, causal_offset, window, dropout_p, _seed_int(seed), scale,
                        window_left, window_right, softcap)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call (~570 s) on the full kernel stack (carry ["_stack"]; chain it within 30 s of a
-# round_stack.sh call so the kernel cache in /tmp/ferro_kcache is still there): issue 25's gate
-# cases of benchmarks/compare.py (and issue 26's, with bench-26/ applied), the stacks' A/B scripts (fused backward, paged decode, padded
+# One device call (~570 s) from the repository root (or on _tree/, as round_suite.sh; chain it
+# within 30 s of a round_suite.sh call so the kernel cache in /tmp/ferro_kcache is still there): issue 25's gate
+# cases of benchmarks/compare.py (and issue 26's), the A/B scripts (fused backward, paged decode, padded
 # wgmma head_dims), then compute-sanitizer memcheck and racecheck on lab/sanitize_run.py's small
 # run of every kernel family (bfloat16 and float32 only, FERRO_SANITIZE, to fit the call).
 # Each step has its own time limit; everything lands in $OUT.
@@ -15,7 +15,7 @@ start=$SECONDS
 stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "kernel cache: $(ls "$CUPY_CACHE_DIR" | wc -l) files"
-cd _stack && export PYTHONPATH=$PWD
+[ -d _tree ] && cd _tree; export PYTHONPATH=$PWD
 STEPS=" ${STEPS:-gate ab san} "
 if [[ $STEPS == *" gate "* ]]; then
 timeout "${GATE_S:-300}" python3 benchmarks/compare.py --dtype "${DTYPES:-bfloat16}" \
