@@ -84,7 +84,10 @@ class AttentionOptions:
             raise ValueError(f"dropout_prob must lie in [0, 1), got {self.dropout_prob}")
         check_seed(self.seed)
         if self.scale is not None:
-            _check_float("scale", self.scale, lambda c: c > 0, "finite and > 0", " or None")
+            # (The kernels flush subnormal floats to 0 and bring scaled scores back to raw units
+            # through 1 / scale: both the scale and its reciprocal must be normal float32s.)
+            _check_float("scale", self.scale, lambda c: _SCALE_MIN <= c <= _SCALE_MAX,
+                         "finite and > 0, in [2**-126, 2**126]", " or None")
 
     def windows(self) -> tuple[int, int]:
         """(window_left, window_right) of these options, -1 for unbounded, whichever form was
@@ -94,6 +97,9 @@ class AttentionOptions:
                     -1 if self.window_right is None else int(self.window_right))
         w = int(self.window)
         return (w - 1, w - 1) if w > 0 else (-1, -1)
+
+
+_SCALE_MIN, _SCALE_MAX = np.float32(2.0**-126), np.float32(2.0**126)  # scale: normal, as 1/scale
 
 
 def _check_float(name: str, value, ok, rule: str, alternative: str = "") -> None:
