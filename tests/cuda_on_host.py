@@ -7,6 +7,7 @@ library and loads it."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,14 +40,17 @@ inline bool __any_sync(unsigned, bool x) { return x; }
 
 
 def build(directory: Path, shim: str, what: str) -> ctypes.CDLL:
-    """`PRELUDE + shim` compiled against the kernel headers into `directory`, loaded; skipped
-    (naming `what`) where no C++ compiler is on PATH."""
+    """`PRELUDE + shim` compiled against the kernel headers (a FERROCUPY_KERNEL_OVERLAY folder's
+    first) into `directory`, loaded; skipped (naming `what`) where no C++ compiler is on PATH."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip(f"no C++ compiler (g++) on PATH: {what} is untested")
     (directory / "shim.cpp").write_text(PRELUDE + shim)
     so = directory / "shim.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{CUDA_DIR}", "-o", str(so),
+    # (a kernel overlay, as the loader takes it, comes first: a candidate's headers are tested)
+    overlay = os.environ.get("FERROCUPY_KERNEL_OVERLAY")
+    include = ([f"-I{Path(overlay).resolve()}"] if overlay else []) + [f"-I{CUDA_DIR}"]
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", *include, "-o", str(so),
            str(directory / "shim.cpp")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
