@@ -10,7 +10,7 @@ Per case: a cache [B, Sk, 8, 128] (Sk the capacity), kv_lens = fill x Sk for eve
 query heads, one query row, causal bottom-right (and a window of W keys where given). Both sides
 run the same plan (the same split count, planned on the capacity); only the kernels' division
 of the keys differs. The answers are checked against each other before timing (the merge order
-differs: within 2e-3 of the largest magnitude in half precision, 1e-5 in float32; the decode GPU
+differs: within 1.6e-2 of the largest magnitude in half precision (4 bfloat16 ulps: a rounding flips where the merge order differs), 1e-5 in float32; the decode GPU
 tests under the overlay check the candidate against the reference). Each side is the backend's launches alone (harness.py's
 time_calls, enough input sets to miss L2), alternating in rounds; the median of each is printed
 with candidate / main (below 1: the candidate faster). A full cache (fill 1) should not move;
@@ -90,7 +90,7 @@ def main() -> None:
         main_eng, cand_eng = engine(design, None), engine(design, CANDIDATE)
         for dt in a.dtypes.split(","):
             dtype = parse(dt)
-            tol = 1e-5 if np.dtype(dtype) == np.float32 else 2e-3
+            tol = 1e-5 if np.dtype(dtype) == np.float32 else 1.6e-2  # (a few bf16 ulps)
             for shape in a.shapes.split(","):
                 b, sk = (int(x) for x in shape.split("x"))
                 for fill in (float(f) for f in a.fill.split(",")):
@@ -98,6 +98,8 @@ def main() -> None:
                         kv_bytes = 2 * b * int(sk * fill) * HKV * D * np.dtype(dtype).itemsize
                         sets = [make_set(rng, b, sk, fill, dtype)
                                 for _ in range(rotation_sets(kv_bytes, l2_bytes(), max_sets=4))]
+                        # (made on the legacy stream, which a non-blocking one does not wait for)
+                        cp.cuda.Device().synchronize()
                         calls = {}
                         with stream:
                             for side, eng, out in (("main", main_eng, "out_a"),
