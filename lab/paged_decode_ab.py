@@ -97,6 +97,9 @@ def main() -> None:
                 n_sets = rotation_sets(kv_bytes, l2_bytes(), max_sets=4)
                 sets = [make_set(rng, b, sk, page, dtype, a.order, a.seq_q)
                         for _ in range(n_sets)]
+                # (made on the legacy stream, which the non-blocking one does not wait for: the
+                # plan's check reads kv_lens and the table on it)
+                cp.cuda.Device().synchronize()
                 calls = {}
                 with stream:
                     for paged in (False, True):
