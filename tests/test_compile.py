@@ -141,12 +141,14 @@ def load_nvrtc():
 
 def _loader_view(path: Path):
     """The source text and options the CUDA backend's loader hands to `cupy.RawModule`, where
-    the loader exposes them (`expand_includes`, `KernelLoader().options`); else the file with
-    `-I` paths for its includes and `-std=c++17`."""
+    the loader exposes them (`KernelLoader().source`, `.options`: a FERROCUPY_KERNEL_OVERLAY
+    folder's files first, as on a GPU); else the file with `-I` paths for its includes and
+    `-std=c++17`."""
     try:
-        from ferrocupy.cuda.loader import KernelLoader, expand_includes
+        from ferrocupy.cuda.loader import KernelLoader
 
-        return expand_includes(path), tuple(KernelLoader().options)
+        loader = KernelLoader(source_dir=path.parent)
+        return loader.source(path.name), tuple(loader.options)
     except (ImportError, AttributeError, TypeError):
         return path.read_text(), ("-std=c++17", f"-I{CUDA_DIR}", f"-I{path.parent}")
 

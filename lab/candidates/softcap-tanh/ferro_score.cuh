@@ -1,0 +1,277 @@
+// The score modifier: what turns a tile of q.k products into the probabilities a kernel multiplies,
+// for every kernel family (mma.sync, wgmma, decode): which keys each row sees (causal + offset,
+// window, kv_lens: ferro_visibility.cuh's rules, here as per-row spans and tile tests), softcap,
+// ALiBi, the additive mask, and dropout. The mask, dropout and the model options (softcap, ALiBi
+// and sinks: `MODS`) are compile-time options of a variant (`Options`): a `plain` variant
+// (FERRO_PLAIN=1, configs.py's `plain`) has none of them, so its key loop holds no register for
+// them. Which of them a call uses is known only at run time (AttnShape).
+//
+// Accumulator tiles are mma.sync's m16n8 C fragments (wgmma's are laid out the same per warp):
+// element r of n-tile nt sits at row g + 8 * (r >> 1), column nt * 8 + 2t + (r & 1).
+#pragma once
+#include "ferro_params.cuh"
+#include "ferro_visibility.cuh"
+#include "ferro_philox.cuh"
+
+template <bool MASK_, bool DROPOUT_, bool MODS_>
+struct Options {
+    static constexpr bool MASK = MASK_, DROPOUT = DROPOUT_, MODS = MODS_;
+};
+#ifndef FERRO_PLAIN
+#define FERRO_PLAIN 0
+#endif
+#ifndef FERRO_MODS
+#define FERRO_MODS 0
+#endif
+// This build's options: configs.py's `plain` variants serve only calls with none of them; its
+// `mods` ones (FERRO_MODS) alone serve calls with softcap, ALiBi or sinks.
+typedef Options<!FERRO_PLAIN, !FERRO_PLAIN, FERRO_MODS && !FERRO_PLAIN> BuildOptions;
+
+// ---- visibility as spans: a row's visible keys are one interval -----------------------------------
+
+// The keys one row sees, as columns [lo, hi] counted from some first key (lo > hi: none).
+struct KeySpan {
+    int lo, hi;
+    // The same span counted from `shift` columns further on.
+    __device__ __forceinline__ KeySpan from(int shift) const { return {lo - shift, hi - shift}; }
+    // Whether the row sees every one of columns [0, n).
+    __device__ __forceinline__ bool covers(int n) const { return lo <= 0 && hi >= n - 1; }
+};
+
+// Row i's visible keys among [j0, j0 + n) (visible_cols: causal, window, the keys' end, rows past
+// seq_q see none).
+__device__ __forceinline__ KeySpan key_span(const AttnShape& s, long long i, long long j0, int n) {
+    KeySpan k;
+    visible_cols(s, i, j0, n, k.lo, k.hi);
+    return k;
+}
+
+// The query rows key j sees among [i0, i0 + n), counted from i0: key_span's transpose, for the
+// dK/dV kernels (a = i + offset sees j iff a - left <= j <= a + right; a key past the keys' end
+// is seen by no row).
+__device__ __forceinline__ KeySpan row_span(const AttnShape& s, long long j, long long i0, int n) {
+    long long lo = 0, hi = (long long)s.seq_q - 1;
+    if (j >= s.kv_len) hi = -1;
+    if (j - s.right - s.offset > lo) lo = j - s.right - s.offset;
+    if (j + s.left - s.offset < hi) hi = j + s.left - s.offset;
+    lo -= i0;
+    hi -= i0;
+    return {lo < 0 ? 0 : (lo > n ? n : (int)lo), hi < -1 ? -1 : (hi >= n ? n - 1 : (int)hi)};
+}
+
+// -inf outside each row's span, scores left as they are inside: an accumulator tile of 16 rows
+// (span[0]: c0/c1's row, span[1]: c2/c3's) x 8*NT keys, spans counted from the tile's first key.
+template <int NT>
+__device__ __forceinline__ void hide_outside(const KeySpan (&span)[2], Lane L, float (&sc)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int c = nt * 8 + 2 * L.t + (r & 1);
+            if (c < span[r >> 1].lo || c > span[r >> 1].hi) sc[nt][r] = neg_inf();
+        }
+}
+
+// ---- scores: scale, softcap, ALiBi, additive mask, -inf where not visible ----------------------
+
+// Head h's ALiBi slope in batch b (0 without ALiBi), read once per (batch, head) by the caller.
+__device__ __forceinline__ float alibi_slope(const AttnShape& s, u32 b, u32 h) {
+    return s.alibi ? s.alibi[(u64)b * s.alibi_b + h] : 0.f;
+}
+
+// Head h's sink logit; -inf (no sink: it adds exp(-inf) = 0) without sinks.
+__device__ __forceinline__ float sink_logit(const AttnShape& s, u32 h) {
+    return s.sinks ? s.sinks[h] : neg_inf();
+}
+
+// Whether the call changes scores element by element past the scale (softcap, ALiBi, a mask) as
+// far as the variant has those options: a tile wholly visible then still needs per-element work.
+template <class OPT>
+__device__ __forceinline__ bool per_element(const AttnShape& s) {
+    return (OPT::MASK && s.has_mask) || (OPT::MODS && (s.softcap > 0.f || s.alibi));
+}
+
+// The score of (b, h, i, j) from its scaled product x (SPEC): softcap(x) = softcap *
+// tanh(x / softcap), then ALiBi's -slope * |a - j| (a = i + offset), then the additive mask, each
+// where the variant (MASK, MODS) and the call have it; the mask only where `ok` (visible, inside
+// both sequences: elsewhere it is never read).
+// softcap * tanh(x / softcap). Float32 builds: tanhf and a true division (the float32 path is the
+// accurate one). 16-bit builds: the reciprocal's product and sm_75's tanh.approx.f32 (one MUFU
+// op, relative error below 2^-10.9, under a bfloat16 ulp and about float16's), where tanhf
+// took ~20 instructions and the division ~8 a score, and the per-element loop of a softcap call
+// ran at 0.29x the plain call's TFLOP/s (H100, 2026-12-07: 108 against 372, bf16 D128 S4096).
+__device__ __forceinline__ float softcapped(const AttnShape& s, float x) {
+#ifdef FERRO_BF16
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x * (1.f / s.softcap)));
+    return s.softcap * t;
+#else
+    return s.softcap * tanhf(x / s.softcap);
+#endif
+}
+
+template <bool MASK, bool MODS>
+__device__ __forceinline__ float modified_score(const AttnShape& s, const void* mask, u32 b, u32 h,
+                                                long long i, long long j, bool ok, float slope,
+                                                float x) {
+    if (MODS) {
+        if (s.softcap > 0.f) x = softcapped(s, x);
+        if (s.alibi) {
+            const long long d = i + s.offset - j;
+            x = fmaf(-slope, (float)(d < 0 ? -d : d), x);
+        }
+    }
+    if (MASK && s.has_mask && ok) x += mask_at(s, mask, b, h, i, j);
+    return x;
+}
+
+// The softcap's derivative at a visible element whose score (modified_score's) is `score`:
+// 1 - tanh^2, with tanh recovered as (score - ALiBi - mask) / softcap; 1 without softcap (SPEC:
+// the backward multiplies dS by it). The backward kernels no longer hold the product itself when
+// they form dS, so they pass the score (or lse + log P, which is the score where P > 0).
+template <bool MASK, bool MODS>
+__device__ __forceinline__ float softcap_grad(const AttnShape& s, const void* mask, u32 b, u32 h,
+                                              long long i, long long j, float slope, float score) {
+    if (!MODS || !(s.softcap > 0.f)) return 1.f;
+    if (s.alibi) {
+        const long long d = i + s.offset - j;
+        score = fmaf(slope, (float)(d < 0 ? -d : d), score);
+    }
+    if (MASK && s.has_mask) score -= mask_at(s, mask, b, h, i, j);
+    const float t = fminf(fmaxf(score / s.softcap, -1.f), 1.f);
+    return 1.f - t * t;
+}
+
+// Scores of 16 rows (i0: c0/c1's row, i1 = c2/c3's) x 8*NT keys from j0 of head h (ALiBi `slope`):
+// scale, softcap, ALiBi, additive mask, -inf where a key is not visible (or a row or key is past
+// the end). `whole`: every key is known visible (keys_wholly_visible).
+template <class OPT, int NT>
+__device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask, u32 b, u32 h,
+                                           float slope, long long i0, long long i1, long long j0,
+                                           bool whole, Lane L, float (&sc)[NT][4]) {
+    if (whole && !per_element<OPT>(s)) {  // the common case: nothing to test per element
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sc[nt][r] *= s.scale;
+        return;
+    }
+    // (hide_outside's interval test is cheaper per element, but here it cost the general
+    // kernels registers: the wgmma forward spilled 784 bytes with it, 80 without.)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const long long i = r < 2 ? i0 : i1, j = j0 + nt * 8 + 2 * L.t + (r & 1);
+            const bool ok = i >= 0 && i < s.seq_q && j < s.kv_len &&
+                            (whole || visible(s, i + s.offset, j));
+            const float x = modified_score<OPT::MASK, OPT::MODS>(s, mask, b, h, i, j, ok, slope,
+                                                                sc[nt][r] * s.scale);
+            sc[nt][r] = ok ? x : neg_inf();
+        }
+}
+
+// Whether the forwards' scores stay raw (q.k: the softmax folds the scale into its exponent, so the
+// common tile skips a multiply per element): unless the call has an additive mask, whose finite
+// values below -FLT_MAX * scale have no raw form (they overflowed to -inf, and a row whose every
+// score was one came out dead). The softmax's sl2 and the lse's m_scale follow it.
+template <class OPT>
+__device__ __forceinline__ bool raw_units(const AttnShape& s) {
+    return !(OPT::MASK && s.has_mask);
+}
+
+// A forward's scores in raw_units' units: left as they are on a tile with nothing to do per
+// element (which a masked call never has); else scored by score_tile and, raw, brought back.
+template <class OPT, int NT>
+__device__ __forceinline__ void raw_scores(const AttnShape& s, const void* mask, u32 b, u32 h,
+                                           float slope, long long i0, long long i1, long long j0,
+                                           bool whole, Lane L, float (&sc)[NT][4]) {
+    if (whole && !per_element<OPT>(s)) return;
+    score_tile<OPT, NT>(s, mask, b, h, slope, i0, i1, j0, whole, L, sc);
+    const float to_units = raw_units<OPT>(s) ? 1.f / s.scale : 1.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sc[nt][r] *= to_units;
+}
+
+// ---- dropout (SPEC "Dropout"): P' = P * keep / (1 - p), keep bits from Philox ---------------------
+
+// ENABLED false (a plain variant): every call below folds away.
+template <bool ENABLED>
+struct Dropout {
+    const AttnShape& s;  // (the seed and p read from it where used, as the kernel's own code would)
+    u32 thr;
+    bool on;
+    __device__ __forceinline__ explicit Dropout(const AttnShape& shape)
+        : s(shape), thr(dropout_threshold(shape.dropout_prob)),
+          on(ENABLED && shape.dropout_prob > 0.f) {}
+
+    // What multiplies a kept element, once (on O's normaliser, dP or P'); 1 without dropout.
+    __device__ __forceinline__ float keep_scale() const {
+        return on ? 1.f / (1.f - s.dropout_prob) : 1.f;
+    }
+
+    // Keep bits of row i from key j on (bit 0: j, up to the end of j's Philox block of four).
+    __device__ __forceinline__ u32 bits(u32 bh, u32 i, u32 j) const {
+        return dropout_keep4(s.seed, thr, bh, i, j) >> (j & 3);
+    }
+
+    // The forwards: zero the dropped P of an accumulator tile (row[0]: c0/c1's row of head bh[0],
+    // row[1]: c2/c3's) whose n-tile nt holds keys j0 + 8 nt + 2t, + 1; l keeps P's sum. EVEN: j0
+    // is even, so both keys of a pair share a Philox block (else a pair may open the next).
+    template <int NT, bool EVEN>
+    __device__ __forceinline__ void drop(float (&sc)[NT][4], const u32 (&bh)[2], const u32 (&row)[2],
+                                         u32 j0, Lane L) const {
+        if (!on) return;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const u32 j = j0 + nt * 8 + 2 * L.t;
+                if constexpr (EVEN) {
+                    const u32 k = bits(bh[rr], row[rr], j);
+                    if (!(k & 1u)) sc[nt][2 * rr] = 0.f;
+                    if (!(k & 2u)) sc[nt][2 * rr + 1] = 0.f;
+                } else {
+                    const u32 w = dropout_keep4(s.seed, thr, bh[rr], row[rr], j);
+                    const u32 w1 = ((j + 1) & 3) ? w : dropout_keep4(s.seed, thr, bh[rr], row[rr], j + 1);
+                    if (!((w >> (j & 3)) & 1u)) sc[nt][2 * rr] = 0.f;
+                    if (!((w1 >> ((j + 1) & 3)) & 1u)) sc[nt][2 * rr + 1] = 0.f;
+                }
+            }
+    }
+
+    // dQ: bit r = element r of n-tile nt of an accumulator tile (rows i0: r = 0, 1; i1: r = 2, 3;
+    // keys j0 + 8 nt + 2t, + 1, sharing a Philox block: j0 even); all kept without dropout.
+    __device__ __forceinline__ u32 keep_rows(u32 bh, u32 i0, u32 i1, long long j0, int nt,
+                                             Lane L) const {
+        u32 keep = 0xFu;
+        if (on) {
+            const u32 j = (u32)(j0 + nt * 8 + 2 * L.t);
+            keep = bits(bh, i0, j) & 3u;
+            keep |= (bits(bh, i1, j) & 3u) << 2;
+        }
+        return keep;
+    }
+
+    // dK/dV, keys as rows: bit r = (key j + 8 (r >> 1), query i + (r & 1)).
+    __device__ __forceinline__ u32 keep_cols(u32 bh, long long i, long long j) const {
+        u32 keep = 0xFu;
+        if (on) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const u32 jr = (u32)(j + 8 * rr);
+                const u32 k0b = bits(bh, (u32)i, jr), k1b = bits(bh, (u32)i + 1, jr);
+                keep &= ~(3u << (2 * rr));
+                keep |= ((k0b & 1u) | ((k1b & 1u) << 1)) << (2 * rr);
+            }
+        }
+        return keep;
+    }
+
+    // One element: kept?
+    __device__ __forceinline__ bool kept(u32 bh, u32 i, u32 j) const {
+        return !on || (bits(bh, i, j) & 1u);
+    }
+};
