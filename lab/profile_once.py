@@ -2,7 +2,7 @@
 
     ncu --clock-control none --section SpeedOfLight ... python3 lab/profile_once.py
 
-FERRO_FWD_ISA=mma (say) profiles that forward kernel instead of the table's first choice.
+FERRO_SHAPE=B,S,H,D (say 2,4096,8,256) changes the shape. FERRO_FWD_ISA=mma (say) profiles that forward kernel instead of the table's first choice.
 FERRO_DECODE=B,SK (say 1,131072) runs one bf16 decode step instead (Sq 1, H32 / KV heads 8,
 D128: compare.py's decode shapes), its decode kernel and combine; FERRO_DECODE_DESIGN=streams
 (or tensor, tiles) restricts the decode kernels to that design:
@@ -16,7 +16,7 @@ import cupy as cp
 
 from ferrocupy import AttentionOptions, ComputeEngine, UnifiedTensor
 
-B, S, H, D = 4, 4096, 16, 128
+B, S, H, D = (int(x) for x in os.environ.get("FERRO_SHAPE", "4,4096,16,128").split(","))
 eng = ComputeEngine("cuda", quiet=True)
 if os.environ.get("FERRO_DECODE"):
     b, sk = (int(x) for x in os.environ["FERRO_DECODE"].split(","))
