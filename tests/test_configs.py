@@ -97,8 +97,9 @@ def _selections(op, dtype, hd, limit, cap):
 @pytest.mark.parametrize("op", ATTENTION_OPS)
 def test_every_head_dim_up_to_256_has_a_variant_within_the_limits(op):
     """sm_80 and sm_90 take every head_dim 1..256 in every dtype: a variant at least as wide
-    (mma.sync's: the padded head_dim) that fits the GPU's shared memory; above 128 a wgmma one
-    only for the forward and dQ (at width 192 or 256), dK/dV on mma.sync in two column ranges."""
+    (mma.sync's: the padded head_dim) that fits the GPU's shared memory; above 128 the wgmma
+    forward and dQ at width 192 or 256, the wgmma dK/dV at 256 with its columns split between
+    the warpgroups (a block of 64 keys), the mma.sync dK/dV in two column ranges."""
     for dtype in DTYPES:
         for hd in range(1, 257):
             for limit, cap in LIMITS:
@@ -107,8 +108,13 @@ def test_every_head_dim_up_to_256_has_a_variant_within_the_limits(op):
                     assert v.isa == configs.WGMMA or v.head_dim == configs.padded_head_dim(hd)
                     assert v.shared_bytes <= limit, v.describe()
                     if hd > 128 and v.isa == configs.WGMMA:
-                        assert op != configs.BACKWARD_DKDV and v.head_dim in (192, 256)
-                    assert v.parts == (2 if op == configs.BACKWARD_DKDV and hd > 128 else 1)
+                        assert v.head_dim == 256 if op == configs.BACKWARD_DKDV \
+                            else v.head_dim in (192, 256)
+                    wide_mma = op == configs.BACKWARD_DKDV and hd > 128 and v.isa == configs.MMA
+                    assert v.parts == (2 if wide_mma else 1)
+                    assert v.split_columns == (op == configs.BACKWARD_DKDV and hd > 128
+                                               and v.isa == configs.WGMMA)
+                    assert v.block_rows == (64 if v.split_columns else 16 * v.mt * v.warps)
 
 
 def test_sm86_takes_every_head_dim_but_float32_backward_and_wide_decode_groups():
@@ -139,14 +145,16 @@ def test_sm86_takes_every_head_dim_but_float32_backward_and_wide_decode_groups()
 def test_the_table_keeps_head_dims_up_to_128_as_they_were():
     """The variants of head_dim <= 128 carry no define the wide ones added (dK/dV's column
     parts; the combine kernel's block stays 128 threads), and wgmma serves 64 and 128 still;
-    above 128 the wgmma forward and dQ are built at 192 or 256, dK/dV stays mma.sync."""
+    above 128 the wgmma forward and dQ are built at 192 or 256, the wgmma dK/dV at 256 (its
+    columns split between the warpgroups), the mma.sync dK/dV in two column ranges."""
     for (op, dtype, dp), vs in configs.TABLE.items():
         for v in vs:
             if dp <= 128:
                 assert v.parts == 1 and "FERRO_DKDV_PARTS" not in v.defines, v.describe()
                 assert v.combine_threads == configs.COMBINE_THREADS
             elif v.isa == configs.WGMMA:
-                assert op in (configs.FORWARD, configs.BACKWARD_DQ) and v.head_dim in (192, 256)
+                assert v.head_dim in ((256,) if op == configs.BACKWARD_DKDV else (192, 256))
+                assert v.parts == 1 and v.split_columns == (op == configs.BACKWARD_DKDV)
             else:
                 assert v.combine_threads >= v.head_dim
             assert v.shared_bytes <= configs.MAX_SHARED_BYTES, v.describe()
@@ -156,8 +164,11 @@ def test_the_table_keeps_head_dims_up_to_128_as_they_were():
                               copy_bytes=16).isa == configs.WGMMA
     assert configs.select(configs.FORWARD, BFLOAT16, 129, big, capability=90,
                           copy_bytes=16).head_dim == 192
-    assert configs.select(configs.BACKWARD_DKDV, BFLOAT16, 129, big, capability=90,
-                          copy_bytes=16).isa == configs.MMA
+    dkdv = configs.select(configs.BACKWARD_DKDV, BFLOAT16, 129, big, capability=90, copy_bytes=16)
+    assert dkdv.isa == configs.WGMMA and dkdv.head_dim == 256 and dkdv.split_columns
+    assert "FERRO_DKDV_PARTS" not in dkdv.defines
+    assert configs.select(configs.BACKWARD_DKDV, BFLOAT16, 129, big, capability=80,
+                          copy_bytes=16).parts == 2
 
 
 def test_dkdv_column_parts_double_its_blocks():

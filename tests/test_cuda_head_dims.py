@@ -1,10 +1,11 @@
 """head_dim above 128, up to SPEC's 256 (issue 26), on the GPU: forward and backward in float32,
 float16 and bfloat16, and decode, against the float64 reference with every output NaN-poisoned
-first; half precision by SPEC's rule (tests/half_rule.py). The wide head_dims run the mma.sync
-kernels (on sm_90a in half precision the forward and dQ run wgmma ones, of width 192 or 256:
-tests/test_cuda_wgmma_dims.py), with dK/dV in two column ranges
-(configs.py `dkdv_parts`): head_dim 136 and 200 pad to 144 and 208, whose ranges overlap by 16
-columns; 255 (forward and backward) copies one element at a time in half precision (an odd
+first; half precision by SPEC's rule (tests/half_rule.py). The forward and backward run twice:
+on the kernels the GPU picks (on sm_90a in half precision the wgmma ones: the forward and dQ at
+width 192 or 256, dK/dV at 256 with its columns split between two warpgroups; also
+tests/test_cuda_wgmma_dims.py) and on the mma.sync kernels alone (`kernels`), whose dK/dV runs
+in two column ranges (configs.py `dkdv_parts`): head_dim 136 and 200 pad to 144 and 208, whose
+ranges overlap by 16 columns; 255 (forward and backward) copies one element at a time in half precision (an odd
 row).
 
 Skipped unless `ferrocupy.cuda_available()`; `FERRO_GPU_TESTS_ON_REFERENCE=1` runs it on the
@@ -18,11 +19,11 @@ import pytest
 from ferrocupy import AttentionOptions
 from ferrocupy.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from gpu_helpers import (DROPOUT_SEED, axis, check_backward, check_decode_case, check_forward,
-                         covering, decoders, dev, gpu_pytestmark, make_case, ref)
+                         covering, decoders, dev, gpu_pytestmark, kernels, make_case, ref)
 from half_rule import rounded
 from test_cuda_half import check_half
 
-__all__ = ["decoders", "dev", "ref"]  # fixtures, imported for pytest (`rng` comes from conftest)
+__all__ = ["decoders", "dev", "kernels", "ref"]  # fixtures, imported for pytest (`rng` comes from conftest)
 
 pytestmark = gpu_pytestmark()
 
@@ -47,13 +48,13 @@ CASES = {
     "d": axis(HEAD_DIMS, ids=lambda d: f"d{d}"),
     "name": axis(list(CASES)),
 }))
-def test_wide_head_dim_forward_and_backward(dev, ref, rng, dtype, d, name):
+def test_wide_head_dim_forward_and_backward(kernels, ref, rng, dtype, d, name):
     case = make_case(rng, b=2, sq=150, sk=203, h=4, hkv=2, d=d, qk_scale=1.0, **CASES[name])
     if dtype == FLOAT32:
-        check_forward(dev, ref, case)
-        check_backward(dev, ref, case)
+        check_forward(kernels, ref, case)
+        check_backward(kernels, ref, case)
     else:
-        check_half(dev, rounded(case, dtype))
+        check_half(kernels, rounded(case, dtype))
 
 
 @pytest.mark.parametrize("d", [136, 256], ids=lambda d: f"d{d}")

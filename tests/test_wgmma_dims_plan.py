@@ -52,35 +52,39 @@ def test_select_takes_wgmma_at_every_head_dim_up_to_128_on_sm90(op, dtype):
 
 @pytest.mark.parametrize("op", list(WGMMA_KERNELS))
 def test_select_keeps_mma_sync_elsewhere(op):
-    """Compute capability 8.0 (and 8.6, 10.0), rows narrower than 16 bytes, float32 and head_dims
-    above 128: never a wgmma variant."""
+    """Compute capability 8.0 (and 8.6, 10.0), rows narrower than 16 bytes and float32: never a
+    wgmma variant; above 128 on sm_90a every op has one (dK/dV at width 256)."""
     for d in HEAD_DIMS:
         for cap, copy_bytes, dtype in ((80, 16, BFLOAT16), (86, 16, FLOAT16), (100, 16, BFLOAT16),
                                        (90, 4, BFLOAT16), (90, 2, FLOAT16), (90, 16, FLOAT32)):
             v = configs.select(op, dtype, d, 163 * 1024, capability=cap, copy_bytes=copy_bytes)
             assert v.isa == configs.MMA and v.head_dim == configs.padded_head_dim(d), v.describe()
-    for d in (136, 200, 256):  # above 128 only the forward and dQ have wgmma builds
+    for d in (136, 200, 256):
         v = configs.select(op, BFLOAT16, d, H200_SHARED, capability=90, copy_bytes=16)
-        assert (v.isa == configs.MMA) == (op == configs.BACKWARD_DKDV), v.describe()
+        assert v.isa == configs.WGMMA, v.describe()
+        assert v.head_dim == (256 if op == configs.BACKWARD_DKDV or d > 192 else 192)
 
 
 def test_the_wgmma_builds_are_the_widths_the_kernels_assert():
     """The table names no wgmma build the kernels' static_asserts refuse (DP 64, 128, 192 or
-    256; dK/dV and the fused backward 64 or 128): a padded head_dim's wgmma variants are those
-    of its kernel width, define for define, so the compile tests' cases are the ones at the
-    widths."""
+    256; dK/dV 64, 128 or 256, the fused backward 64 or 128): a padded head_dim's wgmma variants
+    are those of its kernel width, define for define, so the compile tests' cases are the ones
+    at the widths."""
     for (op, dtype, dp), vs in configs.TABLE.items():
         wg = [v for v in vs if v.isa == configs.WGMMA]
         width = next(w for w in (64, 128, 192, 256) if dp <= w)
-        narrow = op in (configs.BACKWARD_DKDV, configs.BACKWARD_FUSED)
-        if dtype == FLOAT32 or op == configs.DECODE or (narrow and dp > 128):
+        fused = op == configs.BACKWARD_FUSED
+        if op == configs.BACKWARD_DKDV and dp > 128:
+            width = 256
+        if dtype == FLOAT32 or op == configs.DECODE or (fused and dp > 128):
             assert not wg, (op, dtype, dp)
             continue
         assert wg, (op, dtype, dp)
         same = configs.TABLE[(op, dtype, width)]
+        widths = {configs.BACKWARD_FUSED: (64, 128), configs.BACKWARD_DKDV: (64, 128, 256)}
         for v in wg:
             assert v.head_dim == width and v in same
-            assert v.defines["FERRO_HEAD_DIM"] in ((64, 128) if narrow else (64, 128, 192, 256))
+            assert v.defines["FERRO_HEAD_DIM"] in widths.get(op, (64, 128, 192, 256))
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -252,10 +256,13 @@ def test_a_run_gives_the_lse_pass_grad_q_and_one_workspace(monkeypatch):
     assert len(lse) == 1 and 0 not in lse and lse != {runs[0][1]["stats"]}
 
 
-# --- above 128: the wgmma forward and dQ at widths 192 and 256, dK/dV on mma.sync --------------
+# --- above 128: the wgmma forward and dQ at widths 192 and 256, dK/dV at 256 --------------------
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("d", [136, 152, 192, 200, 248, 256])
-def test_fake_sm90_plans_above_128_run_the_wgmma_forward_and_dq(dtype, d):
+def test_fake_sm90_plans_above_128_run_wgmma_kernels(dtype, d):
+    """Every kernel of a wide call is a wgmma one: the forward and dQ at width 192 or 256, dK/dV
+    at 256 (a block of 64 keys, its columns split between the two warpgroups: twice the key
+    tiles' blocks of a 128-key grid, no column parts)."""
     width = 192 if d <= 192 else 256
     q, k = (2, 300, 8, d), (2, 461, 2, d)
     for fused_on in (False, True):  # (no fused backward above 128: the two kernels either way)
@@ -264,12 +271,13 @@ def test_fake_sm90_plans_above_128_run_the_wgmma_forward_and_dq(dtype, d):
         plan = make_plan(b, "forward", forward_buffers(q, k, dtype), params(q, k, causal=True))
         assert kernel_names(plan) == ["flash_fwd_wgmma"]
         plan = make_plan(b, "backward", backward_buffers(q, k, dtype), bwd_params(q, k))
-        assert kernel_names(plan) == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_half"]
+        assert kernel_names(plan) == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"]
+        assert plan.launches[1].blocks == -(-461 // 64) * 2 * 2
         plan = make_plan(b, "backward", backward_buffers(q, k, dtype, lse=False), bwd_params(q, k))
         assert kernel_names(plan) == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma",
-                                      "flash_bwd_dkdv_half"]
+                                      "flash_bwd_dkdv_wgmma"]
         widths = {(c[1], dict(c[2])["FERRO_HEAD_DIM"]) for c in b.loader.compiled}
         assert widths == {("flash_fwd_wgmma", width), ("flash_bwd_dq_wgmma", width),
-                          ("flash_bwd_dkdv_half", -(-d // 16) * 16)}
+                          ("flash_bwd_dkdv_wgmma", 256)}
         dkdv = b._kernels[next(key for key in b._kernels if key[0] == configs.BACKWARD_DKDV)][0]
-        assert dkdv.parts == 2
+        assert dkdv.parts == 1 and dkdv.split_columns and dkdv.block_rows == 64

@@ -198,8 +198,15 @@ class Variant:
         return 32 * self.warps + (128 if self.isa == WGMMA else 0)
 
     @property
+    def split_columns(self) -> bool:
+        """The wgmma dK/dV kernel at width 256: its two computing warpgroups share one 64-key tile
+        and each hold half of dK's and dV's columns (flash_bwd_dkdv_wgmma.cu's SPLIT)."""
+        return self.isa == WGMMA and self.per_kv_head and self.head_dim > MEASURED_HEAD_DIM
+
+    @property
     def block_rows(self) -> int:
-        return 16 * self.mt * self.warps
+        """Query rows (keys for dK/dV) a block covers."""
+        return 16 * self.mt * self.warps // (2 if self.split_columns else 1)
 
     @property
     def combine_kernel(self) -> str:
@@ -322,6 +329,8 @@ class Variant:
                 + (", no mask, dropout or model options" if self.plain else "")
                 + (", softcap, ALiBi and sinks" if self.mods else "")
                 + (f", dK/dV in {self.parts} column ranges" if self.parts > 1 else "")
+                + (", dK/dV's columns split between the warpgroups" if self.split_columns
+                   else "")
                 + (", packed sequences (varlen)" if self.varlen else "")
                 + (", paged KV cache" if self.paged else "")
                 + f", {self.shared_bytes} B shared")
@@ -354,12 +363,17 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
     64 keys a tile in 2 buffers; the forward with one Q buffer (wgmma_q_buffers), dQ at 256 with
     one computing warpgroup (two would need a single K/V buffer). Their O / dQ take 96 or 128
     registers a thread; ptxas spills none (the general forward at 256 12 bytes, dQ 112).
-    dK/dV stays on mma.sync there: its dK and dV together would take 192-256 registers a
-    thread; it needs the column ranges the mma.sync kernel has (dkdv_parts)."""
-    if dtype == FLOAT32 or (op == BACKWARD_DKDV and dp > MEASURED_HEAD_DIM):
+    dK/dV above 128 is built at width 256 only (padded 144-256; split_columns): a block of 64
+    keys whose two computing warpgroups each hold 128 columns of dK and dV (a warpgroup's whole
+    dK and dV would take 256 registers a thread) and both form S^T and dP^T (1.5x the minimal
+    products, as the mma.sync kernel's two column ranges); 192 would need 96-column halves,
+    which split a 64-column swizzle block."""
+    if dtype == FLOAT32:
         return []
-    # flash_*_wgmma.cu's static_asserts: DP is 64, 128, 192 or 256
+    # flash_*_wgmma.cu's static_asserts: DP is 64, 128, 192 or 256 (dK/dV: 64, 128 or 256)
     kd = next(w for w in (64, 128, 192, 256) if dp <= w)
+    if op == BACKWARD_DKDV and kd > MEASURED_HEAD_DIM:
+        kd = 256
     if op == FORWARD and kd > MEASURED_HEAD_DIM:
         geometry = dict(warps=8, mt=1, step=64, stages=2)
     elif op == FORWARD:

@@ -3,7 +3,11 @@
 // one (batch, KV head), warp-specialized like the wgmma forward: a loading warpgroup fills a ring
 // of STAGES {Q, dO, [Delta, LSE]} query tiles (BQ rows each) after the block's K and V, and each
 // computing warpgroup owns 64 keys, for every query head of the GQA group and every query tile
-// that can see them:
+// that can see them. At head_dim 256 (SPLIT) a block is BK = 64 keys instead, and each of its two
+// computing warpgroups owns half the columns of their dK and dV (128 each: a warpgroup's whole
+// dK and dV would take 256 registers a thread); both form the same S^T and dP^T (the products
+// over all 256 columns: 1.5x the minimal work, which the mma.sync kernel's two column-range
+// blocks also pay, on slower instructions):
 //   S^T  = K Q^T          (wgmma, both from shared memory)
 //   dP^T = V dO^T         (wgmma, both from shared memory)
 //   P^T  = exp(scale S^T + mask - LSE), 0 where a key is not visible to the row
@@ -40,18 +44,23 @@
 
 namespace {
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BQ = FERRO_BN, STAGES = FERRO_STAGES;
-constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BK = 16 * WARPS;
+constexpr int GROUPS = WARPS / 4;  // computing warpgroups
+constexpr bool SPLIT = DP > 128;  // the warpgroups split dK/dV's columns, not the keys
+constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BK = SPLIT ? 64 : 16 * WARPS;
+constexpr int CW = SPLIT ? DP / GROUPS : DP;  // columns of dK and dV a warpgroup holds
 constexpr int NT = BQ / 8;  // n-tiles of S^T and dP^T (query columns); k-steps of dV, dK: NT / 2
-constexpr int DT = DP / 8;  // n-tiles of dK and dV
+constexpr int DT = CW / 8;  // n-tiles of this warpgroup's dK and dV
+static_assert(!SPLIT || (DP == 256 && GROUPS == 2 && !FERRO_FUSED_DQ),
+              "head_dim 256: two warpgroups of 128 columns each, two kernels (not fused)");
 static_assert(NT <= 8, "dropout's keep bits of a step fit one u32");
 constexpr int KV_ELEMS = BK * DP, Q_ELEMS = BQ * DP;
 constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 keys per warp");
-static_assert((DP == 64 || DP == 128) && BQ == 64, "wgmma tile geometry");
+static_assert((DP == 64 || DP == 128 || DP == 256) && BQ == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
 // (fused) dS of a step: BQ query rows x BK keys, one swizzled column block of 64 keys per
 // warpgroup; two buffers, by the step's parity.
-constexpr int GROUPS = WARPS / 4, DS_ELEMS = FERRO_FUSED_DQ ? BQ * BK : 0;
+constexpr int DS_ELEMS = FERRO_FUSED_DQ ? BQ * BK : 0;
 static_assert(!FERRO_FUSED_DQ || GROUPS == 2,
               "dQ_part's k-steps: the two warpgroups' 64-key blocks of dS");
 // K and V, the ring of Q and dO (swizzled), the ring of [Delta, LSE], (fused) the two dS
@@ -135,12 +144,18 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
         return;
     }
 
-    // ---- the computing warpgroups: 64 keys each ----------------------------------------------------
+    // ---- the computing warpgroups: 64 keys each (SPLIT: the same 64, CW columns each) -------------
     regs_grow<COMPUTE_REGS>();
-    const u32 k_slice = smem_u32(sK) + (wg - 1) * 64 * 128;  // this warpgroup's 64 keys
-    const u32 v_slice = smem_u32(sV) + (wg - 1) * 64 * 128;
+    const int slice = SPLIT ? 0 : wg - 1;  // this warpgroup's 64 keys among the block's
+    const u32 k_slice = smem_u32(sK) + slice * 64 * 128;
+    const u32 v_slice = smem_u32(sV) + slice * 64 * 128;
+    // Its first column of dK and dV, and that column's byte offset in a swizzled [BQ x DP] tile
+    // (whole 64-column blocks of BQ * 128 bytes: CW is a multiple of 64).
+    const int col0 = SPLIT ? (wg - 1) * CW : 0;
+    const u32 col_bytes = (u32)(col0 / 64) * BQ * 128;
+    static_assert(CW % 64 == 0, "a warpgroup's columns start on a swizzle block");
     // This thread's two keys (accumulator rows c0/c1 and c2/c3).
-    const long long key0 = k0 + (wg - 1) * 64 + ((threadIdx.x >> 5) & 3) * 16 + L.g;
+    const long long key0 = k0 + slice * 64 + ((threadIdx.x >> 5) & 3) * 16 + L.g;
     const float sl2 = s.scale * FERRO_LOG2E;
     const Dropout<BuildOptions::DROPOUT> drop(s);
     const float keep_scale = drop.keep_scale();
@@ -247,9 +262,11 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
 
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(dv, pa[kk], desc_mn_major<BQ>(do_tile, kk), 1);
+        for (int kk = 0; kk < NT / 2; ++kk)
+            wgmma_rs(dv, pa[kk], desc_mn_major<BQ>(do_tile + col_bytes, kk), 1);
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(dk, da[kk], desc_mn_major<BQ>(q_tile, kk), 1);
+        for (int kk = 0; kk < NT / 2; ++kk)
+            wgmma_rs(dk, da[kk], desc_mn_major<BQ>(q_tile + col_bytes, kk), 1);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(dv);
@@ -277,6 +294,8 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
 #endif
     }
 
-    const Rows gk = k_rows(s, lay.grad_k, b, hk), gv = k_rows(s, lay.grad_v, b, hk);
-    store_acc_tile2<u16, DT>(grad_k, gk, dk, s.scale, grad_v, gv, dv, 1.f, key0, s.seq_k, L, D, true);
+    Rows gk = k_rows(s, lay.grad_k, b, hk), gv = k_rows(s, lay.grad_v, b, hk);
+    gk.off += col0, gv.off += col0;  // this warpgroup's columns [col0, col0 + CW) of D
+    store_acc_tile2<u16, DT>(grad_k, gk, dk, s.scale, grad_v, gv, dv, 1.f, key0, s.seq_k, L,
+                             D - col0, true);
 }
