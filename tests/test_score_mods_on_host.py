@@ -72,6 +72,21 @@ float cap_grad(const Call* c, unsigned b, unsigned h, long long i, long long j, 
     const AttnShape s = shape(*c);
     return softcap_grad<true, true>(s, c->mask, b, h, i, j, alibi_slope(s, b, h), sc);
 }
+// The float-only path (no mask): capped_alibi's score and 1 - t^2, and capped_grad from a score.
+float score_fast(const Call* c, unsigned b, unsigned h, long long i, long long j, float x,
+                 float* dcap) {
+    const AttnShape s = shape(*c);
+    const long long d = i + s.offset - j;
+    float t;
+    const float y = capped_alibi(s, alibi_slope(s, b, h), x, (float)(d < 0 ? -d : d), t);
+    *dcap = 1.f - t * t;
+    return y;
+}
+float cap_grad_fast(const Call* c, unsigned b, unsigned h, long long i, long long j, float sc) {
+    const AttnShape s = shape(*c);
+    const long long d = i + s.offset - j;
+    return capped_grad(s, fmaf(alibi_slope(s, b, h), (float)(d < 0 ? -d : d), sc));
+}
 // An accumulator tile of 16 rows from i0 x 16 keys from j0, every lane's part gathered into
 // out[16][16]: `raw` products in, scores out (score_tile, scaled units).
 void tile(const Call* c, unsigned b, unsigned h, long long i0, long long j0, int whole,
@@ -117,6 +132,10 @@ def lib(tmp_path_factory):
         getattr(lib, name).argtypes = [P, u, u, ll, ll, f]
         getattr(lib, name).restype = f
     lib.tile.argtypes = [P, u, u, ll, ll, i, fp, fp]
+    lib.score_fast.argtypes = [P, u, u, ll, ll, f, fp]
+    lib.score_fast.restype = f
+    lib.cap_grad_fast.argtypes = [P, u, u, ll, ll, f]
+    lib.cap_grad_fast.restype = f
     lib.row_end_sink.argtypes = [f, f, f, f, i, fp]
     return lib
 
@@ -184,6 +203,15 @@ def test_score_and_its_softcap_derivative(lib, opts, seed):
         # (recovered from the rounded score: float32 rounding of |score| over the softcap)
         tol = 1e-6 + 4e-7 * (abs(want) + abs(case.slope(b, h)) * 100) / max(opts["softcap"], 0.5)
         assert abs(g - dcap) <= tol, (opts, x, g, dcap)
+        if opts["mask"]:
+            continue  # (the float-only path serves calls without a mask)
+        fast_dcap = np.zeros(1, np.float32)
+        fast = lib.score_fast(ctypes.byref(case.c), b, h, i, j, x, _ptr(fast_dcap))
+        assert abs(fast - want) <= 2e-6 * max(1.0, abs(want)), (opts, b, i, j, x, fast, want)
+        assert abs(fast_dcap[0] - dcap) <= 1e-6, (opts, x, fast_dcap[0], dcap)
+        if opts["softcap"]:
+            g = lib.cap_grad_fast(ctypes.byref(case.c), b, h, i, j, got)
+            assert abs(g - dcap) <= tol, (opts, x, g, dcap)
 
 
 @settings(max_examples=100, deadline=None)

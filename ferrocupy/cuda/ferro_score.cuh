@@ -125,6 +125,36 @@ __device__ __forceinline__ float modified_score(const AttnShape& s, const void* 
     return x;
 }
 
+// A visible score without an additive mask, in float operations only (the common tile of a
+// softcap or ALiBi call; modified_score's 64-bit distance and per-element tests cost as much as
+// the products there: H100, bf16 D128, ALiBi's forward ran at 0.38x the plain call): x the scaled
+// product, `dist` = |a - j| as a float (exact below 2^24 keys; beyond, rounded as the float32
+// score is anyway), slope 0 without ALiBi. `t` gets tanh(x / softcap) (0 without softcap): the
+// backward's softcap derivative is 1 - t^2.
+__device__ __forceinline__ float capped_alibi(const AttnShape& s, float slope, float x, float dist,
+                                              float& t) {
+    t = 0.f;
+    if (s.softcap > 0.f) {
+        x = softcapped(s, x);
+        t = x * (1.f / s.softcap);
+    }
+    return fmaf(-slope, dist, x);
+}
+
+// Whether a tile the caller knows wholly visible takes capped_alibi: the variant has the model
+// options and the call softcap or ALiBi, and no additive mask.
+template <class OPT>
+__device__ __forceinline__ bool float_mods(const AttnShape& s) {
+    return OPT::MODS && (s.softcap > 0.f || s.alibi) && !(OPT::MASK && s.has_mask);
+}
+
+// The softcap's derivative from a visible element's capped score (capped_alibi's before ALiBi,
+// i.e. the score plus slope * dist): 1 - tanh^2, tanh = capped / softcap.
+__device__ __forceinline__ float capped_grad(const AttnShape& s, float capped) {
+    const float t = fminf(fmaxf(capped * (1.f / s.softcap), -1.f), 1.f);
+    return 1.f - t * t;
+}
+
 // The softcap's derivative at a visible element whose score (modified_score's) is `score`:
 // 1 - tanh^2, with tanh recovered as (score - ALiBi - mask) / softcap; 1 without softcap (SPEC:
 // the backward multiplies dS by it). The backward kernels no longer hold the product itself when
@@ -154,6 +184,20 @@ __device__ __forceinline__ void score_tile(const AttnShape& s, const void* mask,
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int r = 0; r < 4; ++r) sc[nt][r] *= s.scale;
+        return;
+    }
+    if (whole && float_mods<OPT>(s)) {  // softcap and ALiBi alone, every key visible
+        // a - j of element r of n-tile nt, a = i + offset: d[r >> 1] - (8 nt + (r & 1))
+        const float d[2] = {(float)(i0 + s.offset - j0 - 2 * L.t),
+                            (float)(i1 + s.offset - j0 - 2 * L.t)};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                float t;
+                sc[nt][r] = capped_alibi(s, slope, sc[nt][r] * s.scale,
+                                         fabsf(d[r >> 1] - (float)(nt * 8 + (r & 1))), t);
+            }
         return;
     }
     // (hide_outside's interval test is cheaper per element, but here it cost the general

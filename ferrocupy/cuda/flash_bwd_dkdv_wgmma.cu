@@ -192,6 +192,13 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
         const u32 h = hk * group + t / n_tiles, bh = b * s.heads + h;
         const float slope = BuildOptions::MODS ? alibi_slope(s, b, h) : 0.f;
 
+        // Softcap / ALiBi without a mask: float operations only (capped_alibi), a - j of element r
+        // of n-tile nt being d0 + 8 nt + (r & 1) - 8 (r >> 1).
+        const bool fast = float_mods<BuildOptions>(s);
+        const float d0 = (float)(i0 + s.offset - key0 + 2 * L.t);
+        auto dist = [&](int nt, int r) {
+            return fabsf(d0 + (float)(nt * 8 + (r & 1) - 8 * (r >> 1)));
+        };
         wgmma_wait<1>();
         wgmma_pin(sT);
         u32 keeps = 0xFFFFFFFFu;  // dropout's bits: 4 per n-tile (element r: bit 4 nt + r)
@@ -208,8 +215,11 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
                 // A row with LSE -inf (one that sees no key, or a given lse saying so) has P = 0.
                 const bool ok = ci >= span[r >> 1].lo && ci <= span[r >> 1].hi &&
                                 lse2[r & 1] != neg_inf();
-                float e;
-                if (per_element<BuildOptions>(s))  // the modified score (softcap, ALiBi, mask)
+                float e, th;
+                if (fast)
+                    e = fmaf(capped_alibi(s, slope, sT[nt][r] * s.scale, dist(nt, r), th),
+                             FERRO_LOG2E, -lse2[r & 1]);
+                else if (per_element<BuildOptions>(s))  // softcap, ALiBi, mask: element by element
                     e = fmaf(modified_score<BuildOptions::MASK, BuildOptions::MODS>(
                                  s, mask, b, h, i0 + ci, key0 + 8 * (r >> 1), ok, slope,
                                  sT[nt][r] * s.scale),
@@ -247,10 +257,14 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
                 const float dp = (keeps >> (4 * nt + r)) & 1u ? dpT[nt][r] * keep_scale : 0.f;
                 float dS = sT[nt][r] * (dp - ((r & 1) ? delta.y : delta.x));
                 // Softcap: dS times 1 - tanh^2, from the score lse + log P (P > 0: visible).
-                if (BuildOptions::MODS && s.softcap > 0.f && sT[nt][r] != 0.f)
-                    dS *= softcap_grad<BuildOptions::MASK, true>(
-                        s, mask, b, h, i0 + c + (r & 1), key0 + 8 * (r >> 1), slope,
-                        fmaf(log2f(sT[nt][r]), FERRO_LN2, st_rows[2 * c + 1 + 2 * (r & 1)]));
+                if (BuildOptions::MODS && s.softcap > 0.f && sT[nt][r] != 0.f) {
+                    const float score =
+                        fmaf(log2f(sT[nt][r]), FERRO_LN2, st_rows[2 * c + 1 + 2 * (r & 1)]);
+                    dS *= fast ? capped_grad(s, fmaf(slope, dist(nt, r), score))
+                               : softcap_grad<BuildOptions::MASK, true>(
+                                     s, mask, b, h, i0 + c + (r & 1), key0 + 8 * (r >> 1), slope,
+                                     score);
+                }
                 dpT[nt][r] = dS;
             }
         }

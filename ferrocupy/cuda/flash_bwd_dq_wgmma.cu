@@ -168,6 +168,11 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
         wgmma_wait<1>();
         wgmma_pin(sc);
         const long long j0 = j_first + (long long)t * BN;  // even: BN is
+        // A wholly visible tile of a softcap / ALiBi call without a mask: float operations only
+        // (capped_alibi), a - j of element r of n-tile nt being d[r >> 1] - (8 nt + (r & 1)).
+        const bool fast = whole && float_mods<BuildOptions>(s);
+        const float d[2] = {(float)(T.row(0, 0) + s.offset - j0 - 2 * L.t),
+                            (float)(T.row(0, 1) + s.offset - j0 - 2 * L.t)};
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -176,7 +181,13 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
                 const bool ok = whole || (c >= tile[r >> 1].lo && c <= tile[r >> 1].hi);
                 // (a row that sees no key, or whose given LSE is -inf, sees none of them)
                 float e, dcap = 1.f;
-                if (per_element<BuildOptions>(s)) {  // the modified score (softcap, ALiBi, mask)
+                if (fast) {
+                    float th;
+                    const float x = capped_alibi(s, slope, sc[nt][r] * s.scale,
+                                                 fabsf(d[r >> 1] - (float)(nt * 8 + (r & 1))), th);
+                    e = fmaf(x, FERRO_LOG2E, -lse2[r >> 1]);
+                    dcap = 1.f - th * th;  // softcap's derivative (1 without softcap)
+                } else if (per_element<BuildOptions>(s)) {  // softcap, ALiBi, mask: element by element
                     const long long i = T.row(0, r >> 1);
                     const float x = modified_score<BuildOptions::MASK, BuildOptions::MODS>(
                         s, mask, T.b, T.h, i, j0 + c, ok, slope, sc[nt][r] * s.scale);
