@@ -171,8 +171,12 @@ def case_label(row: dict) -> str:
     if parts[0] == "decode":  # decode-DT-bB-hHkvK-dD-skN[-qQ]
         rows = f", {parts[6][1:]} query rows a head" if len(parts) > 6 else ""
         return f"decode, B{parts[2][1:]} Sk{int(parts[5][2:]) // 1024}k{rows}"
-    if parts[0] == "rope":
-        return f"RoPE in place, [{parts[2].replace('x', ', ')}]"
+    if parts[0] == "rope":  # rope-DT-SHAPE[-FORM]: in place, or out of place in one form
+        forms = {"full": "out of place", "partial": "out of place, half the head rotated",
+                 "interleaved": "out of place, interleaved pairs",
+                 "positions": "out of place, explicit positions"}
+        how = forms.get(parts[3], parts[3]) if len(parts) > 3 else "in place"
+        return f"RoPE {how}, [{parts[2].replace('x', ', ')}]"
     what = {"fwd": "forward", "bwd": "backward"}[parts[1]]
     return f"{what}, {parts[-1].replace('noncausal', 'non-causal')}"
 
