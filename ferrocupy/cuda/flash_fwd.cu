@@ -134,6 +134,9 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
         __syncthreads();  // V_j landed (K_{j+1} may still be in flight)
         Mma::gemm_acc_ab<MT, NT, DP, PITCH>(sc, sV, o);
     }
+    // Nothing in flight when the block ends: a tile whose rows see no key (n_tiles 0: a negative
+    // offset, kv_lens 0, a window) loaded Q and never waited for it.
+    cp_async_wait<0>();
 
     const float keep_scale = drop.keep_scale();
     const float sink = OPT::MODS ? sink_logit(s, Tq.h) : neg_inf();
