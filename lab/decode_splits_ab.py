@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 
 import cupy as cp
@@ -38,7 +39,10 @@ from ferrocupy.cuda.loader import KernelLoader  # noqa: E402
 from ferrocupy.dtypes import parse  # noqa: E402
 
 H, HKV, D = 32, 8, 128
-CANDIDATE = os.path.join(HERE, "candidates", "decode-splits")
+# the candidate's overlay, built from its patch (lab/candidates/overlay.sh)
+CANDIDATE = subprocess.run(["bash", os.path.join(HERE, "candidates", "overlay.sh"),
+                            "decode-splits"], check=True, capture_output=True,
+                           text=True).stdout.strip()
 
 
 def engine(design: str, overlay: str | None) -> ComputeEngine:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One device call for the kernel candidates in lab/candidates/ (run from the repository root):
-#   1. the kernel cache filled for main (bf16) and each candidate overlay (every dtype: its tests);
-#   2. compare.py's mods cases (softcap, ALiBi, sinks, plain) on main, then on softcap-tanh;
+# One device call for the kernel candidates in lab/candidates/ (run from the repository root;
+# each overlay built from its patch by lab/candidates/overlay.sh):
+#   1. the kernel cache filled for main and each candidate overlay (every dtype: its tests);
+#   2. compare.py's mods cases (softcap, ALiBi, sinks, plain) on main, then on $MODS_OVERLAY
+#      (a candidate name; skipped without one);
 #   3. each candidate's GPU tests through its overlay (lab/triage_hang.sh, in parallel);
 #   4. decode_splits_ab.py --quick; an ncu SpeedOfLight of every backward kernel at D256.
-# STEPS (default "mods tests ab ncu") picks steps, TEST_CANDIDATES (default both) the overlays. Logs in $OUT (packed past 7 files).
+# STEPS (default "mods tests ab ncu") picks steps, TEST_CANDIDATES (overlay folders; default every one built above) the tests. Logs in $OUT (packed past 7 files).
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache} PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
@@ -12,7 +14,8 @@ STEPS=${STEPS:-mods tests ab ncu}
 start=$SECONDS
 at() { echo "[$((SECONDS - start)) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-SOFTCAP=lab/candidates/softcap-tanh DECODE=lab/candidates/decode-splits
+DECODE=$(bash lab/candidates/overlay.sh decode-splits)
+SOFTCAP=${MODS_OVERLAY:+$(bash lab/candidates/overlay.sh "$MODS_OVERLAY")}
 python3 -m ferrocupy.cuda.precompile 2>&1 | tail -1
 for c in ${TEST_CANDIDATES:-$SOFTCAP $DECODE}; do
   FERROCUPY_KERNEL_OVERLAY=$c python3 -m ferrocupy.cuda.precompile 2>&1 | tail -1
@@ -20,8 +23,8 @@ done
 at precompiled
 if [[ $STEPS == *mods* ]]; then
   python3 benchmarks/compare.py --dtype bf16 --cases mods- > "$OUT/mods-main.txt" 2>&1
-  FERROCUPY_KERNEL_OVERLAY=$SOFTCAP python3 benchmarks/compare.py --dtype bf16 --cases mods- \
-    > "$OUT/mods-softcap-tanh.txt" 2>&1
+  [ -n "$SOFTCAP" ] && FERROCUPY_KERNEL_OVERLAY=$SOFTCAP python3 benchmarks/compare.py \
+    --dtype bf16 --cases mods- > "$OUT/mods-$MODS_OVERLAY.txt" 2>&1
   at mods; grep -E "mods-" "$OUT"/mods-*.txt | head -40
 fi
 if [[ $STEPS == *tests* ]]; then
