@@ -290,6 +290,8 @@ class Variant:
             d["FERRO_MODS"] = 1
         if self.parts > 1:
             d["FERRO_DKDV_PARTS"] = self.parts
+        if self.split_columns:
+            d["FERRO_DKDV_SPLIT"] = 1
         if self.varlen:
             d["FERRO_VARLEN"] = 1
         if self.paged:

@@ -26,6 +26,9 @@
 #ifndef FERRO_FUSED_DQ
 #define FERRO_FUSED_DQ 0
 #endif
+#ifndef FERRO_DKDV_SPLIT
+#define FERRO_DKDV_SPLIT 0
+#endif
 #include "ferro_params.cuh"
 #include "ferro_softmax.cuh"
 #include "ferro_copy.cuh"
@@ -45,7 +48,9 @@
 namespace {
 constexpr int DP = FERRO_HEAD_DIM, WARPS = FERRO_WARPS, BQ = FERRO_BN, STAGES = FERRO_STAGES;
 constexpr int GROUPS = WARPS / 4;  // computing warpgroups
-constexpr bool SPLIT = DP > 128;  // the warpgroups split dK/dV's columns, not the keys
+// The warpgroups split dK/dV's columns, not the keys (configs.py's split_columns, above 128).
+constexpr bool SPLIT = FERRO_DKDV_SPLIT;
+static_assert(SPLIT == (DP > 128), "configs.py's split_columns: exactly the builds above 128");
 constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BK = SPLIT ? 64 : 16 * WARPS;
 constexpr int CW = SPLIT ? DP / GROUPS : DP;  // columns of dK and dV a warpgroup holds
 constexpr int NT = BQ / 8;  // n-tiles of S^T and dP^T (query columns); k-steps of dV, dK: NT / 2
