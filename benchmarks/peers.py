@@ -543,12 +543,11 @@ def launches_only(eng, plan, tensors: dict):
     backend = eng.backend
     if backend.name != "cuda":
         return lambda: plan.run(**tensors)
-    ptrs = dict.fromkeys(plan.names, 0)
-    ptrs.update((n, x.buffer().data.ptr) for n, x in tensors.items() if x is not None)
-    launch = backend.plan(plan.op, plan.specs, plan.params, plan.layout, ptrs, plan.extras)
+    from ferrocupy.cuda import tuning
+
+    ptrs = {n: x.buffer().data.ptr for n, x in tensors.items() if x is not None}
     stream = _ferro_stream(eng)
-    stream = int(getattr(stream, "ptr", stream))
-    return lambda: backend.run_plan(launch, ptrs, stream)
+    return tuning.kernels_only(backend, plan, ptrs, int(getattr(stream, "ptr", stream)))
 
 
 def paged_cache(case, k, v, seed: int = 0):

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 from harness import FULL, QUICK, device_info, l2_bytes, rotation_sets, time_calls  # noqa: E402
 
 from ferrocupy import AttentionOptions, ComputeEngine  # noqa: E402
-from ferrocupy.cuda import configs  # noqa: E402
+from ferrocupy.cuda import configs, tuning  # noqa: E402
 from ferrocupy.cuda.backend import CudaBackend  # noqa: E402
 from ferrocupy.cuda.loader import KernelLoader  # noqa: E402
 from ferrocupy.dtypes import parse  # noqa: E402
@@ -67,10 +67,7 @@ def launcher(eng: ComputeEngine, s: dict, out: str, window: int, stream):
     ptrs = {n: x.data.ptr for n, x in dict(q=s["q"], k=s["k"], v=s["v"], out=s[out],
                                            kv_lens=s["lens"]).items()}
     plan.run_pointers(ptrs)  # every check, once
-    be = eng.backend
-    launch = be.plan(plan.op, plan.specs, plan.params, plan.layout,
-                     dict.fromkeys(plan.names, 0) | ptrs, plan.extras)
-    return lambda: be.run_plan(launch, ptrs, stream.ptr)
+    return tuning.kernels_only(eng.backend, plan, ptrs, stream.ptr)
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from harness import FULL, QUICK, device_info, l2_bytes, rotation_sets, time_calls  # noqa: E402
 
 from ferrocupy import AttentionOptions, ComputeEngine  # noqa: E402
+from ferrocupy.cuda import tuning  # noqa: E402
 from ferrocupy.dtypes import parse  # noqa: E402
 
 H, HKV, D = 32, 8, 128
@@ -63,10 +64,7 @@ def launcher(eng: ComputeEngine, s: dict, paged: bool, stream):
     ptrs = {n: 0 if x is None else x.data.ptr for n, x in
             dict(q=s["q"], k=k, v=v, out=out, kv_lens=s["lens"], block_table=table).items()}
     plan.run_pointers(ptrs)  # every check, once
-    be = eng.backend
-    launch = be.plan(plan.op, plan.specs, plan.params, plan.layout,
-                     dict.fromkeys(plan.names, 0) | ptrs, plan.extras)
-    return lambda: be.run_plan(launch, ptrs, stream.ptr)
+    return tuning.kernels_only(eng.backend, plan, ptrs, stream.ptr)
 
 
 def main() -> None:

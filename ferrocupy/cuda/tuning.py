@@ -5,6 +5,8 @@ the decode's split count, and run an operation's launches one at a time to time 
     backend = CudaBackend(table=tuning.forcing(variant))   # that variant, or a ValueError
     for launch in tuning.launches(backend, "forward", dict(q=q, k=k, v=v, out=out), params):
         launch()                                           # each kernel alone, in order
+    run = tuning.kernels_only(eng.backend, eng.plan_attention(...), pointers, stream)
+    run()                            # a planned call's kernels, without its per-call checks
 
 A kernel's source can be replaced too, without touching the package: `KernelLoader`'s overlay
 directory (`FERROCUPY_KERNEL_OVERLAY`) is searched before the package's for every source and
@@ -124,3 +126,14 @@ def launches(backend, op: str, buffers: dict, params, layout=None,
         keep.append(xp.zeros(1, dtype=np.uint32))
         pointers[configs.TILE_COUNTER] = address(keep[-1])
     return [Launch(p, pointers, stream, keep) for p in plan.launches]
+
+
+def kernels_only(backend, plan, pointers: dict, stream: int):
+    """A call that runs an engine plan's kernels (`ComputeEngine.plan_attention` and the like)
+    alone, on `pointers` (device addresses by the plan's argument names; those absent are 0) on
+    `stream` (a raw CUDA stream handle): the front door's per-call checks, which read index
+    tensors (kv_lens, block tables, cu_seqlens) to the host, stay out of what is timed. Run the
+    plan itself once first, so its checks have passed on these inputs."""
+    pointers = dict.fromkeys(plan.names, 0) | pointers
+    launch = backend.plan(plan.op, plan.specs, plan.params, plan.layout, pointers, plan.extras)
+    return lambda: backend.run_plan(launch, pointers, stream)
