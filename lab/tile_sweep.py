@@ -26,10 +26,11 @@ from ferrocupy.cuda import configs, tuning
 from ferrocupy.cuda.backend import CudaBackend
 from ferrocupy.dtypes import parse
 
-GEOMETRIES = {  # (warps, mt, step[, isa])
+GEOMETRIES = {  # (warps, mt, step[, isa[, stages]]); wgmma ones as `plain` builds (--general: not)
     configs.FORWARD: [(4, 1, 64), (4, 2, 64), (4, 1, 128), (8, 1, 64), (8, 1, 128), (4, 2, 32),
                       (8, 2, 64), (8, 1, 128, configs.WGMMA), (12, 1, 128, configs.WGMMA),
-                      (12, 1, 64, configs.WGMMA)],
+                      (12, 1, 64, configs.WGMMA), (8, 1, 128, configs.WGMMA, 2),
+                      (8, 1, 64, configs.WGMMA, 3), (8, 1, 64, configs.WGMMA, 4)],
     configs.BACKWARD_DQ: [(4, 1, 32), (4, 1, 64), (8, 1, 64), (4, 2, 32), (8, 1, 32), (4, 1, 128)],
     configs.BACKWARD_DKDV: [(4, 1, 16), (4, 1, 32), (4, 1, 64), (8, 1, 32), (8, 1, 64), (4, 2, 32),
                             (2, 2, 64)],
@@ -105,6 +106,9 @@ def main() -> None:
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--ops", default="forward,backward_dq,backward_dkdv")
+    ap.add_argument("--wgmma-only", action="store_true", help="only the sm_90a geometries")
+    ap.add_argument("--general", action="store_true",
+                    help="wgmma geometries as their general builds (mask, dropout, model options)")
     args = ap.parse_args()
     dtype = parse(args.dtype)
     backend = CudaBackend()
@@ -113,10 +117,14 @@ def main() -> None:
     rows = []
     for D in (int(x) for x in args.dims.split(",")):
         B, H = 16384 // S, 2048 // D
+        wg_plain = dict(plain=not args.general, mods=args.general)
         variants = {op: [v for v in (configs.Variant(op, dtype, D, *g,
-                                                     parts=configs.dkdv_parts(op, D))
+                                                     parts=configs.dkdv_parts(op, D),
+                                                     **(wg_plain if g[3:4] == (configs.WGMMA,)
+                                                        else {}))
                                      for g in gs)
                          if v.runs_on(backend.capability, 16) and v.shared_bytes <= limit
+                         and (v.isa == configs.WGMMA or not args.wgmma_only)
                          and (v.isa != configs.WGMMA or D <= configs.MEASURED_HEAD_DIM)]
                     for op, gs in GEOMETRIES.items() if op in args.ops.split(",")}
         with ThreadPoolExecutor(16) as pool:
@@ -151,14 +159,14 @@ def main() -> None:
                         launch()
                     ms = time_ms(runs[at])
                     rows.append((op, str(dtype), D, causal,
-                                 f"w{var.warps} m{var.mt} n{var.step} {var.isa}", ms,
+                                 f"w{var.warps} m{var.mt} n{var.step} s{var.stages} {var.isa}", ms,
                                  flops / ms / 1e9, rel_err(bufs[which][name], want[name])))
             backend.table = configs.TABLE
             rows += peer_rows(dtype, B, S, H, D, causal)
-    print(f"{'op':<22}{'dtype':<10}{'D':>4} {'causal':<7}{'geometry':<18}{'ms':>9}{'TFLOP/s':>9}"
+    print(f"{'op':<22}{'dtype':<10}{'D':>4} {'causal':<7}{'geometry':<24}{'ms':>9}{'TFLOP/s':>9}"
           f"{'rel err':>10}")
     for r in rows:
-        print(f"{r[0]:<22}{r[1]:<10}{r[2]:>4} {str(r[3]):<7}{r[4]:<18}{r[5]:>9.3f}{r[6]:>9.1f}"
+        print(f"{r[0]:<22}{r[1]:<10}{r[2]:>4} {str(r[3]):<7}{r[4]:<24}{r[5]:>9.3f}{r[6]:>9.1f}"
               f"{r[7]:>10.1e}")
 
 

@@ -30,10 +30,10 @@ SHIM = r"""
 
 // One call's model options, as the test passes them.
 struct Call {
-    int seq_q, seq_k, causal, window, offset, per_batch, heads, has_mask;
+    int seq_q, seq_k, causal, window, offset, per_batch, heads, has_mask, mask_bf16;
     float scale, softcap;
     const float* alibi;  // null: none
-    const float* mask;   // [seq_q][seq_k] for (b, h) = (0, 0); null: none
+    const void* mask;    // [seq_q][seq_k], float32 or (mask_bf16) bfloat16, every (b, h); null: none
 };
 
 static AttnShape shape(const Call& c) {
@@ -56,7 +56,7 @@ static AttnShape shape(const Call& c) {
     ex.window_left = ex.window_right = c.window ? c.window - 1 : -1;  // params.py's seed_extras
     ex.softcap = c.softcap;
     ex.flags = (c.alibi ? EXTRAS_ALIBI : 0u) | (c.per_batch ? EXTRAS_ALIBI_PER_BATCH : 0u);
-    AttnShape s = attn_shape(p, ex, MASK_F32);
+    AttnShape s = attn_shape(p, ex, c.mask_bf16 ? MASK_BF16 : MASK_F32);
     with_extras(s, ex, c.alibi, nullptr);
     return s;
 }
@@ -115,10 +115,10 @@ void row_end_sink(float m, float l, float keep_scale, float sink, int sinks, flo
 
 class Call(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int) for n in ("seq_q", "seq_k", "causal", "window", "offset",
-                                            "per_batch", "heads", "has_mask")]
+                                            "per_batch", "heads", "has_mask", "mask_bf16")]
                 + [("scale", ctypes.c_float), ("softcap", ctypes.c_float),
                    ("alibi", ctypes.POINTER(ctypes.c_float)),
-                   ("mask", ctypes.POINTER(ctypes.c_float))])
+                   ("mask", ctypes.c_void_p)])
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +148,19 @@ class Case:
     """One call's options, its C struct (keeping its arrays alive) and SPEC's formulas."""
 
     def __init__(self, rng, *, seq_q=40, seq_k=50, causal=0, window=0, offset=0, softcap=0.0,
-                 alibi=None, mask=False, heads=3):
+                 alibi=None, mask=False, heads=3, mask_bf16=False):
         self.alibi = None if alibi is None else rng.uniform(0, 0.7, (2, heads) if alibi == "bh"
                                                             else heads).astype(np.float32)
         self.mask = rng.standard_normal((seq_q, seq_k)).astype(np.float32) if mask else None
+        self.mask_data = self.mask  # what the kernel reads: float32, or bfloat16's bits
+        if mask and mask_bf16:  # (rounded toward zero: the values are bfloat16's either way)
+            self.mask_data = (self.mask.view(np.uint32) >> 16).astype(np.uint16)
+            self.mask = (self.mask_data.astype(np.uint32) << 16).view(np.float32)
         self.softcap, self.offset, self.window, self.causal = softcap, offset, window, causal
         self.c = Call(seq_q, seq_k, causal, window, offset, int(alibi == "bh"), heads,
-                      int(mask), np.float32(0.125), np.float32(softcap), _ptr(self.alibi),
-                      _ptr(self.mask))
+                      int(mask), int(mask_bf16), np.float32(0.125), np.float32(softcap),
+                      _ptr(self.alibi),
+                      None if self.mask_data is None else self.mask_data.ctypes.data)
 
     def slope(self, b, h):
         if self.alibi is None:
@@ -214,19 +219,22 @@ def test_score_and_its_softcap_derivative(lib, opts, seed):
             assert abs(g - dcap) <= tol, (opts, x, g, dcap)
 
 
-@settings(max_examples=100, deadline=None)
-@given(opts=cases(), seed=st.integers(0, 2**32 - 1), whole=st.booleans())
-def test_score_tile(lib, opts, seed, whole):
+@settings(max_examples=150, deadline=None)
+@given(opts=cases(), seed=st.integers(0, 2**32 - 1), whole=st.booleans(),
+       seq_k=st.sampled_from([64, 63]), mask_bf16=st.booleans())
+def test_score_tile(lib, opts, seed, whole, seq_k, mask_bf16):
     """A 16 x 16 accumulator tile: every element is SPEC's score where visible and -inf where
-    not; a tile called `whole` (every key visible) still gets softcap, ALiBi and the mask."""
+    not; a tile called `whole` (every key visible) still gets softcap, ALiBi and the mask (the
+    mask alone: add_mask_row's rows, float32 or bfloat16, their pairs aligned (seq_k 64) or
+    not in odd rows (63))."""
     rng = np.random.default_rng(seed)
-    case = Case(rng, seq_q=48, seq_k=64, **opts)
+    case = Case(rng, seq_q=48, seq_k=seq_k, mask_bf16=mask_bf16, **opts)
     i0, j0 = int(rng.integers(0, 40)), 8 * int(rng.integers(0, 7))
     if whole:  # options under which every key of the tile is visible
         case.causal, case.window = 0, 0
         case.c.causal = case.c.window = 0
         i0 = min(i0, 48 - 16)
-        j0 = min(j0, 64 - 16)
+        j0 = min(j0, (seq_k - 16) // 8 * 8)
     raw = rng.standard_normal((16, 16)).astype(np.float32) * 8
     out = np.empty((16, 16), np.float32)
     lib.tile(ctypes.byref(case.c), 1, 2, i0, j0, int(whole), _ptr(raw), _ptr(out))

@@ -48,6 +48,13 @@ __device__ __forceinline__ QueryTile query_tile_at(u32 x, AttnShape& s, const At
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
     u32 rank;
     block_coords(x, q_tiles, s.batch * s.heads, t.bh, rank);
+    if (s.has_mask && s.sb == 0u && s.batch > 1u) {
+        // A mask the batch entries share (stride 0 over batch): batch entries fastest, so the
+        // blocks reading one (head, query tile)'s mask rows run side by side and share them in
+        // L2 instead of each entry's fetching them from memory again (bias [1, H, S, S]).
+        const u32 b = t.bh % s.batch, h = t.bh / s.batch;
+        t.bh = b * s.heads + h;
+    }
     t.b = t.bh / s.heads;
     t.h = t.bh % s.heads;
     t.hk = t.h / (s.heads / s.kv_heads);

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One device call (~560 s) from the repository root: the measurements that decide the next kernel
+# change, each under its own time limit, logs in $OUT:
+#   1. the table's kernels precompiled into /tmp/ferro_kcache (kept while the machine stays warm);
+#   2. lab/fused_bwd_ab.py (the fused backward against the two-kernel one, cuDNN, SDPA default);
+#   3. lab/tile_sweep.py over the wgmma forward geometries at SWEEP_DIMS, S SWEEP_SEQ;
+#   4. compute-sanitizer memcheck and racecheck on FERRO_SANITIZE's calls (SAN);
+#   5. lab/plant_dkdv_split.sh (a planted bug in the head_dim-256 dK/dV must fail its tests);
+#   6. compare.py's cases matching AB_CASES on this tree and with the kernel files in BASE (a
+#      folder of the tree, default _ab_base/, as a kernel overlay: the files a change touched, as
+#      they were), base, tree, base, tree.
+# STEPS picks among "pre fused sweep san plant ab" (default all).
+set -o pipefail
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache} PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
+start=$SECONDS
+stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+STEPS=" ${STEPS:-pre fused sweep san plant ab} "
+if [[ $STEPS == *" pre "* ]]; then
+  timeout "${PRE_S:-150}" python3 -m ferrocupy.cuda.precompile > "$OUT/precompile.log" 2>&1
+  stamp "precompile rc=$? $(tail -1 "$OUT/precompile.log")"
+fi
+if [[ $STEPS == *" fused "* ]]; then
+  timeout "${FUSED_S:-150}" python3 lab/fused_bwd_ab.py --quick > "$OUT/fused_bwd_ab.txt" 2>&1
+  stamp "fused_bwd_ab rc=$?"; cut -c1-160 "$OUT/fused_bwd_ab.txt" | tail -30
+fi
+if [[ $STEPS == *" sweep "* ]]; then
+  timeout "${SWEEP_S:-170}" python3 lab/tile_sweep.py --ops forward --wgmma-only \
+    --dims "${SWEEP_DIMS:-128,64}" --seq "${SWEEP_SEQ:-4096}" > "$OUT/tile_sweep.txt" 2>&1
+  stamp "tile_sweep rc=$?"; cut -c1-160 "$OUT/tile_sweep.txt" | tail -30
+fi
+if [[ $STEPS == *" san "* ]]; then
+  for tool in memcheck racecheck; do
+    FERRO_SANITIZE=${SAN:-"bfloat16:128,256"} timeout "${SAN_S:-70}" compute-sanitizer \
+      --tool $tool --print-limit 20 python3 lab/sanitize_run.py > "$OUT/sanitize_$tool.txt" 2>&1
+    stamp "$tool rc=$? (124: cut by its limit)"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error" "$OUT/sanitize_$tool.txt" | head -6
+    grep -c "^" "$OUT/sanitize_$tool.txt"
+  done
+fi
+if [[ $STEPS == *" plant "* ]]; then
+  PLANT_S=${PLANT_S:-90} bash lab/plant_dkdv_split.sh > "$OUT/plant.txt" 2>&1
+  stamp "plant"; tail -14 "$OUT/plant.txt" | cut -c1-200
+fi
+if [[ $STEPS == *" ab "* ]]; then
+  base=$PWD/${BASE:-_ab_base}; ls "$base"
+  for side in base tree base tree; do
+    ov=""; [ $side = base ] && ov=$base
+    FERROCUPY_KERNEL_OVERLAY=$ov timeout "${AB_S:-100}" python3 benchmarks/compare.py \
+      --dtype bfloat16 --cases "${AB_CASES:-bias-}" > "$OUT/ab_$side.txt" 2>&1
+    stamp "ab $side rc=$?"; grep -E "TFLOP|ms" "$OUT/ab_$side.txt" | cut -c1-170 | tail -12
+    cat "$OUT/ab_$side.txt" >> "$OUT/ab_all.txt"; rm "$OUT/ab_$side.txt"
+  done
+fi
+stamp "round done"
