@@ -168,8 +168,7 @@ __device__ __forceinline__ float softcap_grad(const AttnShape& s, const void* ma
         score = fmaf(slope, (float)(d < 0 ? -d : d), score);
     }
     if (MASK && s.has_mask) score -= mask_at(s, mask, b, h, i, j);
-    const float t = fminf(fmaxf(score / s.softcap, -1.f), 1.f);
-    return 1.f - t * t;
+    return capped_grad(s, score);
 }
 
 // Whether a tile the caller knows wholly visible takes add_mask_row: the call has an additive mask
