@@ -79,9 +79,11 @@ def _on_torch_stream(device: torch.device):
         return
     import cupy
 
+    from .cuda.launch import external_stream
+
     index = torch.cuda.current_device() if device.index is None else device.index
     stream = torch.cuda.current_stream(index).cuda_stream
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
+    with cupy.cuda.Device(index), external_stream(cupy, stream, index):
         yield
 
 

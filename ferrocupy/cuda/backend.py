@@ -17,7 +17,7 @@ from ..params import (EXTRAS_ALIBI, EXTRAS_APPEND, EXTRAS_PAGED, EXTRAS_ROTARY, 
                       seed_extras)
 from ..reference import rope_inverse_frequencies
 from . import configs
-from .launch import NULL, PackedLaunch, Plan, Slot, address
+from .launch import NULL, PackedLaunch, Plan, Slot, address, external_stream
 from .loader import KernelLoader
 
 GRID_X_MAX = 2**31 - 1
@@ -196,7 +196,7 @@ class CudaBackend:
         """Write zeros to the strided view (element `strides`) at device address `ptr`."""
         xp, dtype = self.xp, np.dtype(dtype)
         span = (sum((n - 1) * st for n, st in zip(shape, strides)) + 1) * dtype.itemsize
-        with xp.cuda.Device(self._id), xp.cuda.ExternalStream(stream, self._id):
+        with xp.cuda.Device(self._id), external_stream(xp, stream, self._id):
             mem = xp.cuda.MemoryPointer(xp.cuda.UnownedMemory(ptr, span, None, self._id), 0)
             xp.ndarray(tuple(shape), dtype, mem,
                        tuple(st * dtype.itemsize for st in strides)).fill(0)
@@ -226,7 +226,7 @@ class CudaBackend:
                     if owned is None:
                         # Zeroed once: the tickets must start at zero, and each launch leaves
                         # them so (the stream orders the launches that share them).
-                        with self.xp.cuda.ExternalStream(stream, self._id):
+                        with external_stream(self.xp, stream, self._id):
                             owned = plan.owned[stream] = {
                                 n: (self.xp.zeros if n == configs.TICKETS else self.xp.empty)(
                                     shape, dtype=np.float32)

@@ -123,3 +123,25 @@ def address(a) -> int:
     if isinstance(a, np.ndarray):
         return a.ctypes.data
     return a.data_ptr() if hasattr(a, "data_ptr") else a.data.ptr
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle under the CUDA stream protocol (`__cuda_stream__`)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(xp, ptr: int, device: int):
+    """A CuPy stream for the raw handle `ptr` of device `device` (the current device), to use as
+    CuPy's current stream in a `with` block: `Stream.from_external` where CuPy has it (CuPy 14
+    deprecates `ExternalStream`), else `ExternalStream`."""
+    stream_cls = getattr(xp.cuda, "Stream", None)
+    if hasattr(stream_cls, "from_external"):
+        return stream_cls.from_external(_StreamHandle(ptr))
+    return xp.cuda.ExternalStream(ptr, device)
