@@ -16,6 +16,17 @@ __device__ __forceinline__ void block_coords(u32 x, u32 tiles, u32 n_heads, u32&
     head = grp * G + r % in_grp;
 }
 
+// Block x's (batch, head) pair bh = b * heads + h (heads: the call's, or its KV heads) and tile
+// rank, in the order above; where the call's mask is shared by its batch entries (stride 0 over
+// batch: a bias [1, H, S, S]), with batch entries fastest, so the blocks that read one head's
+// mask rows run side by side and share them in L2 instead of each entry's fetching them from
+// memory again. (A permutation of the pairs alone: each pair's tiles keep their turn.)
+__device__ __forceinline__ void block_coords(u32 x, u32 tiles, const AttnShape& s, u32 heads,
+                                             u32& bh, u32& rank) {
+    block_coords(x, tiles, s.batch * heads, bh, rank);
+    if (s.has_mask && s.sb == 0u && s.batch > 1u) bh = (bh % s.batch) * heads + bh / s.batch;
+}
+
 // ---- one block's query tile (forward and dQ kernels) ---------------------------------------------
 struct QueryTile {
     u32 bh, b, h, hk;
@@ -47,14 +58,7 @@ __device__ __forceinline__ QueryTile query_tile_at(u32 x, AttnShape& s, const At
     QueryTile t;
     const u32 q_tiles = (s.seq_q + BM - 1) / BM;
     u32 rank;
-    block_coords(x, q_tiles, s.batch * s.heads, t.bh, rank);
-    if (s.has_mask && s.sb == 0u && s.batch > 1u) {
-        // A mask the batch entries share (stride 0 over batch): batch entries fastest, so the
-        // blocks reading one (head, query tile)'s mask rows run side by side and share them in
-        // L2 instead of each entry's fetching them from memory again (bias [1, H, S, S]).
-        const u32 b = t.bh % s.batch, h = t.bh / s.batch;
-        t.bh = b * s.heads + h;
-    }
+    block_coords(x, q_tiles, s, s.heads, t.bh, rank);
     t.b = t.bh / s.heads;
     t.h = t.bh % s.heads;
     t.hk = t.h / (s.heads / s.kv_heads);

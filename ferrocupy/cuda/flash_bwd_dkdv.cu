@@ -72,7 +72,7 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
 
     const u32 k_tiles = (s.seq_k + BK - 1) / BK;
     u32 bhk, tile;  // the first key tiles are seen by the most queries
-    block_coords(blockIdx.x / PARTS, k_tiles, s.batch * s.kv_heads, bhk, tile);
+    block_coords(blockIdx.x / PARTS, k_tiles, s, s.kv_heads, bhk, tile);
     const int c0 = (int)(blockIdx.x % PARTS) * (DP - DC);  // this block's first dK/dV column
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;

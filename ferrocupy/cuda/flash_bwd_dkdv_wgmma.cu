@@ -105,7 +105,7 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
 
     const u32 k_tiles = (s.seq_k + BK - 1) / BK;
     u32 bhk, tile;  // the first key tiles are seen by the most queries
-    block_coords(blockIdx.x, k_tiles, s.batch * s.kv_heads, bhk, tile);
+    block_coords(blockIdx.x, k_tiles, s, s.kv_heads, bhk, tile);
     const u32 b = bhk / s.kv_heads, hk = bhk % s.kv_heads, group = s.heads / s.kv_heads;
     const long long k0 = (long long)tile * BK;
     for_sequence(s, b);  // (k_tiles above: the grid's, over the frame)
