@@ -6,6 +6,7 @@
 #   3. lab/tile_sweep.py over the wgmma forward geometries at SWEEP_DIMS, S SWEEP_SEQ;
 #   4. compute-sanitizer memcheck and racecheck on FERRO_SANITIZE's calls (SAN);
 #   5. lab/plant_dkdv_split.sh (a planted bug in the head_dim-256 dK/dV must fail its tests);
+#   7. the GPU tests matching TESTS_K (default "mask") in TEST_FILES, under TESTS_S;
 #   6. compare.py's cases matching AB_CASES on this tree and with the kernel files in BASE (a
 #      folder of the tree, default _ab_base/, as a kernel overlay: the files a change touched, as
 #      they were), base, tree, base, tree.
@@ -16,7 +17,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
 start=$SECONDS
 stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-STEPS=" ${STEPS:-pre fused sweep san plant ab} "
+STEPS=" ${STEPS:-pre fused sweep san plant ab tests} "
 if [[ $STEPS == *" pre "* ]]; then
   timeout "${PRE_S:-150}" python3 -m ferrocupy.cuda.precompile > "$OUT/precompile.log" 2>&1
   stamp "precompile rc=$? $(tail -1 "$OUT/precompile.log")"
@@ -45,12 +46,17 @@ if [[ $STEPS == *" plant "* ]]; then
 fi
 if [[ $STEPS == *" ab "* ]]; then
   base=$PWD/${BASE:-_ab_base}; ls "$base"
-  for side in base tree base tree; do
+  for side in ${AB_SIDES:-base tree base tree}; do
     ov=""; [ $side = base ] && ov=$base
     FERROCUPY_KERNEL_OVERLAY=$ov timeout "${AB_S:-100}" python3 benchmarks/compare.py \
       --dtype bfloat16 --cases "${AB_CASES:-bias-}" > "$OUT/ab_$side.txt" 2>&1
     stamp "ab $side rc=$?"; grep -E "TFLOP|ms" "$OUT/ab_$side.txt" | cut -c1-170 | tail -12
     cat "$OUT/ab_$side.txt" >> "$OUT/ab_all.txt"; rm "$OUT/ab_$side.txt"
   done
+fi
+if [[ $STEPS == *" tests "* ]]; then
+  timeout "${TESTS_S:-120}" python3 -m pytest -q -x -p no:cacheprovider -k "${TESTS_K:-mask}" \
+    ${TEST_FILES:-tests/test_cuda_half.py tests/test_cuda_attention.py} > "$OUT/tests.txt" 2>&1
+  stamp "tests rc=$? (124: cut by its limit)"; grep -E "^E |^FAILED|passed|failed" "$OUT/tests.txt" | head -12
 fi
 stamp "round done"
