@@ -173,6 +173,14 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
         const bool fast = whole && float_mods<BuildOptions>(s);
         const float d[2] = {(float)(T.row(0, 0) + s.offset - j0 - 2 * L.t),
                             (float)(T.row(0, 1) + s.offset - j0 - 2 * L.t)};
+        if (whole && row_mask<BuildOptions>(s)) {  // the mask alone, every key visible: row loads
+            add_mask_row<NT>(s, mask, T.b, T.h, T.row(0, 0), j0, 0, L, sc);
+            add_mask_row<NT>(s, mask, T.b, T.h, T.row(0, 1), j0, 1, L, sc);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) sc[nt][r] = exp2f(fmaf(sc[nt][r], FERRO_LOG2E, -lse2[r >> 1]));
+        } else {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -200,6 +208,7 @@ flash_bwd_dq_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u
                 }
                 sc[nt][r] = ok ? exp2f(e) * dcap : 0.f;
             }
+        }
         wgmma_wait<0>();
         wgmma_pin(dp);
         u32 da[NT / 2][4];  // dS rounded: the A operand of dQ += dS K
