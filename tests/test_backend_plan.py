@@ -76,8 +76,9 @@ def test_forward_plan_on_hopper_is_the_wgmma_kernel_and_is_chosen_once():
     q, k = (4, 4096, 16, 128), (4, 4096, 16, 128)
     p = params(q, k, causal=True)
     fn, blocks, threads, smem, args = plan_launch(b, configs.FORWARD, forward_buffers(q, k, BFLOAT16), p)
-    v = configs.select(configs.FORWARD, BFLOAT16, 128, 232448, capability=90, copy_bytes=16)
-    assert v.isa == configs.WGMMA and fn.name == "flash_fwd_wgmma"
+    v = configs.select(configs.FORWARD, BFLOAT16, 128, 232448, capability=90, copy_bytes=16,
+                       plain=True)  # (the call has no mask, dropout or model option)
+    assert v.isa == configs.WGMMA and v.plain and fn.name == "flash_fwd_wgmma"
     assert v.tiles(p) == -(-4096 // v.block_rows) * 4 * 16
     assert v.persistent and blocks == 132  # one block per SM, each claiming tiles
     assert args[v.args.index("tile_counter")].name == "tile_counter"  # the stream's, on each run

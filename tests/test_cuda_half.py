@@ -114,6 +114,26 @@ def test_half_forward_warpgroup_key_ranges(kernels, rng, dtype, d, opts):
     check_half(kernels, rounded(case, dtype), backward=False)
 
 
+MASK_IN_DTYPE_CASES = {
+    # The additive mask in the data dtype on the wgmma forward (the general build), on the
+    # wholly visible tiles' fast path (add_mask_row: a lane's two keys in one 4-byte load where
+    # every pair is aligned, even seq_k; two 2-byte loads where rows start at odd offsets, odd
+    # seq_k) and on the causal edge's per-element path.
+    "bias-1HSS-even": dict(sk=1024, mask="1,H,Sq,Sk"),
+    "bias-1HSS-odd": dict(sk=1001, mask="1,H,Sq,Sk"),
+    "causal-B1SS-even": dict(sk=1024, mask="B,1,Sq,Sk", causal=True),
+    "causal-B1SS-odd": dict(sk=1001, mask="B,1,Sq,Sk", causal=True),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("opts", MASK_IN_DTYPE_CASES.values(), ids=MASK_IN_DTYPE_CASES.keys())
+def test_half_forward_mask_in_the_data_dtype(kernels, rng, dtype, d, opts):
+    case = make_case(rng, b=2, sq=600, h=2, hkv=1, d=d, qk_scale=1.0, **opts)
+    check_half(kernels, rounded(case, dtype, mask_dtype=dtype), backward=False)
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("opts", [{}, dict(mask="B,1,Sq,Sk", dropout_prob=0.1, seed=DROPOUT_SEED),

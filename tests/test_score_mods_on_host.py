@@ -227,6 +227,21 @@ def test_score_tile(lib, opts, seed, whole, seq_k, mask_bf16):
     not; a tile called `whole` (every key visible) still gets softcap, ALiBi and the mask (the
     mask alone: add_mask_row's rows, float32 or bfloat16, their pairs aligned (seq_k 64) or
     not in odd rows (63))."""
+    check_score_tile(lib, opts, seed, whole, seq_k, mask_bf16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(offset=st.integers(0, 20), seed=st.integers(0, 2**32 - 1), seq_k=st.sampled_from([64, 63]),
+       mask_bf16=st.booleans())
+def test_score_tile_mask_alone(lib, offset, seed, seq_k, mask_bf16):
+    """The wholly visible tile with the mask alone (add_mask_row: load_mask_pairs and
+    add_mask_pairs for a bfloat16 mask, float2 loads for float32), which the draws above reach
+    about once in 100."""
+    opts = dict(softcap=0.0, alibi=None, mask=True, causal=0, window=0, offset=offset)
+    check_score_tile(lib, opts, seed, True, seq_k, mask_bf16)
+
+
+def check_score_tile(lib, opts, seed, whole, seq_k, mask_bf16):
     rng = np.random.default_rng(seed)
     case = Case(rng, seq_q=48, seq_k=seq_k, mask_bf16=mask_bf16, **opts)
     i0, j0 = int(rng.integers(0, 40)), 8 * int(rng.integers(0, 7))
