@@ -32,11 +32,9 @@ struct float4 { float x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct float2 { float x, y; };
-inline float2 make_float2(float x, float y) { return {x, y}; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline float __shfl_xor_sync(unsigned, float x, int) { return x; }
 inline bool __any_sync(unsigned, bool x) { return x; }
-inline unsigned long long __cvta_generic_to_shared(const void* p) { return (unsigned long long)p; }
 #define asm(...) (void)0
 """
 

@@ -234,9 +234,9 @@ def test_score_tile(lib, opts, seed, whole, seq_k, mask_bf16):
 @given(offset=st.integers(0, 20), seed=st.integers(0, 2**32 - 1), seq_k=st.sampled_from([64, 63]),
        mask_bf16=st.booleans())
 def test_score_tile_mask_alone(lib, offset, seed, seq_k, mask_bf16):
-    """The wholly visible tile with the mask alone (add_mask_row: load_mask_pairs and
-    add_mask_pairs for a bfloat16 mask, float2 loads for float32), which the draws above reach
-    about once in 100."""
+    """The wholly visible tile with the mask alone (add_mask_row: a lane's two keys in one load
+    where aligned, else two; bfloat16 or float32), which the draws above reach about once in
+    100: a planted swap of a bfloat16 pair's halves fails here and passed test_score_tile."""
     opts = dict(softcap=0.0, alibi=None, mask=True, causal=0, window=0, offset=offset)
     check_score_tile(lib, opts, seed, True, seq_k, mask_bf16)
 

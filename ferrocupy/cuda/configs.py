@@ -258,12 +258,10 @@ class Variant:
             stats = 8 * self.stages * self.step if self.per_kv_head else 0
             return (elem * (2 * self.block_rows + 2 * self.stages * self.step) * self.head_dim
                     + stats + 1024 + fused_ds_bytes(self))
-        if self.isa in SM90A:  # Q buffers, the (K, V) ring, swizzled, unpadded; 1 KB to align;
-            # the general build's staged mask pairs: 2 rows x step / 8 words a computing thread
-            mask_words = 0 if self.plain else 2 * (self.step // 8) * 32 * self.warps
+        if self.isa in SM90A:  # Q buffers, the (K, V) ring, swizzled, unpadded; 1 KB to align
             return (elem * (wgmma_q_buffers(self.head_dim) * self.block_rows
                             + 2 * (self.stages or WGMMA_STAGES) * self.step)
-                    * self.head_dim + 1024 + 4 * mask_words)
+                    * self.head_dim + 1024)
         pitch = self.head_dim + (4 if elem == 4 else 8)
         m, n = self.block_rows, self.step
         rows = {FORWARD: m + 2 * n, BACKWARD_DQ: 2 * m + 2 * n, BACKWARD_DKDV: 2 * m + 2 * n}

@@ -12,7 +12,6 @@
 #include "ferro_params.cuh"
 #include "ferro_visibility.cuh"
 #include "ferro_philox.cuh"
-#include "ferro_copy.cuh"
 
 template <bool MASK_, bool DROPOUT_, bool MODS_>
 struct Options {
@@ -180,108 +179,62 @@ __device__ __forceinline__ bool row_mask(const AttnShape& s) {
     return OPT::MASK && s.has_mask && s.sk == 1 && !(OPT::MODS && (s.softcap > 0.f || s.alibi));
 }
 
-// x * scale + m, as modified_score forms it (the product, then the mask added).
-__device__ __forceinline__ float mask_added(float x, float scale, float m) {
-    x = x * scale;
-    return x + m;
-}
-
-// A 16-bit mask's two adjacent keys (j, j + 1) of one row packed in a u32 (j's in the low half):
-// one 4-byte load where the address is aligned (`aligned`: m's 4-byte alignment), else two
-// 2-byte ones.
-__device__ __forceinline__ u32 mask_pair16(const u16* m, bool aligned) {
-    return aligned ? *reinterpret_cast<const u32*>(m) : (u32)m[0] | ((u32)m[1] << 16);
-}
-__device__ __forceinline__ float mask_half16(u32 w, int hi, bool bf) {
-    const u16 x = (u16)(hi ? w >> 16 : w & 0xffffu);
-    return bf ? bf16_to_float(x) : f16_to_float(x);
-}
-// Whether add_mask_row's 16-bit mask can come in two steps (load_mask_pairs, then
-// add_mask_pairs), so a kernel may issue the loads before it waits for its scores.
-template <class OPT>
-__device__ __forceinline__ bool row_mask16(const AttnShape& s) {
-    return row_mask<OPT>(s) && s.mask_kind != MASK_F32;
-}
-// The offset of row i's mask at keys j0 + 2t, + 1 (the lane's first pair).
-__device__ __forceinline__ const u16* mask_row16(const AttnShape& s, const void* mask, u32 b,
-                                                 u32 h, long long i, long long j0, Lane L) {
-    return static_cast<const u16*>(mask) +
-           ((u64)b * s.sb + (u64)h * s.sh + (u64)i * s.sq + (u64)(j0 + 2 * L.t));
-}
-// Step 1 of a 16-bit row mask (row_mask16): row i's pairs of keys j0 + 8 nt + 2t, + 1 (nt < NT),
-// the keys all existing and visible (a wholly visible tile); nothing read (w left as it is) for a
-// row outside [0, seq_q).
-template <int NT>
-__device__ __forceinline__ void load_mask_pairs(const AttnShape& s, const void* mask, u32 b, u32 h,
-                                                long long i, long long j0, Lane L, u32 (&w)[NT]) {
-    if (i < 0 || i >= (long long)s.seq_q) return;
-    const u16* m = mask_row16(s, mask, b, h, i, j0, L);
-    const bool aligned = !(reinterpret_cast<unsigned long long>(m) & 3ull);  // (so is m + 8 nt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) w[nt] = mask_pair16(m + nt * 8, aligned);
-}
-// Whether every pair a 16-bit mask's rows give is 4-byte aligned: the base, and even strides
-// (j0 + 2t is even). stage_mask_pairs asks it.
-__device__ __forceinline__ bool mask_pairs_aligned(const AttnShape& s, const void* mask) {
-    return !(reinterpret_cast<unsigned long long>(mask) & 3ull) && !((s.sb | s.sh | s.sq) & 1u);
-}
-// Step 1 staged, for a kernel that would otherwise hold the pairs in registers while it waits:
-// load_mask_pairs' pairs copied by 4-byte cp.async into this thread's own shared words
-// slot[nt * pitch] (mask_pairs_aligned calls only; nothing for a row outside [0, seq_q)). The
-// caller commits the group and waits for it (cp_async_wait) before the thread reads them back.
-template <int NT>
-__device__ __forceinline__ void stage_mask_pairs(const AttnShape& s, const void* mask, u32 b,
-                                                 u32 h, long long i, long long j0, Lane L,
-                                                 u32* slot, int pitch) {
-    if (i < 0 || i >= (long long)s.seq_q) return;
-    const u16* m = mask_row16(s, mask, b, h, i, j0, L);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) cp_async<4>(slot + nt * pitch, m + nt * 8, true);
-}
-// Step 2: scaled scores plus those pairs, for row i's half rr (c0/c1, or c2/c3); a row outside
-// [0, seq_q) stays as it is.
-template <int NT>
-__device__ __forceinline__ void add_mask_pairs(const AttnShape& s, long long i, int rr,
-                                               const u32 (&w)[NT], float (&sc)[NT][4]) {
-    if (i < 0 || i >= (long long)s.seq_q) return;
-    const int e = 2 * rr;
-    const bool bf = s.mask_kind == MASK_BF16;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        sc[nt][e] = mask_added(sc[nt][e], s.scale, mask_half16(w[nt], 0, bf));
-        sc[nt][e + 1] = mask_added(sc[nt][e + 1], s.scale, mask_half16(w[nt], 1, bf));
-    }
-}
-
 // Scaled scores plus the additive mask, for row i's half (rr: c0/c1, or c2/c3) of an accumulator
 // tile whose keys j0 + 8 nt + 2t, + 1 all exist and are visible to it (a wholly visible tile;
 // row_mask's call). Where the row exists (0 <= i < seq_q: a tile's last rows may not, and stay
 // as they are, never stored), its mask offset is formed once and each lane's two adjacent keys
 // come in one 4-byte (16-bit mask) or 8-byte (float32) load where their address is aligned, else
 // two; mask_at's per-element form (four 64-bit products, the type test) cost the masked wgmma
-// forward most of its time (H100, bf16 D128 S4096, against SDPA with the same bias: 0.35x with
-// it, 1.02x with this).
+// forward most of its time (H100, bf16 D128 S4096: 0.35x SDPA with the same bias).
+// x * scale + m, as modified_score forms it (the product, then the mask added).
+__device__ __forceinline__ float mask_added(float x, float scale, float m) {
+    x = x * scale;
+    return x + m;
+}
+
 template <int NT>
 __device__ __forceinline__ void add_mask_row(const AttnShape& s, const void* mask, u32 b, u32 h,
                                              long long i, long long j0, int rr, Lane L,
                                              float (&sc)[NT][4]) {
+    const int e = 2 * rr;
     if (i < 0 || i >= (long long)s.seq_q) return;
-    if (s.mask_kind != MASK_F32) {
-        u32 w[NT];
-        load_mask_pairs<NT>(s, mask, b, h, i, j0, L, w);
-        add_mask_pairs<NT>(s, i, rr, w, sc);
+    const u64 base = (u64)b * s.sb + (u64)h * s.sh + (u64)i * s.sq + (u64)(j0 + 2 * L.t);
+    if (s.mask_kind == MASK_F32) {
+        const float* m = static_cast<const float*>(mask) + base;
+        if (!(reinterpret_cast<unsigned long long>(m) & 7ull)) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const float2 w = *reinterpret_cast<const float2*>(m + nt * 8);
+                sc[nt][e] = mask_added(sc[nt][e], s.scale, w.x);
+                sc[nt][e + 1] = mask_added(sc[nt][e + 1], s.scale, w.y);
+            }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                sc[nt][e] = mask_added(sc[nt][e], s.scale, m[nt * 8]);
+                sc[nt][e + 1] = mask_added(sc[nt][e + 1], s.scale, m[nt * 8 + 1]);
+            }
+        }
         return;
     }
-    const int e = 2 * rr;
-    const float* m = static_cast<const float*>(mask) +
-                     ((u64)b * s.sb + (u64)h * s.sh + (u64)i * s.sq + (u64)(j0 + 2 * L.t));
-    const bool aligned = !(reinterpret_cast<unsigned long long>(m) & 7ull);
+    const u16* m = static_cast<const u16*>(mask) + base;
+    const bool bf = s.mask_kind == MASK_BF16;
+    if (!(reinterpret_cast<unsigned long long>(m) & 3ull)) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const float2 x = aligned ? *reinterpret_cast<const float2*>(m + nt * 8)
-                                 : make_float2(m[nt * 8], m[nt * 8 + 1]);
-        sc[nt][e] = mask_added(sc[nt][e], s.scale, x.x);
-        sc[nt][e + 1] = mask_added(sc[nt][e + 1], s.scale, x.y);
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 w = *reinterpret_cast<const u32*>(m + nt * 8);
+            const float lo = bf ? __uint_as_float(w << 16) : f16_to_float((u16)(w & 0xffffu));
+            const float hi = bf ? __uint_as_float(w & 0xffff0000u) : f16_to_float((u16)(w >> 16));
+            sc[nt][e] = mask_added(sc[nt][e], s.scale, lo);
+            sc[nt][e + 1] = mask_added(sc[nt][e + 1], s.scale, hi);
+        }
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const u16 lo = m[nt * 8], hi = m[nt * 8 + 1];
+            sc[nt][e] = mask_added(sc[nt][e], s.scale, bf ? bf16_to_float(lo) : f16_to_float(lo));
+            sc[nt][e + 1] = mask_added(sc[nt][e + 1], s.scale, bf ? bf16_to_float(hi) : f16_to_float(hi));
+        }
     }
 }
 

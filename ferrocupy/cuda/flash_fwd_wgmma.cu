@@ -51,14 +51,8 @@ static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "regis
 // Above head_dim 128 one Q buffer (configs.py's wgmma_q_buffers): two, with the K/V ring, would
 // pass the shared memory a block has; the next tile's Q then loads once this one's products end.
 constexpr int Q_BUFS = DP > 128 ? 1 : 2;
-// The general build's staged mask pairs (stage_mask_pairs): per computing thread 2 NT words (two
-// rows x NT pairs), word w of thread c at w * MASK_PITCH + c (consecutive threads, consecutive
-// banks).
-constexpr int MASK_PITCH = 32 * WARPS, MASK_WORDS = PLAIN ? 0 : 2 * NT * MASK_PITCH;
-// Q x Q_BUFS, the K and V ring, the mask's words, and 1 KB to align the base for the 128-byte
-// swizzle.
-static_assert(2 * (Q_BUFS * Q_ELEMS + 2 * STAGES * KV_ELEMS) + 4 * MASK_WORDS + 1024 ==
-                  FERRO_SMEM_BYTES, "configs.py's shared memory");
+// Q x Q_BUFS, the K and V ring, and 1 KB to align the base for the 128-byte swizzle.
+static_assert(2 * (Q_BUFS * Q_ELEMS + 2 * STAGES * KV_ELEMS) + 1024 == FERRO_SMEM_BYTES, "configs.py's shared memory");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -77,7 +71,6 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sK = sQ + Q_BUFS * Q_ELEMS;   // [STAGES][BN x DP], swizzled ([Q_BUFS][BM x DP] before)
     u16* sV = sK + STAGES * KV_ELEMS;  // [STAGES][BN x DP], swizzled
-    u32* sMask = reinterpret_cast<u32*>(sV + STAGES * KV_ELEMS);  // [MASK_WORDS]
     AttnShape shape = attn_shape(p, ex, mask_kind);
     if (OPT::MODS) with_extras(shape, ex, alibi, sinks);
     with_varlen(shape, ex, cu_q, cu_k);
@@ -205,48 +198,19 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) span[rr] = key_span(s, T.row(0, rr), j_first, n_tiles * BN);
 
-        // Every key of tile t visible to every row of this warpgroup (the general kernel's test;
-        // the plain one tests per thread from the spans: fewer registers across the loop there).
-        auto tile_whole = [&](int t) {
-            const long long j0 = j_first + (long long)t * BN;
-            return keys_visible_to_rows(s, wm0, wm_last, j0, j0 + BN - 1);
-        };
-        // A 16-bit additive mask on a wholly visible tile (row_mask16, aligned pairs) comes in two
-        // steps: its pairs are copied (cp.async) into this thread's own shared words before the
-        // warpgroup waits for S, so their latency passes under the products, and no register
-        // holds them meanwhile (held in registers, ptxas spilled them at 160 a thread).
-        const bool mask16 = row_mask16<OPT>(s) && mask_pairs_aligned(s, mask);
-        u32* const slot = sMask + (threadIdx.x - LOADERS);  // word (rr NT + nt) * MASK_PITCH
-        auto stage_mask = [&](int t) {
-            const long long j0 = j_first + (long long)t * BN;
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
-                stage_mask_pairs<NT>(s, mask, T.b, T.h, T.row(0, rr), j0, L,
-                                     slot + rr * NT * MASK_PITCH, MASK_PITCH);
-            cp_async_commit();
-        };
         // Softmax of tile t's scores into P (as A fragments); returns each row's rescale factor.
-        // `loaded`: tile t's mask is staged (stage_mask).
-        auto softmax_to_p = [&](float (&sc)[NT][4], int t, float (&alpha)[2], bool loaded) {
+        auto softmax_to_p = [&](float (&sc)[NT][4], int t, float (&alpha)[2]) {
             const long long j0 = j_first + (long long)t * BN;
             const KeySpan tile[2] = {span[0].from(t * BN), span[1].from(t * BN)};
-            const bool whole = PLAIN ? tile[0].covers(BN) && tile[1].covers(BN) : tile_whole(t);
+            // Every key of the tile visible to every row: per thread from the spans in the plain
+            // kernel, per warpgroup in the general one (fewer registers across the loop).
+            const bool whole = PLAIN ? tile[0].covers(BN) && tile[1].covers(BN)
+                                     : keys_visible_to_rows(s, wm0, wm_last, j0, j0 + BN - 1);
             // Scores stay raw (q.k). The plain kernel only hides the keys a row cannot see on a
             // causal or window edge; the general one scales, masks and brings back to raw units any
-            // tile that needs a per-element rule (hiding in place there cost it more spills). A
-            // masked call's scores are never raw (raw_units), so the loaded mask's tile is done
-            // once the pairs are added.
+            // tile that needs a per-element rule (hiding in place there cost it more spills).
             if (PLAIN) {
                 if (!whole) hide_outside<NT>(tile, L, sc);
-            } else if (loaded) {
-                cp_async_wait<0>();  // this thread's own copies: no barrier
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    u32 w[NT];
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) w[nt] = slot[(rr * NT + nt) * MASK_PITCH];
-                    add_mask_pairs<NT>(s, T.row(0, rr), rr, w, sc);
-                }
             } else {
                 raw_scores<OPT, NT>(s, mask, T.b, T.h, slope, T.row(0, 0), T.row(0, 1), j0, whole, L, sc);
             }
@@ -275,12 +239,10 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             wgmma_commit();
             if (t > t_lo) issue_pv(t - 1);
             wgmma_commit();
-            const bool loaded = !PLAIN && mask16 && tile_whole(t);
-            if (loaded) stage_mask(t);
             wgmma_wait<1>();
             wgmma_pin(sc);
             float alpha[2];
-            softmax_to_p(sc, t, alpha, loaded);
+            softmax_to_p(sc, t, alpha);
             wgmma_wait<0>();
             wgmma_pin(o);
             if (t > t_lo) ring_release(empty, ring + t - 1);  // done with tile t - 1
