@@ -2,7 +2,9 @@
 
     ncu --clock-control none --section SpeedOfLight ... python3 lab/profile_once.py
 
-FERRO_SHAPE=B,S,H,D (say 2,4096,8,256) changes the shape. FERRO_FWD_ISA=mma (say) profiles that forward kernel instead of the table's first choice.
+FERRO_SHAPE=B,S,H,D (say 2,4096,8,256) changes the shape. FERRO_FWD_ISA=mma (say) profiles that forward kernel instead of the table's first choice;
+FERRO_FWD_GEOMETRY=8,1,128,2 (warps, mt, keys a tile, K/V stages) the plain wgmma forward of that
+geometry (lab/ncu_stalls.sh compares geometries so).
 FERRO_DECODE=B,SK (say 1,131072) runs one bf16 decode step instead (Sq 1, H32 / KV heads 8,
 D128: compare.py's decode shapes), its decode kernel and combine; FERRO_DECODE_DESIGN=streams
 (or tensor, tiles) restricts the decode kernels to that design:
@@ -37,6 +39,13 @@ if os.environ.get("FERRO_FWD_ISA"):
 
     eng.backend.table = tuning.forcing(configs.Variant(
         configs.FORWARD, BFLOAT16, D, 8, 1, 128, os.environ["FERRO_FWD_ISA"]))
+if os.environ.get("FERRO_FWD_GEOMETRY"):  # "warps,mt,step,stages": that plain wgmma forward
+    from ferrocupy.cuda import configs, tuning
+    from ferrocupy.dtypes import BFLOAT16
+
+    w, mt, n, st = (int(x) for x in os.environ["FERRO_FWD_GEOMETRY"].split(","))
+    eng.backend.table = tuning.forcing(configs.Variant(
+        configs.FORWARD, BFLOAT16, D, w, mt, n, configs.WGMMA, stages=st, plain=True))
 rng = cp.random.default_rng(0)
 q, k, v, do = (UnifiedTensor(rng.standard_normal((B, S, H, D), dtype=cp.float32)
                              .astype("bfloat16")) for _ in range(4))

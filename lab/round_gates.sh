@@ -28,9 +28,5 @@ fi
   timeout "${AB_S:-60}" python3 "lab/$ab.py" --quick > "$OUT/$ab.txt" 2>&1
   stamp "$ab rc=$?"; tail -14 "$OUT/$ab.txt" | cut -c1-160
 done
-[[ $STEPS == *" san "* ]] && for tool in memcheck racecheck; do
-  FERRO_SANITIZE=${SAN:-"bfloat16;float32"} timeout "${SAN_S:-80}" compute-sanitizer --tool $tool \
-    --print-limit 20 python3 lab/sanitize_run.py > "$OUT/sanitize_$tool.txt" 2>&1
-  stamp "$tool rc=$? (124: cut by its limit)"; grep -E "ERROR SUMMARY|Error|error" "$OUT/sanitize_$tool.txt" | head -8
-done
+[[ $STEPS == *" san "* ]] && OUT=$OUT bash lab/sanitize.sh
 stamp "round done"

@@ -10,7 +10,8 @@
 #   6. compare.py's cases matching AB_CASES on this tree and with the kernel files in BASE (a
 #      folder of the tree, default _ab_base/, as a kernel overlay: the files a change touched, as
 #      they were), base, tree, base, tree.
-# STEPS picks among "pre fused sweep san plant ab" (default all).
+#   8. (only when named) lab/ncu_stalls.sh: stall reasons of the wgmma forward at GEOMETRIES.
+# STEPS picks among "pre fused sweep san plant ab tests ncu" (default all but ncu).
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache} PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
@@ -32,13 +33,10 @@ if [[ $STEPS == *" sweep "* ]]; then
   stamp "tile_sweep rc=$?"; cut -c1-160 "$OUT/tile_sweep.txt" | tail -30
 fi
 if [[ $STEPS == *" san "* ]]; then
-  for tool in memcheck racecheck; do
-    FERRO_SANITIZE=${SAN:-"bfloat16:128,256"} timeout "${SAN_S:-70}" compute-sanitizer \
-      --tool $tool --print-limit 20 python3 lab/sanitize_run.py > "$OUT/sanitize_$tool.txt" 2>&1
-    stamp "$tool rc=$? (124: cut by its limit)"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error" "$OUT/sanitize_$tool.txt" | head -6
-    grep -c "^" "$OUT/sanitize_$tool.txt"
-  done
+  SAN=${SAN:-"bfloat16:128,256"} SAN_S=${SAN_S:-70} OUT=$OUT bash lab/sanitize.sh
+fi
+if [[ $STEPS == *" ncu "* ]]; then  # not in the default STEPS
+  NCU_S=${NCU_S:-120} OUT=$OUT bash lab/ncu_stalls.sh 2>&1 | cut -c1-160 | tail -60
 fi
 if [[ $STEPS == *" plant "* ]]; then
   PLANT_S=${PLANT_S:-90} bash lab/plant_dkdv_split.sh > "$OUT/plant.txt" 2>&1
