@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Stall reasons of the plain wgmma forward at several geometries, in one device call (~40 s a
-# geometry), from the repository root: for each "warps,mt,step,stages" in GEOMETRIES (default
-# today's 12,1,64,3 and the refuted 8,1,128,2 at D128), ncu --set full on lab/profile_once.py's
-# forward (FERRO_SHAPE, default B4 S4096 H16 D128), then lab/ncu_stalls.py's table. Reports and
-# tables land in $OUT (fwd_<geometry>.ncu-rep, stalls.txt).
+# Where the attention kernels' warps wait, in one device call (~40 s a profile), from the
+# repository root, through lab/profile_once.py (one forward and one backward given lse,
+# FERRO_SHAPE, default B4 S4096 H16 D128 bf16) and lab/ncu_stalls.py's table:
+#   - the table's own kernels (forward, dQ, dK/dV) unless TABLE=0;
+#   - the plain wgmma forward at each "warps,mt,step,stages" of GEOMETRIES (default the refuted
+#     8,1,128,2; empty: none), FERRO_FWD_GEOMETRY.
+# Reports and tables land in $OUT (*.ncu-rep, stalls.txt); NCU_S bounds each ncu run.
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache} PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
-for g in ${GEOMETRIES:-12,1,64,3 8,1,128,2}; do
-  rep="$OUT/fwd_${g//,/_}"
-  FERRO_FWD_GEOMETRY=$g timeout "${NCU_S:-120}" ncu --set full --import-source no \
-    -k regex:flash_fwd -c 1 -f -o "$rep" python3 lab/profile_once.py > "$rep.log" 2>&1
-  echo "-- $g rc=$?"
-  python3 lab/ncu_stalls.py "$rep.ncu-rep" 2>&1 | tee -a "$OUT/stalls.txt"
+profile() {  # name, kernel regex, count, then environment assignments for profile_once.py
+  local name=$1 regex=$2 count=$3; shift 3
+  env "$@" timeout "${NCU_S:-120}" ncu --set full --import-source no -k "regex:$regex" \
+    -c "$count" -f -o "$OUT/$name" python3 lab/profile_once.py > "$OUT/$name.log" 2>&1
+  echo "-- $name rc=$?"
+  python3 lab/ncu_stalls.py "$OUT/$name.ncu-rep" 2>&1 | tee -a "$OUT/stalls.txt"
+}
+[ "${TABLE:-1}" = 1 ] && profile table "flash_(fwd|bwd)" 3 FERRO_NCU=1
+for g in ${GEOMETRIES-8,1,128,2}; do
+  profile "fwd_${g//,/_}" flash_fwd 1 FERRO_FWD_GEOMETRY=$g
 done

@@ -10,7 +10,8 @@
 #   6. compare.py's cases matching AB_CASES on this tree and with the kernel files in BASE (a
 #      folder of the tree, default _ab_base/, as a kernel overlay: the files a change touched, as
 #      they were), base, tree, base, tree.
-#   8. (only when named) lab/ncu_stalls.sh: stall reasons of the wgmma forward at GEOMETRIES.
+#   8. (only when named) lab/ncu_stalls.sh: stall reasons of the table's forward, dQ and dK/dV and of
+#      the wgmma forward at GEOMETRIES.
 # STEPS picks among "pre fused sweep san plant ab tests ncu" (default all but ncu).
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache} PYTHONPATH=$PWD
