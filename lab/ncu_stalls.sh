@@ -9,14 +9,14 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache} PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
-profile() {  # name, kernel regex, count, then environment assignments for profile_once.py
+profile() {  # name, kernel regex, kernels to profile, then environment assignments (if any)
   local name=$1 regex=$2 count=$3; shift 3
   env "$@" timeout "${NCU_S:-120}" ncu --set full --import-source no -k "regex:$regex" \
     -c "$count" -f -o "$OUT/$name" python3 lab/profile_once.py > "$OUT/$name.log" 2>&1
   echo "-- $name rc=$?"
   python3 lab/ncu_stalls.py "$OUT/$name.ncu-rep" 2>&1 | tee -a "$OUT/stalls.txt"
 }
-[ "${TABLE:-1}" = 1 ] && profile table "flash_(fwd|bwd)" 3 FERRO_NCU=1
+[ "${TABLE:-1}" = 1 ] && profile table "flash_(fwd|bwd)" 3
 for g in ${GEOMETRIES-8,1,128,2}; do
   profile "fwd_${g//,/_}" flash_fwd 1 FERRO_FWD_GEOMETRY=$g
 done
