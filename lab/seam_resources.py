@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "ferrocupy-seam-resources.json"
 COUNTED = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "STG", "LDGSTS", "SHFL", "MUFU", "BAR")
 KEY_FIELDS = ("op", "dtype", "head_dim", "warps", "mt", "step", "isa", "stages", "rows", "plain",
-              "mods", "varlen")
+              "mods", "varlen", "unmasked")
 
 _DUMP = r"""
 import json
@@ -44,7 +44,8 @@ for v in configs.all_variants():
     out.append({"op": v.op, "dtype": str(v.dtype), "head_dim": v.head_dim, "warps": v.warps,
                 "mt": v.mt, "step": v.step, "isa": v.isa, "stages": v.stages, "rows": v.rows,
                 "plain": v.plain, "mods": getattr(v, "mods", False),
-                "varlen": getattr(v, "varlen", False), "source": v.source,
+                "varlen": getattr(v, "varlen", False),
+                "unmasked": getattr(v, "unmasked", False), "source": v.source,
                 "kernel": v.kernel, "arch": v.arch,
                 "defines": v.defines})
 print(json.dumps(out))
@@ -111,7 +112,8 @@ def label(v: dict, arch: str) -> str:
     return (f"{v['op'].replace('backward_', '')}/{v['dtype'].replace('float', 'f').replace('bf16', 'bf16')}"
             f"/d{v['head_dim']} {v['isa']} {v['warps']}w{v['mt']}m{v['step']}"
             + (f"s{v['stages']}" if v["stages"] else "") + (f"r{v['rows']}" if v["rows"] else "")
-            + (" plain" if v["plain"] else "") + (" mods" if v.get("mods") else "") + f" sm{arch}")
+            + (" plain" if v["plain"] else "") + (" mods" if v.get("mods") else "")
+            + (" unmasked" if v.get("unmasked") else "") + f" sm{arch}")
 
 
 def main(argv=None) -> int:
