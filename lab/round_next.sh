@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One device call (~560 s) for the candidates waiting since 2026-12-07 (lab/candidates/), from
+# the repository root; each step under its own limit, logs in $OUT:
+#   1. _tree/: a copy of this tree with mods-unmasked.patch applied (the package and its tests:
+#      not an overlay); SOFTCAP: softcap-lg2's overlay folder (on either tree);
+#   2. precompile main and _tree (the latter's header change recompiles every variant);
+#   3. the model-option GPU tests on _tree, then on _tree with the softcap-lg2 overlay;
+#   4. compare.py's mods- cases: main, _tree, _tree + softcap-lg2 (predictions in each README);
+#   5. lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait.
+# STEPS picks among "tree pre tests mods ncu" (default all).
+set -o pipefail
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
+R=$PWD; start=$SECONDS
+stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+STEPS=" ${STEPS:-tree pre tests mods ncu} "
+if [[ $STEPS == *" tree "* ]]; then
+  rm -rf _tree && mkdir _tree
+  tar --exclude=./_tree --exclude=./.git -cf - . | tar -x -C _tree
+  (cd _tree && patch -s -p1 < lab/candidates/mods-unmasked/mods-unmasked.patch)
+  stamp "tree rc=$?"
+fi
+SOFTCAP=$(bash lab/candidates/overlay.sh softcap-lg2)
+if [[ $STEPS == *" pre "* ]]; then
+  PYTHONPATH=$R timeout "${PRE_S:-110}" python3 -m ferrocupy.cuda.precompile 2>&1 | tail -1
+  (cd _tree && PYTHONPATH=$R/_tree timeout "${PRE_S:-110}" python3 -m ferrocupy.cuda.precompile \
+    2>&1 | tail -1)
+  stamp pre
+fi
+if [[ $STEPS == *" tests "* ]]; then
+  for ov in "" "$SOFTCAP"; do
+    (cd _tree && FERROCUPY_KERNEL_OVERLAY=$ov PYTHONPATH=$R/_tree timeout "${TESTS_S:-100}" \
+      python3 -m pytest -q -x -p no:cacheprovider -k "softcap or alibi or sinks" \
+      tests/test_cuda_model_options.py tests/test_fused_backward_plan.py \
+      > "$OUT/tests${ov:+-lg2}.txt" 2>&1)
+    stamp "tests ${ov:+(softcap-lg2) }rc=$? (124: cut)"
+    grep -E "^E |^FAILED|passed|failed" "$OUT/tests${ov:+-lg2}.txt" | head -6
+  done
+fi
+if [[ $STEPS == *" mods "* ]]; then
+  for side in main tree lg2; do
+    dir=$R; ov=""
+    [ $side != main ] && dir=$R/_tree
+    [ $side = lg2 ] && ov=$SOFTCAP
+    (cd "$dir" && FERROCUPY_KERNEL_OVERLAY=$ov PYTHONPATH=$dir timeout "${MODS_S:-60}" \
+      python3 benchmarks/compare.py --dtype bfloat16 --cases mods- > "$OUT/mods-$side.txt" 2>&1)
+    stamp "mods $side rc=$?"; grep -E "^mods-|need >=" "$OUT/mods-$side.txt" | cut -c1-120
+  done
+fi
+if [[ $STEPS == *" ncu "* ]]; then
+  TABLE=1 GEOMETRIES="" NCU_S=${NCU_S:-100} OUT=$OUT PYTHONPATH=$R bash lab/ncu_stalls.sh 2>&1 \
+    | cut -c1-140 | tail -60
+fi
+stamp "round done"
+if [ "$(ls "$OUT" | wc -l)" -gt 7 ]; then
+  ( cd "$OUT" && ls | grep -v -x -e gpu.txt -e all.tgz > /tmp/packed.txt
+    tar czf all.tgz -T /tmp/packed.txt && xargs rm -rf < /tmp/packed.txt )
+fi
