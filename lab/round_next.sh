@@ -6,15 +6,16 @@
 #   2. precompile main and _tree (the latter's header change recompiles every variant);
 #   3. the model-option GPU tests on _tree, then on _tree with the softcap-lg2 overlay;
 #   4. compare.py's mods- cases: main, _tree, _tree + softcap-lg2 (predictions in each README);
-#   5. lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait.
-# STEPS picks among "tree pre tests mods ncu" (default all).
+#   5. lab/fused_bwd_ab.py through the fused-unordered-probe overlay (what the dQ order costs);
+#   6. lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait.
+# STEPS picks among "tree pre tests mods fused ncu" (default all).
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
 R=$PWD; start=$SECONDS
 stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-STEPS=" ${STEPS:-tree pre tests mods ncu} "
+STEPS=" ${STEPS:-tree pre tests mods fused ncu} "
 if [[ $STEPS == *" tree "* ]]; then
   rm -rf _tree && mkdir _tree
   tar --exclude=./_tree --exclude=./.git -cf - . | tar -x -C _tree
@@ -47,6 +48,11 @@ if [[ $STEPS == *" mods "* ]]; then
       python3 benchmarks/compare.py --dtype bfloat16 --cases mods- > "$OUT/mods-$side.txt" 2>&1)
     stamp "mods $side rc=$?"; grep -E "^mods-|need >=" "$OUT/mods-$side.txt" | cut -c1-120
   done
+fi
+if [[ $STEPS == *" fused "* ]]; then  # the fused backward's order probe (its README)
+  FERROCUPY_KERNEL_OVERLAY=$(bash lab/candidates/overlay.sh fused-unordered-probe) PYTHONPATH=$R \
+    timeout "${FUSED_S:-90}" python3 lab/fused_bwd_ab.py --quick > "$OUT/fused-unordered.txt" 2>&1
+  stamp "fused-unordered rc=$?"; cut -c1-100 "$OUT/fused-unordered.txt" | tail -30
 fi
 if [[ $STEPS == *" ncu "* ]]; then
   TABLE=1 GEOMETRIES="" NCU_S=${NCU_S:-100} OUT=$OUT PYTHONPATH=$R bash lab/ncu_stalls.sh 2>&1 \
