@@ -7,9 +7,11 @@
 #      first called (compare.py keeps compilation out of its timings);
 #   3. the model-option GPU tests on _tree, then on _tree with the softcap-lg2 overlay;
 #   4. compare.py's mods- cases: main, _tree, _tree + softcap-lg2 (predictions in each README);
-#   5. lab/fused_bwd_ab.py through the fused-unordered-probe overlay (what the dQ order costs);
-#   6. lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait.
-# STEPS picks among "tree pre tests mods fused ncu" (default all but pre).
+#   5. dropout-shared-philox: its dropout GPU tests, compare.py's dropout- cases on main and
+#      through it ("dropout": not in the default STEPS, a second call's);
+#   6. lab/fused_bwd_ab.py through the fused-unordered-probe overlay (what the dQ order costs);
+#   7. lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait.
+# STEPS picks among "tree pre tests mods dropout fused ncu" (default all but pre and dropout).
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
@@ -49,6 +51,19 @@ if [[ $STEPS == *" mods "* ]]; then
     (cd "$dir" && FERROCUPY_KERNEL_OVERLAY=$ov PYTHONPATH=$dir timeout "${MODS_S:-50}" \
       python3 benchmarks/compare.py --dtype bfloat16 --cases mods- > "$OUT/mods-$side.txt" 2>&1)
     stamp "mods $side rc=$?"; grep -E "^mods-|need >=" "$OUT/mods-$side.txt" | cut -c1-120
+  done
+fi
+if [[ $STEPS == *" dropout "* ]]; then  # dropout-shared-philox: its tests, then dropout- cases
+  DROP=$(bash lab/candidates/overlay.sh dropout-shared-philox)
+  FERROCUPY_KERNEL_OVERLAY=$DROP PYTHONPATH=$R timeout "${DROP_TESTS_S:-100}" python3 -m pytest \
+    -q -x -p no:cacheprovider -k dropout tests/test_cuda_half.py tests/test_cuda_backward.py \
+    > "$OUT/tests-dropout.txt" 2>&1
+  stamp "dropout tests rc=$?"; grep -E "^E |^FAILED|passed|failed" "$OUT/tests-dropout.txt" | head -6
+  for ov in "" "$DROP"; do
+    FERROCUPY_KERNEL_OVERLAY=$ov PYTHONPATH=$R timeout "${MODS_S:-50}" python3 \
+      benchmarks/compare.py --dtype bfloat16 --cases dropout- > "$OUT/dropout${ov:+-shared}.txt" 2>&1
+    stamp "dropout ${ov:+shared }rc=$?"
+    grep -E "^dropout-" "$OUT/dropout${ov:+-shared}.txt" | cut -c1-110
   done
 fi
 if [[ $STEPS == *" fused "* ]]; then  # the fused backward's order probe (its README)

@@ -1,6 +1,6 @@
 """Kernel headers compiled for the CPU with g++, for tests that check their arithmetic without a
 GPU: `PRELUDE` stubs CUDA's qualifiers and the intrinsics the headers name (warp shuffles act
-on one lane; the PTX of a half-precision conversion becomes a no-op, so a test must use float32
+on one lane (a harness may run a quad or a warp of lanes instead); the PTX of a half-precision conversion becomes a no-op, so a test must use float32
 data where one would run), and `build` compiles a shim that includes the headers into a shared
 library and loads it."""
 
@@ -33,7 +33,8 @@ struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct float2 { float x, y; };
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
-inline float __shfl_xor_sync(unsigned, float x, int) { return x; }
+template <class T> inline T __shfl_xor_sync(unsigned, T x, int) { return x; }
+template <class T> inline T __shfl_sync(unsigned, T x, int) { return x; }
 inline bool __any_sync(unsigned, bool x) { return x; }
 #define asm(...) (void)0
 """

@@ -34,7 +34,7 @@ struct Quad {
     std::condition_variable cv;
     int count = 0;
     unsigned gen = 0;
-    float slot[4];
+    unsigned slot[4];  // (a float's or a u32's bits)
     void meet() {
         std::unique_lock<std::mutex> lk(m);
         const unsigned g = gen;
@@ -45,10 +45,12 @@ struct Quad {
 static thread_local Quad* tl_quad;
 static thread_local int tl_t;
 static thread_local Dim tl_threadIdx;
-inline float quad_shfl(unsigned, float x, int m) {
-    tl_quad->slot[tl_t] = x;
+template <class T> inline T quad_shfl(unsigned, T x, int m) {
+    static_assert(sizeof(T) == 4, "32-bit shuffles");
+    std::memcpy(&tl_quad->slot[tl_t], &x, 4);
     tl_quad->meet();
-    const float y = tl_quad->slot[tl_t ^ m];
+    T y;
+    std::memcpy(&y, &tl_quad->slot[tl_t ^ m], 4);
     tl_quad->meet();
     return y;
 }
