@@ -22,6 +22,7 @@ SHIM = r"""
 #include <mutex>
 #include <thread>
 #include <vector>
+#include <chrono>
 #include <cstdint>
 
 // A warp as 32 threads: a shuffle writes its value, meets the others, reads its source lane's.
@@ -31,11 +32,16 @@ struct Warp {
     int count = 0;
     unsigned gen = 0;
     uint32_t slot[32];
+    bool broken = false;  // a lane waited 10 s: the warp diverged (a shuffle some lanes skip)
     void meet() {
         std::unique_lock<std::mutex> lk(m);
         const unsigned g = gen;
+        if (broken) return;
         if (++count == 32) { count = 0; ++gen; cv.notify_all(); }
-        else cv.wait(lk, [&] { return gen != g; });
+        else if (!cv.wait_for(lk, std::chrono::seconds(10), [&] { return gen != g; })) {
+            broken = true;
+            cv.notify_all();
+        }
     }
     uint32_t exchange(uint32_t x, int lane, int src) {
         slot[lane] = x;
@@ -83,7 +89,7 @@ static void lane_run(int which, unsigned seed, float p, unsigned bh, unsigned i0
     if (which == 0) {
         float sc[NT][4];
         for (int nt = 0; nt < NT; ++nt) for (int r = 0; r < 4; ++r) sc[nt][r] = 1.f;
-        const u32 b2[2] = {bh, bh}, rows[2] = {i0 + L.g, i0 + L.g + 8};
+        const u32 b2[2] = {bh, bh + 7}, rows[2] = {i0 + L.g, i0 + L.g + 8};  // (heads differ)
         drop.template drop<NT, true>(sc, b2, rows, j0, L);
         for (int nt = 0; nt < NT; ++nt) {
             unsigned k = 0;
@@ -98,13 +104,14 @@ static void lane_run(int which, unsigned seed, float p, unsigned bh, unsigned i0
     }
 }
 
-extern "C" void run(int which, unsigned seed, float p, unsigned bh, unsigned i0, unsigned j0,
-                    unsigned key_base, unsigned* out) {
+extern "C" int run(int which, unsigned seed, float p, unsigned bh, unsigned i0, unsigned j0,
+                   unsigned key_base, unsigned* out) {
     Warp w;
     std::vector<std::thread> th;
     for (int lane = 0; lane < 32; ++lane)
         th.emplace_back(lane_run, which, seed, p, bh, i0, j0, key_base, lane, &w, out);
     for (auto& t : th) t.join();
+    return w.broken;
 }
 
 extern "C" unsigned keep4(unsigned seed, float p, unsigned bh, unsigned i, unsigned j) {
@@ -120,6 +127,7 @@ def lib(tmp_path_factory):
     lib = build(tmp_path_factory.mktemp("dropout_lanes_host"), SHIM, "dropout's lanes")
     u, f = ctypes.c_uint, ctypes.c_float
     lib.run.argtypes = [ctypes.c_int, u, f, u, u, u, u, ctypes.POINTER(u)]
+    lib.run.restype = ctypes.c_int
     lib.keep4.argtypes = [u, f, u, u, u]
     lib.keep4.restype = u
     return lib
@@ -132,7 +140,9 @@ def kept(lib, seed, p, bh, i, j) -> int:
 
 def lanes(lib, which, seed, p, bh, i0, j0, key_base=0) -> np.ndarray:
     out = np.zeros(32 * NT, np.uint32)
-    lib.run(which, seed, p, bh, i0, j0, key_base, out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint)))
+    broken = lib.run(which, seed, p, bh, i0, j0, key_base,
+                     out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint)))
+    assert not broken, f"the warp diverged: a shuffle not every lane reached ({which=}, {j0=})"
     return out.reshape(32, NT)
 
 
@@ -142,7 +152,8 @@ def lanes(lib, which, seed, p, bh, i0, j0, key_base=0) -> np.ndarray:
        odd=st.booleans(), which=st.sampled_from([0, 1]))
 def test_rows_lanes_read_their_own_keys(lib, seed, p, bh, i0, j4, odd, which):
     """drop and keep_rows: lane (g, t) holds rows i0 + g (r = 0, 1) and i0 + g + 8 (r = 2, 3),
-    keys j0 + 8 nt + 2t (r even) and + 1 (r odd)."""
+    keys j0 + 8 nt + 2t (r even) and + 1 (r odd); drop's two rows of different heads (bh,
+    bh + 7)."""
     j0 = 4 * j4 + (2 if odd else 0)
     got = lanes(lib, which, seed, p, bh, i0, j0)
     for lane in range(32):
@@ -151,7 +162,8 @@ def test_rows_lanes_read_their_own_keys(lib, seed, p, bh, i0, j4, odd, which):
             want = 0
             for r in range(4):
                 i, j = i0 + g + 8 * (r >> 1), j0 + 8 * nt + 2 * t + (r & 1)
-                want |= kept(lib, seed, p, bh, i, j) << r
+                head = bh + 7 * (r >> 1) if which == 0 else bh
+                want |= kept(lib, seed, p, head, i, j) << r
             assert got[lane, nt] == want, (which, lane, nt, j0)
 
 
