@@ -10,7 +10,8 @@
 #   5. dropout-shared-philox: its dropout GPU tests, compare.py's dropout- cases on main and
 #      through it ("dropout": not in the default STEPS, a second call's);
 #   6. lab/fused_bwd_ab.py through the fused-unordered-probe overlay (what the dQ order costs);
-#   7. lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait.
+#   7. lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait (at the
+#      shapes of NCU_SHAPES: D128 by default; "2,4096,8,256" for D256).
 # STEPS picks among "tree pre tests mods dropout fused ncu" (default all but pre and dropout).
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
