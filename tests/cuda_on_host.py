@@ -1,8 +1,8 @@
 """Kernel headers compiled for the CPU with g++, for tests that check their arithmetic without a
 GPU: `PRELUDE` stubs CUDA's qualifiers and the intrinsics the headers name (warp shuffles act
-on one lane (a harness may run a quad or a warp of lanes instead); the PTX of a half-precision conversion becomes a no-op, so a test must use float32
-data where one would run), and `build` compiles a shim that includes the headers into a shared
-library and loads it."""
+on one lane, unless a shim runs lanes as threads with `LANES`; the PTX of a half-precision
+conversion becomes a no-op, so a test must use float32 data where one would run), and `build`
+compiles a shim that includes the headers into a shared library and loads it."""
 
 from __future__ import annotations
 
@@ -37,6 +37,45 @@ template <class T> inline T __shfl_xor_sync(unsigned, T x, int) { return x; }
 template <class T> inline T __shfl_sync(unsigned, T x, int) { return x; }
 inline bool __any_sync(unsigned, bool x) { return x; }
 #define asm(...) (void)0
+"""
+
+# For a shim that runs N lanes as N threads (a quad, a warp): `Lanes<N>`, whose `exchange` is a
+# shuffle (each lane writes its 32 bits, all meet, each reads its source lane's) and whose `meet`
+# is a barrier. A lane that waits 10 s marks the group `broken` (a shuffle or barrier that not
+# every lane reached) and goes on, so a diverged group fails its test instead of hanging it.
+LANES = r"""
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+template <int N>
+struct Lanes {
+    std::mutex m;
+    std::condition_variable cv;
+    int count = 0;
+    unsigned gen = 0;
+    uint32_t slot[N];
+    bool broken = false;
+    void meet() {
+        std::unique_lock<std::mutex> lk(m);
+        const unsigned g = gen;
+        if (broken) return;
+        if (++count == N) { count = 0; ++gen; cv.notify_all(); }
+        else if (!cv.wait_for(lk, std::chrono::seconds(10), [&] { return gen != g; })) {
+            broken = true;
+            cv.notify_all();
+        }
+    }
+    template <class T> T exchange(T x, int lane, int src) {
+        static_assert(sizeof(T) == 4, "32-bit shuffles");
+        std::memcpy(&slot[lane], &x, 4);
+        meet();
+        T y;
+        std::memcpy(&y, &slot[src % N], 4);
+        meet();
+        return y;
+    }
+};
 """
 
 

@@ -15,54 +15,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuda_on_host import build
+from cuda_on_host import LANES, build
 
-SHIM = r"""
-#include <condition_variable>
-#include <mutex>
+SHIM = LANES + r"""
 #include <thread>
 #include <vector>
-#include <chrono>
-#include <cstdint>
 
-// A warp as 32 threads: a shuffle writes its value, meets the others, reads its source lane's.
-struct Warp {
-    std::mutex m;
-    std::condition_variable cv;
-    int count = 0;
-    unsigned gen = 0;
-    uint32_t slot[32];
-    bool broken = false;  // a lane waited 10 s: the warp diverged (a shuffle some lanes skip)
-    void meet() {
-        std::unique_lock<std::mutex> lk(m);
-        const unsigned g = gen;
-        if (broken) return;
-        if (++count == 32) { count = 0; ++gen; cv.notify_all(); }
-        else if (!cv.wait_for(lk, std::chrono::seconds(10), [&] { return gen != g; })) {
-            broken = true;
-            cv.notify_all();
-        }
-    }
-    uint32_t exchange(uint32_t x, int lane, int src) {
-        slot[lane] = x;
-        meet();
-        const uint32_t y = slot[src & 31];
-        meet();
-        return y;
-    }
-};
+// A warp as 32 threads (cuda_on_host.LANES): a shuffle meets every lane.
+typedef Lanes<32> Warp;
 static thread_local Warp* tl_warp;
 static thread_local int tl_lane;
 static thread_local Dim tl_threadIdx;
 template <class T> inline T warp_shfl_xor(unsigned, T x, int m) {
-    uint32_t b; std::memcpy(&b, &x, 4);
-    b = tl_warp->exchange(b, tl_lane, tl_lane ^ m);
-    T y; std::memcpy(&y, &b, 4); return y;
+    return tl_warp->exchange(x, tl_lane, tl_lane ^ m);
 }
 template <class T> inline T warp_shfl(unsigned, T x, int src) {
-    uint32_t b; std::memcpy(&b, &x, 4);
-    b = tl_warp->exchange(b, tl_lane, src);
-    T y; std::memcpy(&y, &b, 4); return y;
+    return tl_warp->exchange(x, tl_lane, src);
 }
 #define __shfl_xor_sync warp_shfl_xor
 #define __shfl_sync warp_shfl

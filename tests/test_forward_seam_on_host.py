@@ -15,44 +15,23 @@ import ctypes
 import numpy as np
 import pytest
 
-from cuda_on_host import build
+from cuda_on_host import LANES, build
 from ferrocupy import AttentionOptions
 from ferrocupy import reference as ref
 from ferrocupy.params import AttentionDims, extras_params, layout_params
 
-SHIM = r"""
-#include <condition_variable>
-#include <mutex>
+SHIM = LANES + r"""
 #include <thread>
 #include <vector>
 
-// A quad of lanes as four threads: a shuffle writes its value, meets the others, reads its
-// partner's. (Lanes of different quads never exchange values in the code under test; the warp's
-// __any_sync only skips multiplies by exactly 1.)
-struct Quad {
-    std::mutex m;
-    std::condition_variable cv;
-    int count = 0;
-    unsigned gen = 0;
-    unsigned slot[4];  // (a float's or a u32's bits)
-    void meet() {
-        std::unique_lock<std::mutex> lk(m);
-        const unsigned g = gen;
-        if (++count == 4) { count = 0; ++gen; cv.notify_all(); }
-        else cv.wait(lk, [&] { return gen != g; });
-    }
-};
+// A quad of lanes as four threads (cuda_on_host.LANES). (Lanes of different quads never exchange
+// values in the code under test; the warp's __any_sync only skips multiplies by exactly 1.)
+typedef Lanes<4> Quad;
 static thread_local Quad* tl_quad;
 static thread_local int tl_t;
 static thread_local Dim tl_threadIdx;
 template <class T> inline T quad_shfl(unsigned, T x, int m) {
-    static_assert(sizeof(T) == 4, "32-bit shuffles");
-    std::memcpy(&tl_quad->slot[tl_t], &x, 4);
-    tl_quad->meet();
-    T y;
-    std::memcpy(&y, &tl_quad->slot[tl_t ^ m], 4);
-    tl_quad->meet();
-    return y;
+    return tl_quad->exchange(x, tl_t, tl_t ^ m);
 }
 inline bool quad_any(unsigned, bool x) {
     float a = x ? 1.f : 0.f;
