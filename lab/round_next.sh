@@ -39,6 +39,7 @@ if [[ $STEPS == *" tests "* ]]; then  # every candidate at once on _all
   (cd _all && PYTHONPATH=$R/_all timeout "${TESTS_S:-170}" python3 -m pytest -q -x -p no:cacheprovider \
     -n 4 -k "softcap or alibi or sinks or dropout" tests/test_cuda_model_options.py \
     tests/test_fused_backward_plan.py tests/test_cuda_half.py tests/test_cuda_backward.py \
+    tests/test_cuda_attention.py \
     > "$OUT/tests-all.txt" 2>&1)
   stamp "tests (_all) rc=$? (124: cut)"
   grep -E "^E |^FAILED|passed|failed" "$OUT/tests-all.txt" | head -6
