@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
-# One device call (~500 s) for the candidates waiting since 2026-12-07 (lab/candidates/), from
+# One device call (~550 s) for the candidates waiting since 2026-12-07 (lab/candidates/), from
 # the repository root; each step under its own limit, logs in $OUT:
 #   1. _tree/: a copy of this tree with mods-unmasked.patch applied; _all/: with it,
 #      softcap-lg2 and dropout-shared-philox (the package and its tests: not overlays);
 #   2. (only when named: "pre") precompile main and _tree; otherwise each kernel compiles when
 #      first called (compare.py keeps compilation out of its timings);
 #   3. the model-option and dropout GPU tests on _all (every candidate at once);
-#   4. compare.py's mods- cases: main, _tree, _all (softcap-lg2's share: _all against _tree;
-#      dropout-shared-philox leaves calls without dropout alone);
+#   4. compare.py's mods- cases on each of MODS_SIDES (default "main all"; "tree" too, with
+#      STEPS naming it, to tell softcap-lg2's share: dropout-shared-philox leaves calls without
+#      dropout alone);
 #   5. compare.py's dropout- cases on main and _all (mods-unmasked leaves dropout calls alone);
-#   6. ("fused": not in the default STEPS) lab/fused_bwd_ab.py through the
-#      fused-unordered-probe overlay (what the dQ order costs);
-#   7. lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait (at the
-#      shapes of NCU_SHAPES: D128 by default; "2,4096,8,256" for D256).
-# STEPS picks among "tree all pre tests mods dropout fused ncu" (default: all but pre and fused).
+#   6. kv-split-barriers (overlay): its forward GPU tests (KV_TESTS), then the D128 forward
+#      sweep of two geometries on main and through it;
+#   7. ("fused") lab/fused_bwd_ab.py through the fused-unordered-probe overlay;
+#   8. ("ncu") lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait (at
+#      the shapes of NCU_SHAPES: D128 by default; "2,4096,8,256" for D256).
+# STEPS picks among "tree all pre tests mods dropout kvsplit fused ncu" (default
+# "all tests mods dropout kvsplit").
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
 R=$PWD; start=$SECONDS
 stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-STEPS=" ${STEPS:-tree all tests mods dropout ncu} "
+STEPS=" ${STEPS:-all tests mods dropout kvsplit} "
 for t in tree all; do  # _tree: mods-unmasked; _all: it, softcap-lg2 and dropout-shared-philox
   [[ $STEPS == *" $t "* ]] || continue
   rm -rf _$t && mkdir _$t
@@ -37,7 +40,7 @@ if [[ $STEPS == *" pre "* ]]; then
 fi
 if [[ $STEPS == *" tests "* ]]; then  # every candidate at once on _all
   (cd _all && PYTHONPATH=$R/_all timeout "${TESTS_S:-170}" python3 -m pytest -q -x -p no:cacheprovider \
-    -n 4 -k "softcap or alibi or sinks or dropout" tests/test_cuda_model_options.py \
+    -n 8 -k "softcap or alibi or sinks or dropout" tests/test_cuda_model_options.py \
     tests/test_fused_backward_plan.py tests/test_cuda_half.py tests/test_cuda_backward.py \
     tests/test_cuda_attention.py \
     > "$OUT/tests-all.txt" 2>&1)
@@ -45,7 +48,7 @@ if [[ $STEPS == *" tests "* ]]; then  # every candidate at once on _all
   grep -E "^E |^FAILED|passed|failed" "$OUT/tests-all.txt" | head -6
 fi
 if [[ $STEPS == *" mods "* ]]; then
-  for side in main tree all; do
+  for side in ${MODS_SIDES:-main all}; do
     dir=$R; ov=""
     [ $side != main ] && dir=$R/_$side
     (cd "$dir" && FERROCUPY_KERNEL_OVERLAY=$ov PYTHONPATH=$dir timeout "${MODS_S:-50}" \
@@ -59,6 +62,29 @@ if [[ $STEPS == *" dropout "* ]]; then  # dropout-shared-philox (on _all): the d
     (cd "$dir" && PYTHONPATH=$dir timeout "${MODS_S:-50}" python3 benchmarks/compare.py \
       --dtype bfloat16 --cases dropout- > "$OUT/dropout-$side.txt" 2>&1)
     stamp "dropout $side rc=$?"; grep -E "^dropout-" "$OUT/dropout-$side.txt" | cut -c1-110
+  done
+fi
+# The tests that launch the wgmma forward (its README): many tiles a block, warpgroup key ranges,
+# persistent blocks, the mask in the data dtype, every width, paged and varlen.
+KV_DEFAULT_TESTS="tests/test_cuda_half.py::test_half_forward_warpgroup_key_ranges
+  tests/test_cuda_half.py::test_half_forward_many_tiles_per_block
+  tests/test_cuda_half.py::test_persistent_forward_on_concurrent_streams_and_repeated
+  tests/test_cuda_half.py::test_half_forward_kv_lens_many_tiles_per_block
+  tests/test_cuda_half.py::test_half_forward_mask_in_the_data_dtype
+  tests/test_cuda_wgmma_dims.py tests/test_cuda_paged_prefill.py tests/test_cuda_varlen.py"
+if [[ $STEPS == *" kvsplit "* ]]; then  # kv-split-barriers: its forward tests, then the sweep
+  KV=$(bash lab/candidates/overlay.sh kv-split-barriers) || KV=""
+  [ -n "$KV" ] || { echo "kv-split-barriers: no overlay, step skipped"; STEPS=${STEPS/ kvsplit / }; }
+fi
+if [[ $STEPS == *" kvsplit "* ]]; then
+  FERROCUPY_KERNEL_OVERLAY=$KV PYTHONPATH=$R timeout "${KV_TESTS_S:-120}" python3 -m pytest -q -x \
+    -p no:cacheprovider -n 8 ${KV_TESTS:-$KV_DEFAULT_TESTS} > "$OUT/tests-kvsplit.txt" 2>&1
+  stamp "kvsplit tests rc=$?"; grep -E "^E |^FAILED|passed|failed" "$OUT/tests-kvsplit.txt" | head -6
+  for ov in "" "$KV"; do
+    FERROCUPY_KERNEL_OVERLAY=$ov PYTHONPATH=$R timeout "${SWEEP_S:-80}" python3 lab/tile_sweep.py \
+      --ops forward --wgmma-only --dims 128 --no-peers --only "w8 m1 n128 s2,w12 m1 n64" \
+      > "$OUT/sweep${ov:+-kvsplit}.txt" 2>&1
+    stamp "sweep ${ov:+kvsplit }rc=$?"; grep -E "^forward" "$OUT/sweep${ov:+-kvsplit}.txt"
   done
 fi
 if [[ $STEPS == *" fused "* ]]; then  # the fused backward's order probe (its README)

@@ -100,6 +100,11 @@ def peer_rows(dtype, B, S, H, D, causal) -> list:
     return rows
 
 
+def label(var) -> str:
+    """A geometry as the table prints it (and `--only` matches it)."""
+    return f"w{var.warps} m{var.mt} n{var.step} s{var.stages} {var.isa}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
@@ -109,7 +114,12 @@ def main() -> None:
     ap.add_argument("--wgmma-only", action="store_true", help="only the sm_90a geometries")
     ap.add_argument("--general", action="store_true",
                     help="wgmma geometries as their general builds (mask, dropout, model options)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated geometry labels to keep, each a prefix of the printed "
+                         "one (\"w8 m1 n128 s2,w12 m1 n64\")")
+    ap.add_argument("--no-peers", action="store_true", help="no torch SDPA rows")
     args = ap.parse_args()
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
     dtype = parse(args.dtype)
     backend = CudaBackend()
     limit = tuning.shared_memory_limit()
@@ -125,7 +135,8 @@ def main() -> None:
                                      for g in gs)
                          if v.runs_on(backend.capability, 16) and v.shared_bytes <= limit
                          and (v.isa == configs.WGMMA or not args.wgmma_only)
-                         and (v.isa != configs.WGMMA or D <= configs.MEASURED_HEAD_DIM)]
+                         and (v.isa != configs.WGMMA or D <= configs.MEASURED_HEAD_DIM)
+                         and (not only or any(label(v).startswith(o) for o in only))]
                     for op, gs in GEOMETRIES.items() if op in args.ops.split(",")}
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda v: backend.loader.function(v.source, v.kernel, v.defines,
@@ -159,10 +170,11 @@ def main() -> None:
                         launch()
                     ms = time_ms(runs[at])
                     rows.append((op, str(dtype), D, causal,
-                                 f"w{var.warps} m{var.mt} n{var.step} s{var.stages} {var.isa}", ms,
+                                 label(var), ms,
                                  flops / ms / 1e9, rel_err(bufs[which][name], want[name])))
             backend.table = configs.TABLE
-            rows += peer_rows(dtype, B, S, H, D, causal)
+            if not args.no_peers:
+                rows += peer_rows(dtype, B, S, H, D, causal)
     print(f"{'op':<22}{'dtype':<10}{'D':>4} {'causal':<7}{'geometry':<24}{'ms':>9}{'TFLOP/s':>9}"
           f"{'rel err':>10}")
     for r in rows:
