@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The staged candidates' landing check, from the repository root, one device call per CALL:
+#   _tree/ = this tree with every patch of CANDIDATES applied (default: the four measured on
+#   2026-12-07, lab/TUNING.md), built on the device at the call's start (1 s), then
+#   CALL=suite (default): the whole GPU suite on _tree (lab/round_suite.sh: precompile, then every
+#           GPU test file; END_S bounds it, default 560 s). A call cut short names what it left
+#           in ended.txt: give it back as SKIP to the next call.
+#   CALL=ab:    compute-sanitizer memcheck and racecheck on _tree (lab/sanitize.sh), then
+#           compare.py's CASES on main and on _tree (default the cases the candidates move:
+#           mods-, dropout- and the forward at D64, D128 and D256, S4096).
+# Landing, once both calls pass: `git apply` each patch on main, commit, delete the candidate
+# folders (git keeps them), and give CI's compile pass its ~70 minutes (ferro_score.cuh moves).
+set -o pipefail
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
+R=$PWD; start=$SECONDS
+CANDIDATES=${CANDIDATES:-mods-unmasked softcap-lg2 dropout-shared-philox kv-split-barriers}
+rm -rf _tree && mkdir _tree
+tar --exclude=./_tree --exclude=./_all --exclude=./.git -cf - . | tar -x -C _tree
+for c in $CANDIDATES; do
+  (cd _tree && patch -s -p1 < "lab/candidates/$c/$c.patch") || { echo "patch $c failed"; exit 1; }
+done
+echo "_tree: $CANDIDATES applied at $((SECONDS - start)) s"
+case "${CALL:-suite}" in
+  suite)
+    END_S=${END_S:-560} OUT=$OUT bash lab/round_suite.sh ;;
+  ab)
+    (cd _tree && OUT=$OUT PYTHONPATH=$R/_tree SAN_S=${SAN_S:-70} bash lab/sanitize.sh)
+    for side in main tree; do
+      dir=$R; [ $side = tree ] && dir=$R/_tree
+      (cd "$dir" && PYTHONPATH=$dir timeout "${CASE_S:-150}" python3 benchmarks/compare.py \
+        --dtype bfloat16 --cases "${CASES:-mods-,dropout-,attn-fwd-bfloat16-d128-s4096,attn-fwd-bfloat16-d64-s4096,attn-fwd-bfloat16-d256-s4096}" \
+        > "$OUT/ab-$side.txt" 2>&1)
+      echo "-- $side rc=$? at $((SECONDS - start)) s"
+      grep -E "TFLOP/s" "$OUT/ab-$side.txt" | grep -v "^\[" | cut -c1-100
+    done ;;
+esac
+echo "round done at $((SECONDS - start)) s"
