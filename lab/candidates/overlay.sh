@@ -6,14 +6,19 @@
 # files, `a/` and `b/` prefixes): the files it touches are copied from ferrocupy/cuda/ into DIR
 # and patched there, so the overlay follows main's other changes and the lab holds no copies.
 # Fails (and says which hunk) where main moved under the patch.
+# A candidate built on another one names it in lab/candidates/NAME/BASE (candidate names, applied
+# first, in order): its patch is then a diff against main with those applied.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 name=${1:?usage: overlay.sh NAME [DIR]}
-patch_file=$root/lab/candidates/$name/$name.patch
 dir=${2:-/tmp/ferro-overlay-$name}
 rm -rf "$dir"; mkdir -p "$dir"
-for f in $(sed -n 's|^+++ b/ferrocupy/cuda/||p' "$patch_file"); do
-  cp "$root/ferrocupy/cuda/$f" "$dir/$f"
+base=$root/lab/candidates/$name/BASE
+for c in $( [ -f "$base" ] && cat "$base") $name; do
+  patch_file=$root/lab/candidates/$c/$c.patch
+  for f in $(sed -n 's|^+++ b/ferrocupy/cuda/||p' "$patch_file"); do
+    [ -f "$dir/$f" ] || cp "$root/ferrocupy/cuda/$f" "$dir/$f"
+  done
+  (cd "$dir" && patch -s -p3 < "$patch_file") >&2
 done
-(cd "$dir" && patch -s -p3 < "$patch_file") >&2
 echo "$dir"
