@@ -10,20 +10,23 @@
 #      STEPS naming it, to tell softcap-lg2's share: dropout-shared-philox leaves calls without
 #      dropout alone);
 #   5. compare.py's dropout- cases on main and _all (mods-unmasked leaves dropout calls alone);
-#   6. kv-split-barriers (overlay): its forward GPU tests (KV_TESTS), then the D128 forward
-#      sweep of two geometries on main and through it;
+#   6. ("kvsplit") kv-split-barriers' forward GPU tests (KV_TESTS) through its overlay;
+#   6b. ("sweep") the D128 forward (SWEEP_DIMS), two geometries (SWEEP_ONLY), on main and
+#      through each of SWEEP_CANDIDATES' overlays (default kv-split-barriers warp-release
+#      fwd-pingpong; one missing is passed over);
 #   7. ("fused") lab/fused_bwd_ab.py through the fused-unordered-probe overlay;
 #   8. ("ncu") lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait (at
 #      the shapes of NCU_SHAPES: D128 by default; "2,4096,8,256" for D256).
-# STEPS picks among "tree all pre tests mods dropout kvsplit fused ncu" (default
-# "all tests mods dropout kvsplit").
+# STEPS picks among "tree all pre tests mods dropout kvsplit sweep fused ncu" (default "sweep":
+# the 2026-12-07 call ran "all tests mods dropout kvsplit"; the staged four land through
+# lab/round_land.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
 R=$PWD; start=$SECONDS
 stamp() { echo "-- $1 at $((SECONDS - start)) s"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-STEPS=" ${STEPS:-all tests mods dropout kvsplit} "
+STEPS=" ${STEPS:-sweep} "
 for t in tree all; do  # _tree: mods-unmasked; _all: it, softcap-lg2 and dropout-shared-philox
   [[ $STEPS == *" $t "* ]] || continue
   rm -rf _$t && mkdir _$t
@@ -72,7 +75,7 @@ KV_DEFAULT_TESTS="tests/test_cuda_half.py::test_half_forward_warpgroup_key_range
   tests/test_cuda_half.py::test_half_forward_kv_lens_many_tiles_per_block
   tests/test_cuda_half.py::test_half_forward_mask_in_the_data_dtype
   tests/test_cuda_wgmma_dims.py tests/test_cuda_paged_prefill.py tests/test_cuda_varlen.py"
-if [[ $STEPS == *" kvsplit "* ]]; then  # kv-split-barriers: its forward tests, then the sweep
+if [[ $STEPS == *" kvsplit "* ]]; then  # kv-split-barriers: its forward tests
   KV=$(bash lab/candidates/overlay.sh kv-split-barriers) || KV=""
   [ -n "$KV" ] || { echo "kv-split-barriers: no overlay, step skipped"; STEPS=${STEPS/ kvsplit / }; }
 fi
@@ -80,11 +83,14 @@ if [[ $STEPS == *" kvsplit "* ]]; then
   FERROCUPY_KERNEL_OVERLAY=$KV PYTHONPATH=$R timeout "${KV_TESTS_S:-120}" python3 -m pytest -q -x \
     -p no:cacheprovider -n 8 ${KV_TESTS:-$KV_DEFAULT_TESTS} > "$OUT/tests-kvsplit.txt" 2>&1
   stamp "kvsplit tests rc=$?"; grep -E "^E |^FAILED|passed|failed" "$OUT/tests-kvsplit.txt" | head -6
-  for ov in "" "$KV"; do
+fi
+if [[ $STEPS == *" sweep "* ]]; then  # the D128 forward, two geometries: main, then each overlay
+  for c in main ${SWEEP_CANDIDATES:-kv-split-barriers warp-release fwd-pingpong}; do
+    ov=""; [ $c != main ] && { ov=$(bash lab/candidates/overlay.sh $c) || continue; }
     FERROCUPY_KERNEL_OVERLAY=$ov PYTHONPATH=$R timeout "${SWEEP_S:-80}" python3 lab/tile_sweep.py \
-      --ops forward --wgmma-only --dims 128 --no-peers --only "w8 m1 n128 s2,w12 m1 n64" \
-      > "$OUT/sweep${ov:+-kvsplit}.txt" 2>&1
-    stamp "sweep ${ov:+kvsplit }rc=$?"; grep -E "^forward" "$OUT/sweep${ov:+-kvsplit}.txt"
+      --ops forward --wgmma-only --dims ${SWEEP_DIMS:-128} --no-peers \
+      --only "${SWEEP_ONLY:-w8 m1 n128 s2,w12 m1 n64}" > "$OUT/sweep-$c.txt" 2>&1
+    stamp "sweep $c rc=$?"; grep -E "^forward" "$OUT/sweep-$c.txt"
   done
 fi
 if [[ $STEPS == *" fused "* ]]; then  # the fused backward's order probe (its README)
