@@ -180,10 +180,13 @@ class Sim:
             s.qrelease(s.q_empty, n, w)
             for t in range(t_hi, n_tiles): yield from pass_over(t)
             ring += n_tiles; n += 1
+    # hooks for a model built on this one (fwd-pingpong's turn_model.py)
+    def program(s, wg, half, w): return s.consumer(wg, half, w)  # a computing half-warpgroup
+    def final_checks(s): pass  # after a run that ended
     def run(s):
         agents = [("L", 0, s.loader(0, 64)), ("L", 1, s.loader(1, 64))]
         for wg in range(s.WGS):
-            for h in (0, 1): agents.append(("C", (wg, h), s.consumer(wg, h, 64)))
+            for h in (0, 1): agents.append(("C", (wg, h), s.program(wg, h, 64)))
         live = list(agents); steps = stuck = 0
         while live or any(s.inflight.values()):
             steps += 1
@@ -200,6 +203,7 @@ class Sim:
             stuck = stuck + 1 if blocked and not landed and not any(s.inflight.values()) else 0
             if stuck > 100 * len(agents):
                 raise AssertionError("deadlock: " + ", ".join(str(x[:2]) for x in live))
+        s.final_checks()
         return steps
 
 def check(variant, seeds, quiet=False):
