@@ -8,6 +8,9 @@
 #   CALL=ab:    compute-sanitizer memcheck and racecheck on _tree (lab/sanitize.sh), then
 #           compare.py's CASES on main and on _tree (default the cases the candidates move:
 #           mods-, dropout- and the forward at D64, D128 and D256, S4096).
+#   CALL=fused: lab/fused_bwd_ab.py --quick on _tree (the fused backward against the two-kernel
+#           one; with fused-bulk-dq in CANDIDATES: that candidate's measurement), then its GPU
+#           tests (tests/test_cuda_fused_backward.py, tests/test_cuda_wgmma.py) for FUSED_TESTS_S.
 # Landing, once both calls pass: `git apply` each patch on main, commit, delete the candidate
 # folders (git keeps them), and give CI's compile pass its ~70 minutes (ferro_score.cuh moves).
 set -o pipefail
@@ -34,5 +37,14 @@ case "${CALL:-suite}" in
       echo "-- $side rc=$? at $((SECONDS - start)) s"
       grep -E "TFLOP/s" "$OUT/ab-$side.txt" | grep -v "^\[" | cut -c1-100
     done ;;
+  fused)
+    (cd _tree && PYTHONPATH=$R/_tree timeout "${FUSED_S:-150}" python3 lab/fused_bwd_ab.py --quick \
+      > "$OUT/fused-ab.txt" 2>&1)
+    echo "-- fused A/B rc=$? at $((SECONDS - start)) s"; cut -c1-110 "$OUT/fused-ab.txt" | tail -25
+    (cd _tree && PYTHONPATH=$R/_tree timeout "${FUSED_TESTS_S:-240}" python3 -m pytest -q -x \
+      -p no:cacheprovider -n 8 tests/test_cuda_fused_backward.py tests/test_cuda_wgmma.py \
+      > "$OUT/fused-tests.txt" 2>&1)
+    echo "-- fused tests rc=$? at $((SECONDS - start)) s"
+    grep -E "^E |^FAILED|passed|failed" "$OUT/fused-tests.txt" | head -8 ;;
 esac
 echo "round done at $((SECONDS - start)) s"
