@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The staged candidates' landing check, from the repository root, one device call per CALL:
 #   _tree/ = this tree with every patch of CANDIDATES applied (default: the four measured on
-#   2026-12-07, lab/TUNING.md), built on the device at the call's start (1 s), then
+#   2026-12-07 and fwd-pv-group, lab/TUNING.md; add fused-bulk-dq for CALL=fused), built on the
+#   device at the call's start (1 s), then
 #   CALL=suite (default): the whole GPU suite on _tree (lab/round_suite.sh: precompile, then every
 #           GPU test file; END_S bounds it, default 560 s). A call cut short names what it left
 #           in ended.txt: give it back as SKIP to the next call.
@@ -17,7 +18,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
 R=$PWD; start=$SECONDS
-CANDIDATES=${CANDIDATES:-mods-unmasked softcap-lg2 dropout-shared-philox kv-split-barriers}
+CANDIDATES=${CANDIDATES:-mods-unmasked softcap-lg2 dropout-shared-philox kv-split-barriers fwd-pv-group}
 rm -rf _tree && mkdir _tree
 tar --exclude=./_tree --exclude=./_all --exclude=./.git -cf - . | tar -x -C _tree
 for c in $CANDIDATES; do

@@ -13,8 +13,9 @@ in either tree. Each is compiled with nvcc to a cubin for sm_90 (sm_90a for the 
 `--sm80` adds sm_80 for the rest) with the table's defines, as tests/test_compile.py does; ptxas's
 --resource-usage gives registers, spills and static shared memory, `cuobjdump -sass` the counts
 (cuobjdump and nvdisasm come from the nvidia-cuda-cuobjdump / -nvdisasm wheels where the toolkit
-lacks them: put their bin/ on PATH). Results are cached by the expanded source text, defines and
-arch in ~/.cache/ferrocupy-seam-resources.json.
+lacks them: put their bin/ on PATH; nvdisasm alone serves too: `pip install nvidia-cuda-nvdisasm`
+puts it in the venv's `nvidia/cu13/bin`). Results are cached by the expanded source text,
+defines and arch in ~/.cache/ferrocupy-seam-resources.json.
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ def compile_one(tree: Path, v: dict, arch: str, tmp: Path) -> dict:
     res = {"regs": int(entry.group(5)), "stack": int(entry.group(2)),
            "spill_st": int(entry.group(3)), "spill_ld": int(entry.group(4)),
            "smem": int(entry.group(6) or 0)}
-    if shutil.which("cuobjdump"):
-        sass = subprocess.run(["cuobjdump", "-sass", "-fun", v["kernel"], str(out)],
-                              capture_output=True, text=True).stdout
+    dis = (["cuobjdump", "-sass", "-fun", v["kernel"]] if shutil.which("cuobjdump") else
+           ["nvdisasm", "-fun", v["kernel"]] if shutil.which("nvdisasm") else None)
+    if dis:
+        sass = subprocess.run([*dis, str(out)], capture_output=True, text=True).stdout
         ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
         res["total"] = len(ops)
         for name in COUNTED:
