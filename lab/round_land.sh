@@ -7,7 +7,7 @@
 #           GPU test file; END_S bounds it, default 560 s). A call cut short names what it left
 #           in ended.txt: give it back as SKIP to the next call.
 #   CALL=ab:    compute-sanitizer memcheck and racecheck on _tree (lab/sanitize.sh), then
-#           compare.py's CASES on main and on _tree (default the cases the candidates move:
+#           compare.py's CASES on main (or on _base: AB_BASE's candidates) and on _tree (default the cases the candidates move:
 #           mods-, dropout- and the forward at D64, D128 and D256, S4096).
 #   CALL=fused: lab/fused_bwd_ab.py --quick on _tree (the fused backward against the two-kernel
 #           one; with fused-bulk-dq in CANDIDATES: that candidate's measurement), then its GPU
@@ -19,19 +19,25 @@ export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
 R=$PWD; start=$SECONDS
 CANDIDATES=${CANDIDATES:-mods-unmasked softcap-lg2 dropout-shared-philox kv-split-barriers fwd-pv-group}
-rm -rf _tree && mkdir _tree
-tar --exclude=./_tree --exclude=./_all --exclude=./.git -cf - . | tar -x -C _tree
-for c in $CANDIDATES; do
-  (cd _tree && patch -s -p1 < "lab/candidates/$c/$c.patch") || { echo "patch $c failed"; exit 1; }
-done
-echo "_tree: $CANDIDATES applied at $((SECONDS - start)) s"
+build() {  # folder, candidates: a copy of this tree with their patches applied in order
+  rm -rf "$1" && mkdir "$1"
+  tar --exclude=./_tree --exclude=./_base --exclude=./_all --exclude=./.git -cf - . | tar -x -C "$1"
+  for c in $2; do
+    (cd "$1" && patch -s -p1 < "lab/candidates/$c/$c.patch") || { echo "patch $c failed"; exit 1; }
+  done
+  echo "$1: $2 applied at $((SECONDS - start)) s"
+}
+build _tree "$CANDIDATES"
+# AB_BASE (CALL=ab): candidates for the other side, _base, instead of main (to time one
+# candidate against the stack it sits on)
+[ -n "${AB_BASE:-}" ] && build _base "$AB_BASE"
 case "${CALL:-suite}" in
   suite)
     END_S=${END_S:-560} OUT=$OUT bash lab/round_suite.sh ;;
   ab)
     (cd _tree && OUT=$OUT PYTHONPATH=$R/_tree SAN_S=${SAN_S:-70} bash lab/sanitize.sh)
     for side in main tree; do
-      dir=$R; [ $side = tree ] && dir=$R/_tree
+      dir=$R; [ $side = tree ] && dir=$R/_tree; [ $side = main ] && [ -n "${AB_BASE:-}" ] && dir=$R/_base
       (cd "$dir" && PYTHONPATH=$dir timeout "${CASE_S:-150}" python3 benchmarks/compare.py \
         --dtype bfloat16 --cases "${CASES:-mods-,dropout-,attn-fwd-bfloat16-d128-s4096,attn-fwd-bfloat16-d64-s4096,attn-fwd-bfloat16-d256-s4096}" \
         > "$OUT/ab-$side.txt" 2>&1)
