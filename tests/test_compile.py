@@ -197,6 +197,7 @@ def _case_id(v, arch: str) -> str:
             f"{f'-s{v.stages}' if v.stages else ''}{f'-r{v.rows}' if v.rows else ''}"
             f"{f'-p{v.parts}' if v.parts > 1 else ''}"
             f"{'-plain' if v.plain else ''}{'-mods' if v.mods else ''}"
+            f"{'-unmasked' if getattr(v, 'unmasked', False) else ''}"
             f"{'-varlen' if v.varlen else ''}{'-paged' if v.paged else ''}-sm_{arch}")
 
 
@@ -692,11 +693,11 @@ def test_every_selectable_variant_is_compiled():
                         for rows, plain, mods, varlen in itertools.product(
                                 (1, 5, 16) if op == configs.DECODE else (0,), (False, True),
                                 (False, True), (False, True)):
-                            try:
+                            try:  # (`plain`: no mask or dropout, so the unmasked builds too)
                                 v = configs.select(op, dtype, hd, limit, capability=cap,
                                                    copy_bytes=copy_bytes, rows=rows,
                                                    plain=plain and not mods, mods=mods,
-                                                   varlen=varlen)
+                                                   varlen=varlen, unmasked=plain)
                             except ValueError:
                                 assert limit < 163 * 1024 and hd > 128, (op, dtype, hd, limit)
                                 continue

@@ -71,7 +71,9 @@ def test_switched_on_the_backward_is_three_fused_launches(dtype, d):
     assert main.smem == v.shared_bytes
     dkdv = configs.select(configs.BACKWARD_DKDV, dtype, d, b._smem_limit, capability=90,
                           copy_bytes=16, plain=True)
-    assert v.shared_bytes == dkdv.shared_bytes + dtype.itemsize * 2 * 128 * v.step  # 2 dS buffers
+    # 2 dS buffers, and a staged float32 dQ partial per computing warpgroup
+    assert v.shared_bytes == (dkdv.shared_bytes + dtype.itemsize * 2 * 128 * v.step
+                              + 4 * 2 * v.step * v.head_dim)
     absent = [None, None]  # cu_seqlens_q, cu_seqlens_k: a dense call's are NULL
     assert [getattr(a, "name", None) for a in pre.args[:8]] == [*configs.FUSED_PRE_ARGS[:6],
                                                                   *absent]
@@ -169,3 +171,35 @@ def test_switching_renews_the_plans():
     assert b.generation == before + 2 and not b.fused_backward
     plan = make_plan(b, "backward", backward_buffers(Q, K, BFLOAT16), bwd_params(Q, K))
     assert kernel_names(plan) == TWO_KERNELS
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernel", "fused"])
+@pytest.mark.parametrize("case", ["softcap", "alibi", "softcap-mask", "softcap-dropout", "mask"])
+def test_model_options_without_mask_or_dropout_take_the_unmasked_build(case, fused):
+    """On sm_90a a call with softcap, ALiBi or sinks and neither a mask nor dropout runs the
+    wgmma builds without them (`unmasked`, FERRO_UNMASKED: fewer registers held across the
+    loop); any mask or dropout takes the general build, whose code reads them."""
+    b = backend()
+    b.fused_backward = fused
+    mask = "mask" in case
+    bufs = dict(backward_buffers(Q, K, BFLOAT16),
+                mask=buf((1, 1, 1, 461), BFLOAT16) if mask else None)
+    named = dict(alibi=buf((8,), FLOAT32)) if case == "alibi" else {}
+    bufs |= dict(alibi_slopes=named.get("alibi"), sinks=None)
+    opts = dict(softcap=2.0) if "softcap" in case else {}
+    dropout = 0.1 if "dropout" in case else 0.0
+    p = bwd_params(Q, K, dropout_prob=dropout, **opts)
+    fp = AttentionDims.new(np.zeros(Q), np.zeros(K)).params(
+        AttentionOptions(dropout_prob=dropout, **opts))
+    extras = _extras(dict(dropout_prob=dropout, **opts), **named)
+    b.plan("forward", bufs, fp, contiguous_layout(fp), ptrs(bufs), extras)
+    b.plan("backward", bufs, p, contiguous_layout(p), ptrs(bufs), extras)
+    chosen = {key[0]: hit[0] for key, hit in b._kernels.items()}
+    want = case in ("softcap", "alibi")
+    ops = [configs.FORWARD] + ([configs.BACKWARD_FUSED] if fused else
+                               [configs.BACKWARD_DQ, configs.BACKWARD_DKDV])
+    for op in ops:
+        v = chosen[op]
+        assert v.isa == configs.WGMMA and v.unmasked == want, (op, case, v.describe())
+        assert v.mods and not v.plain, (op, case)  # (the general wgmma build has them too)
+        assert ("FERRO_UNMASKED" in v.defines) == want

@@ -368,10 +368,10 @@ class CudaBackend:
     def variant(self, op: str, dtype, head_dim: int, copy_bytes: int = 16,
                 rows: int = 0, many_blocks: bool = False, plain: bool = False,
                 lse_given: bool = True, mods: bool = False, varlen: bool = False,
-                paged: bool = False) -> configs.Variant:
+                paged: bool = False, unmasked: bool = False) -> configs.Variant:
         return configs.select(op, dtype, head_dim, self._smem_limit, self.table,
                               self.capability, copy_bytes, rows, many_blocks, plain, lse_given,
-                              mods, varlen, paged)
+                              mods, varlen, paged, unmasked)
 
     def _plan(self, op: str, buffers: dict, params, layout, ptrs: dict, extras=None):
         """(kernel, blocks, threads, shared bytes, arguments) of one attention launch; each
@@ -410,9 +410,9 @@ class CudaBackend:
         # the `plain` variants: no mask, no dropout, no model option the kernel computes; the
         # `mods` ones: a model option the kernel computes; the wgmma dQ: given the forward's lse
         mods = model_options(op, extras, lse_given)
-        plain = (buffers.get("mask") is None and float(params["dropout_prob"]) == 0.0
-                 and not mods)
-        return dict(dtype=dtype, head_dim=d, copy_bytes=vec * dtype.itemsize, plain=plain,
+        unmasked = buffers.get("mask") is None and float(params["dropout_prob"]) == 0.0
+        return dict(dtype=dtype, head_dim=d, copy_bytes=vec * dtype.itemsize,
+                    plain=unmasked and not mods, unmasked=unmasked,
                     lse_given=lse_given, mods=mods, varlen=packed(extras),
                     paged=op == configs.FORWARD and reads_pages(extras))
 
@@ -429,10 +429,10 @@ class CudaBackend:
                  + configs.FUSED_PRE_ARGS if a not in _NOT_ROWS and a in ptrs]
         vec = _copy_width(dtype, d, [ptrs[a] for a in names], _strides(layout, names))
         mods = model_options(configs.BACKWARD_FUSED, extras)
-        plain = buffers.get("mask") is None and float(params["dropout_prob"]) == 0.0 and not mods
+        unmasked = buffers.get("mask") is None and float(params["dropout_prob"]) == 0.0
         return configs.select_fused(dtype, d, self._smem_limit, self.table, self.capability,
-                                    vec * dtype.itemsize, plain, mods,
-                                    buffers.get("lse") is not None, packed(extras))
+                                    vec * dtype.itemsize, unmasked and not mods, mods,
+                                    buffers.get("lse") is not None, packed(extras), unmasked)
 
     def _plan_fused(self, buffers: dict, params, layout, ptrs: dict, extras) -> tuple | None:
         """The fused backward's launches (pre-kernel, fused dK/dV/dQ kernel, post-kernel) and its
@@ -519,17 +519,18 @@ class CudaBackend:
 
     def _kernel(self, op: str, dtype, head_dim: int, copy_bytes: int, rows: int = 0,
                 many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
-                mods: bool = False, varlen: bool = False, paged: bool = False):
+                mods: bool = False, varlen: bool = False, paged: bool = False,
+                unmasked: bool = False):
         """(variant, compiled kernel) for one (op, dtype, head_dim, copy width, decode rows,
-        decode blocks beyond one per SM, no mask or dropout, the forward's lse given, softcap,
-        ALiBi or sinks computed, packed sequences, a paged KV cache), chosen, compiled and given
-        its shared memory once."""
+        decode blocks beyond one per SM, no mask, dropout or model option, the forward's lse
+        given, softcap, ALiBi or sinks computed, packed sequences, a paged KV cache, no mask or
+        dropout), chosen, compiled and given its shared memory once."""
         key = (op, dtype, head_dim, copy_bytes, rows, many_blocks, plain, lse_given, mods, varlen,
-               paged)
+               unmasked, paged)  # (paged last: tests read key[-1])
         hit = self._kernels.get(key)
         if hit is None:
             v = self.variant(op, dtype, head_dim, copy_bytes, rows, many_blocks, plain, lse_given,
-                             mods, varlen, paged)
+                             mods, varlen, paged, unmasked)
             fn = self.loader.function(v.source, v.kernel, v.defines, v.options)
             if fn.max_dynamic_shared_size_bytes < v.shared_bytes:
                 fn.max_dynamic_shared_size_bytes = v.shared_bytes

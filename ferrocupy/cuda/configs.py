@@ -150,6 +150,11 @@ class Variant:
     # comes as a paged copy (with_paged), made by select, not listed in the table. The decode
     # kernels take a paged cache at run time.
     paged: bool = False
+    # the additive mask and dropout compiled out of a `mods` build (FERRO_UNMASKED): the wgmma
+    # kernels' variant for a call with softcap, ALiBi or sinks and neither of them. The general
+    # build's mask and dropout code held registers across the key loop (ptxas, bf16 d128: the
+    # forward spilled 12 bytes, dK/dV 96; unmasked, none).
+    unmasked: bool = False
 
     @property
     def half(self) -> bool:
@@ -288,6 +293,8 @@ class Variant:
             d["FERRO_PLAIN"] = 1
         if self.mods:
             d["FERRO_MODS"] = 1
+        if self.unmasked:
+            d["FERRO_UNMASKED"] = 1
         if self.parts > 1:
             d["FERRO_DKDV_PARTS"] = self.parts
         if self.split_columns:
@@ -330,6 +337,7 @@ class Variant:
                 + (f", {self.rows} query rows" if self.rows else "")
                 + (", no mask, dropout or model options" if self.plain else "")
                 + (", softcap, ALiBi and sinks" if self.mods else "")
+                + (", no mask or dropout" if self.unmasked else "")
                 + (f", dK/dV in {self.parts} column ranges" if self.parts > 1 else "")
                 + (", dK/dV's columns split between the warpgroups" if self.split_columns
                    else "")
@@ -387,8 +395,10 @@ def _wgmma(op: str, dtype: np.dtype, dp: int) -> list[Variant]:
         geometry = dict(warps=8, mt=1, step=64, stages=2)
     else:
         return []
-    return [Variant(op, dtype, kd, isa=WGMMA, plain=plain, mods=not plain, **geometry)
-            for plain in (True, False)]
+    # plain; the model options without mask and dropout (unmasked); everything
+    return [Variant(op, dtype, kd, isa=WGMMA, plain=plain, mods=not plain, unmasked=unmasked,
+                    **geometry)
+            for plain, unmasked in ((True, False), (False, True), (False, False))]
 
 
 def _geometry(op: str, dtype: np.dtype, dp: int) -> list[tuple[int, int, int]]:
@@ -516,7 +526,8 @@ def _table() -> dict:
 # dK/dV kernel's geometry, each computing warpgroup adding its dQ_part = dS K into a float32 dQ
 # in a fixed order; a pre-kernel (Delta, LSE, zeroed workspace) and a post-kernel (grad_q) of
 # FUSED_THREADS per (batch, head, query tile). Workspace beside the stats: dq_accum, float32
-# [batch * heads * q_tiles * step, head_dim]; dq_semaphores, a uint32 per (batch, head, query
+# [batch * heads * q_tiles * step, head_dim] (each tile of step rows in the kernel's fragment
+# order: ferro_dq_order.cuh); dq_semaphores, a uint32 per (batch, head, query
 # tile) (float32-sized words).
 BACKWARD_FUSED = "backward_fused"
 FUSED_SOURCE = "flash_bwd_fused_wgmma.cu"
@@ -537,8 +548,11 @@ FUSED_POST_ARGS = ("dq_accum", "grad_q", "cu_seqlens_q", "cu_seqlens_k")
 
 def fused_ds_bytes(v: Variant) -> int:
     """Shared memory the fused kernel adds to the dK/dV kernel's: two buffers of a step's dS
-    (step query rows x the block's keys)."""
-    return v.dtype.itemsize * 2 * v.block_rows * v.step if v.op == BACKWARD_FUSED else 0
+    (step query rows x the block's keys) and, per computing warpgroup, a staged float32 dQ
+    partial (step query rows x head_dim) that the writer warp adds into dq_accum."""
+    if v.op != BACKWARD_FUSED:
+        return 0
+    return v.dtype.itemsize * 2 * v.block_rows * v.step + 4 * (v.warps // 4) * v.step * v.head_dim
 
 
 def fused_workspace(params, v: Variant) -> dict:
@@ -556,7 +570,7 @@ def fused_tiles(params, v: Variant) -> int:
 def select_fused(dtype, head_dim: int, smem_limit: int, table: dict | None = None,
                  capability: int = 0, copy_bytes: int = 0, plain: bool = False,
                  mods: bool = False, lse_given: bool = True,
-                 varlen: bool = False) -> Variant | None:
+                 varlen: bool = False, unmasked: bool = False) -> Variant | None:
     """The fused backward's variant for the call, or None where none serves it (float32, a
     head_dim without a wgmma variant, not sm_90a, rows narrower than 16 bytes, no forward lse:
     the two-kernel backward then runs). The backend asks only where its switch is on."""
@@ -564,7 +578,7 @@ def select_fused(dtype, head_dim: int, smem_limit: int, table: dict | None = Non
         return None
     key = (BACKWARD_FUSED, np.dtype(dtype), padded_head_dim(head_dim))
     for v in (TABLE if table is None else table).get(key, ()):
-        if (v.plain and not plain) or (mods and not v.mods):
+        if (v.plain and not plain) or (mods and not v.mods) or (v.unmasked and not unmasked):
             continue
         if v.shared_bytes <= smem_limit and v.runs_on(capability, copy_bytes):
             return with_varlen(v, varlen)
@@ -593,7 +607,8 @@ def padded_head_dim(d: int) -> int:
 def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = None,
            capability: int = 0, copy_bytes: int = 0, rows: int = 0,
            many_blocks: bool = False, plain: bool = False, lse_given: bool = True,
-           mods: bool = False, varlen: bool = False, paged: bool = False) -> Variant:
+           mods: bool = False, varlen: bool = False, paged: bool = False,
+           unmasked: bool = False) -> Variant:
     """The first candidate for (op, dtype, head_dim) that fits `smem_limit` bytes per block, runs
     on a GPU of compute `capability` with `copy_bytes`-wide row copies and (decode) takes `rows`
     query rows per KV group. `many_blocks` (decode: more (batch, KV head) pairs than SMs) passes
@@ -602,7 +617,8 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     block has an SM to itself. `plain` (the call has no mask, dropout, softcap, ALiBi or sinks)
     admits the variants built without them; `lse_given` (the backward has the forward's lse)
     admits the wgmma dQ kernel, which has no statistics pass; `mods` (the kernel computes
-    softcap, ALiBi or sinks for the call) admits only the variants built with them; `varlen`
+    softcap, ALiBi or sinks for the call) admits only the variants built with them; `unmasked`
+    (the call has no mask and no dropout) admits the variants built without them; `varlen`
     (packed sequences) gives the chosen one's varlen copy, `paged` (the forward over a paged KV
     cache) its paged copy."""
     dtype = np.dtype(dtype)
@@ -611,7 +627,7 @@ def select(op: str, dtype, head_dim: int, smem_limit: int, table: dict | None = 
     for v in candidates:
         if (many_blocks and v.isa in (STREAMS, TENSOR) and v.warps > 4) or (v.plain and not plain):
             continue
-        if mods and not v.mods:
+        if (mods and not v.mods) or (v.unmasked and not unmasked):
             continue
         if v.isa == WGMMA and v.op == BACKWARD_DQ and not lse_given:
             continue

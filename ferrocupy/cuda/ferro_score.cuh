@@ -25,7 +25,11 @@ struct Options {
 #endif
 // This build's options: configs.py's `plain` variants serve only calls with none of them; its
 // `mods` ones (FERRO_MODS) alone serve calls with softcap, ALiBi or sinks.
-typedef Options<!FERRO_PLAIN, !FERRO_PLAIN, FERRO_MODS && !FERRO_PLAIN> BuildOptions;
+#ifndef FERRO_UNMASKED  // a `mods` build without the additive mask and dropout (configs.py)
+#define FERRO_UNMASKED 0
+#endif
+#define FERRO_MASKED (!FERRO_PLAIN && !FERRO_UNMASKED)  // the mask and dropout compiled in
+typedef Options<FERRO_MASKED, FERRO_MASKED, FERRO_MODS && !FERRO_PLAIN> BuildOptions;
 
 // ---- visibility as spans: a row's visible keys are one interval -----------------------------------
 
@@ -332,13 +336,52 @@ struct Dropout {
         return dropout_keep4(s.seed, thr, bh, i, j) >> (j & 3);
     }
 
+    // Sharing a draw. One Philox4x32-10 (~90 instructions) gives the keep bits of four keys of
+    // one row, and the lanes of a warp read them in twos or ones: in an accumulator tile lanes
+    // t and t ^ 1 of a quad read one block (keys 8 nt + 4 (t >> 1) .. + 3) of both their rows;
+    // in dK/dV (keys as rows) the four lanes g, g ^ 1, g ^ 2, g ^ 3 of one t read one block of
+    // both their query columns. Where the tile starts on a block (key offset % 4 == 0, the same
+    // in the whole warp), each lane draws one of the blocks its group reads and the group swaps
+    // them by shuffles: a draw per lane where there were two (rows) or four (columns). Every
+    // lane of the warp must call these together (the kernels' loops are whole-warp). SHARED
+    // (default) chooses it; the mma.sync kernels and the wgmma dK/dV pass false: there the
+    // shuffles' registers cost more than the draws they save (ptxas spill stores, nvcc 13.0:
+    // mma.sync bf16 d64 forward 0 -> 88 B, float32 d128 0 -> 8; wgmma dK/dV bf16 d128 96 -> 180,
+    // fused 92 -> 460).
+    //
+    // Rows: the words of rows row[0] and row[1] (heads bh[0], bh[1]) at key j's block, lane
+    // t & 1 drawing row[t & 1]'s.
+    __device__ __forceinline__ void shared_rows(const u32 (&bh)[2], const u32 (&row)[2], u32 j,
+                                                Lane L, u32 (&w)[2]) const {
+        const int mine = L.t & 1;
+        const u32 drawn = dropout_keep4(s.seed, thr, bh[mine], row[mine], j);
+        const u32 theirs = __shfl_xor_sync(0xffffffffu, drawn, 1);
+        w[mine] = drawn;
+        w[mine ^ 1] = theirs;
+    }
+
     // The forwards: zero the dropped P of an accumulator tile (row[0]: c0/c1's row of head bh[0],
     // row[1]: c2/c3's) whose n-tile nt holds keys j0 + 8 nt + 2t, + 1; l keeps P's sum. EVEN: j0
     // is even, so both keys of a pair share a Philox block (else a pair may open the next).
-    template <int NT, bool EVEN>
+    template <int NT, bool EVEN, bool SHARED = true>
     __device__ __forceinline__ void drop(float (&sc)[NT][4], const u32 (&bh)[2], const u32 (&row)[2],
                                          u32 j0, Lane L) const {
         if (!on) return;
+        if (SHARED && EVEN && !(j0 & 3u)) {  // tiles on a block: lanes t, t ^ 1 share draws
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const u32 j = j0 + nt * 8 + 2 * L.t;
+                u32 w[2];
+                shared_rows(bh, row, j, L, w);
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const u32 k = w[rr] >> (j & 3u);
+                    if (!(k & 1u)) sc[nt][2 * rr] = 0.f;
+                    if (!(k & 2u)) sc[nt][2 * rr + 1] = 0.f;
+                }
+            }
+            return;
+        }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -359,20 +402,47 @@ struct Dropout {
 
     // dQ: bit r = element r of n-tile nt of an accumulator tile (rows i0: r = 0, 1; i1: r = 2, 3;
     // keys j0 + 8 nt + 2t, + 1, sharing a Philox block: j0 even); all kept without dropout.
+    template <bool SHARED = true>
     __device__ __forceinline__ u32 keep_rows(u32 bh, u32 i0, u32 i1, long long j0, int nt,
                                              Lane L) const {
         u32 keep = 0xFu;
         if (on) {
             const u32 j = (u32)(j0 + nt * 8 + 2 * L.t);
-            keep = bits(bh, i0, j) & 3u;
-            keep |= (bits(bh, i1, j) & 3u) << 2;
+            if (SHARED && !(j0 & 3)) {  // on a block: lanes t, t ^ 1 share the draws
+                const u32 b2[2] = {bh, bh}, rows[2] = {i0, i1};
+                u32 w[2];
+                shared_rows(b2, rows, j, L, w);
+                keep = ((w[0] >> (j & 3u)) & 3u) | (((w[1] >> (j & 3u)) & 3u) << 2);
+            } else {
+                keep = bits(bh, i0, j) & 3u;
+                keep |= (bits(bh, i1, j) & 3u) << 2;
+            }
         }
         return keep;
     }
 
     // dK/dV, keys as rows: bit r = (key j + 8 (r >> 1), query i + (r & 1)).
+    template <bool SHARED = true>
     __device__ __forceinline__ u32 keep_cols(u32 bh, long long i, long long j) const {
         u32 keep = 0xFu;
+        const Lane L = lane_ids();
+        // Key rows j (this lane's: a block's first plus g & 3) and j + 8; on a block, the lanes
+        // g & ~3 .. + 3 of this t each draw one of (column i or i + 1) x (key row j or j + 8)
+        // and gather the other three.
+        if (SHARED && on && !((j - (L.g & 3)) & 3)) {
+            const int q = L.g & 3, group = (L.g & ~3) * 4 + L.t;  // lane of q = 0: 4 (g & ~3) + t
+            const u32 drawn = dropout_keep4(s.seed, thr, bh, (u32)i + (q & 1),
+                                            (u32)(j + 8 * (q >> 1)));
+            u32 w[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) w[p] = __shfl_sync(0xffffffffu, drawn, group + 4 * p);
+            const int sh = q;  // (j + 8 rr) & 3 for both key rows
+            keep = 0u;
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr)
+                keep |= (((w[2 * rr] >> sh) & 1u) | (((w[2 * rr + 1] >> sh) & 1u) << 1)) << (2 * rr);
+            return keep;
+        }
         if (on) {
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {

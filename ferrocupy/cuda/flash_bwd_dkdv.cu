@@ -149,7 +149,7 @@ __device__ __forceinline__ void backward_dkdv(const T* __restrict__ q, const T* 
             for (int nt = 0; nt < NT; ++nt) {
                 const int c = nt * 8 + 2 * L.t;  // query column of r = 0, 2 (r = 1, 3: c + 1)
                 // Bits r of keep: (key row r>>1, query column c + (r&1)).
-                const u32 keep = drop.keep_cols(bh, i0 + c, key0 + 16 * mt);
+                const u32 keep = drop.template keep_cols<false>(bh, i0 + c, key0 + 16 * mt);
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const long long j = key0 + 16 * mt + 8 * (r >> 1), i = i0 + c + (r & 1);

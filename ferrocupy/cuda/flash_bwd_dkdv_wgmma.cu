@@ -21,8 +21,9 @@
 // geometry from cuda/configs.py.
 // Built with FERRO_FUSED_DQ (flash_bwd_fused_wgmma.cu) it is the fused backward's main kernel:
 // each warpgroup also stores its dS (rounded, transposed) to shared memory, and per step one
-// warpgroup in turn forms dQ_part = dS K over the block's BK keys and adds it into a float32 dQ
-// in global memory, in a fixed order (ferro_dq_order.cuh).
+// warpgroup in turn forms dQ_part = dS K over the block's BK keys and stages it in shared memory;
+// the loading warpgroup's last warp adds each staged partial into a float32 dQ in global memory,
+// in a fixed order (ferro_dq_order.cuh), while the first three copy.
 #ifndef FERRO_FUSED_DQ
 #define FERRO_FUSED_DQ 0
 #endif
@@ -52,6 +53,8 @@ constexpr int GROUPS = WARPS / 4;  // computing warpgroups
 constexpr bool SPLIT = FERRO_DKDV_SPLIT;
 static_assert(SPLIT == (DP > 128), "configs.py's split_columns: exactly the builds above 128");
 constexpr int LOADERS = 128, THREADS = LOADERS + 32 * WARPS, BK = SPLIT ? 64 : 16 * WARPS;
+// The loading warpgroup's threads that copy: all but the fused build's dQ writer warp (its last).
+constexpr int COPIERS = FERRO_FUSED_DQ ? LOADERS - 32 : LOADERS;
 constexpr int CW = SPLIT ? DP / GROUPS : DP;  // columns of dK and dV a warpgroup holds
 constexpr int NT = BQ / 8;  // n-tiles of S^T and dP^T (query columns); k-steps of dV, dK: NT / 2
 constexpr int DT = CW / 8;  // n-tiles of this warpgroup's dK and dV
@@ -59,18 +62,22 @@ static_assert(!SPLIT || (DP == 256 && GROUPS == 2 && !FERRO_FUSED_DQ),
               "head_dim 256: two warpgroups of 128 columns each, two kernels (not fused)");
 static_assert(NT <= 8, "dropout's keep bits of a step fit one u32");
 constexpr int KV_ELEMS = BK * DP, Q_ELEMS = BQ * DP;
-constexpr int LOADER_REGS = 24, COMPUTE_REGS = 240;
+// (the dQ writer's order bookkeeping, fused, takes more than the copies' 24)
+constexpr int LOADER_REGS = FERRO_FUSED_DQ ? 40 : 24, COMPUTE_REGS = FERRO_FUSED_DQ ? 232 : 240;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 keys per warp");
 static_assert((DP == 64 || DP == 128 || DP == 256) && BQ == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
 // (fused) dS of a step: BQ query rows x BK keys, one swizzled column block of 64 keys per
 // warpgroup; two buffers, by the step's parity.
 constexpr int DS_ELEMS = FERRO_FUSED_DQ ? BQ * BK : 0;
+// (fused) A staged float32 dQ_part, BQ x DP, one buffer per computing warpgroup (its turns).
+constexpr int DQ_FLOATS = FERRO_FUSED_DQ ? BQ * DP : 0;
 static_assert(!FERRO_FUSED_DQ || GROUPS == 2,
               "dQ_part's k-steps: the two warpgroups' 64-key blocks of dS");
-// K and V, the ring of Q and dO (swizzled), the ring of [Delta, LSE], (fused) the two dS
-// buffers, 1 KB to align the base.
-static_assert(2 * (2 * KV_ELEMS + 2 * STAGES * Q_ELEMS + 2 * DS_ELEMS) + 8 * STAGES * BQ + 1024 ==
+// K and V, the ring of Q and dO (swizzled), (fused) the two dS buffers and the staged dQ
+// partials, the ring of [Delta, LSE], 1 KB to align the base.
+static_assert(2 * (2 * KV_ELEMS + 2 * STAGES * Q_ELEMS + 2 * DS_ELEMS) + 4 * GROUPS * DQ_FLOATS +
+                      8 * STAGES * BQ + 1024 ==
                   FERRO_SMEM_BYTES,
               "configs.py's shared memory");
 }  // namespace
@@ -89,13 +96,17 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
                   const FlashBwdParams p, const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
     __shared__ u64 kv_full, full[STAGES], empty[STAGES];
+#if FERRO_FUSED_DQ
+    __shared__ u64 dq_full[GROUPS], dq_empty[GROUPS];  // a staged dQ_part's buffer: written, read
+#endif
     const u32 raw = smem_u32(smem_w);
     u16* sK = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
     u16* sV = sK + KV_ELEMS;
     u16* sQ = sV + KV_ELEMS;            // [STAGES][BQ x DP], swizzled
     u16* sdO = sQ + STAGES * Q_ELEMS;   // [STAGES][BQ x DP], swizzled
     u16* sdS = sdO + STAGES * Q_ELEMS;  // (fused) [2][BQ x BK], swizzled
-    float* sSt = reinterpret_cast<float*>(sdS + 2 * DS_ELEMS);  // [STAGES][BQ][Delta, LSE]
+    float* sDQ = reinterpret_cast<float*>(sdS + 2 * DS_ELEMS);  // (fused) [GROUPS][BQ x DP]
+    float* sSt = sDQ + GROUPS * DQ_FLOATS;  // [STAGES][BQ][Delta, LSE]
     AttnShape s = attn_shape(p, ex, mask_kind);
     if (BuildOptions::MODS) with_extras(s, ex, alibi, nullptr);
     with_varlen(s, ex, cu_q, cu_k);
@@ -118,16 +129,26 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
     const int steps = (int)group * n_tiles;  // (query head of the group, query tile)
 
     if (threadIdx.x == 0) {
-        mbar_init(&kv_full, LOADERS);
-        mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
+        mbar_init(&kv_full, COPIERS);
+        mbar_init_ring(full, empty, COPIERS, 32 * WARPS);
+#if FERRO_FUSED_DQ
+        mbar_init_ring(dq_full, dq_empty, 128, 1);  // staged by a warpgroup, read by the writer
+#endif
     }
     __syncthreads();
 
     if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
         regs_shrink<LOADER_REGS>();
+#if FERRO_FUSED_DQ
+        if (threadIdx.x >= COPIERS) {  // the dQ writer warp
+            write_dq_in_order<BK, BQ, DP, GROUPS>(s, dq_accum, dq_sem, sDQ, dq_full, dq_empty, b, hk,
+                                                  group, tile, i_first, n_tiles, steps);
+            return;
+        }
+#endif
         const Rows rk = k_rows(s, lay.k, b, hk), rv = k_rows(s, lay.v, b, hk);
-        load_tile_sw128<BK, DP, LOADERS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D);
-        load_tile_sw128<BK, DP, LOADERS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D);
+        load_tile_sw128<BK, DP, COPIERS>(sK, k + rk.off, rk.stride, k0, s.kv_reach, D);
+        load_tile_sw128<BK, DP, COPIERS>(sV, v + rv.off, rv.stride, k0, s.kv_reach, D);
         mbar_arrive_cp_async(&kv_full);
         for (int t = 0; t < steps; ++t) {
             const int st = t % STAGES;
@@ -135,11 +156,11 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
             const u32 h = hk * group + t / n_tiles;
             const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
             const Rows rq = q_rows(s, lay.q, b, h), rdo = q_rows(s, lay.grad_out, b, h);
-            load_tile_sw128<BQ, DP, LOADERS>(sQ + st * Q_ELEMS, q + rq.off, rq.stride, i0, s.seq_q, D);
-            load_tile_sw128<BQ, DP, LOADERS>(sdO + st * Q_ELEMS, grad_out + rdo.off, rdo.stride, i0,
+            load_tile_sw128<BQ, DP, COPIERS>(sQ + st * Q_ELEMS, q + rq.off, rq.stride, i0, s.seq_q, D);
+            load_tile_sw128<BQ, DP, COPIERS>(sdO + st * Q_ELEMS, grad_out + rdo.off, rdo.stride, i0,
                                              s.seq_q, D);
             const float* rows = stats + row_index(s, b, h) * 2;
-            for (int r = threadIdx.x; r < BQ; r += LOADERS) {  // rows past seq_q: zeros
+            for (int r = threadIdx.x; r < BQ; r += COPIERS) {  // rows past seq_q: zeros
                 const bool ok = i0 + r < s.seq_q;
                 cp_async<8>(sSt + (st * BQ + r) * 2, ok ? rows + (i0 + r) * 2 : rows, ok);
             }
@@ -165,6 +186,9 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
     const Dropout<BuildOptions::DROPOUT> drop(s);
     const float keep_scale = drop.keep_scale();
 
+#if FERRO_FUSED_DQ
+    u32 dq_stagings = 0;  // this warpgroup's dQ_parts staged so far (its buffer's uses)
+#endif
     float dk[DT][4], dv[DT][4];
 #pragma unroll
     for (int nd = 0; nd < DT; ++nd)
@@ -213,7 +237,7 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
             const float4 st4 = *reinterpret_cast<const float4*>(st_rows + 2 * c);  // D, L, D, L
             const float lse2[2] = {st4.y * FERRO_LOG2E, st4.w * FERRO_LOG2E};
             if (BuildOptions::DROPOUT)
-                keeps ^= (~drop.keep_cols(bh, i0 + c, key0) & 0xFu) << (4 * nt);
+                keeps ^= (~drop.template keep_cols<false>(bh, i0 + c, key0) & 0xFu) << (4 * nt);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int ci = c + (r & 1);
@@ -262,9 +286,11 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
                 const float dp = (keeps >> (4 * nt + r)) & 1u ? dpT[nt][r] * keep_scale : 0.f;
                 float dS = sT[nt][r] * (dp - ((r & 1) ? delta.y : delta.x));
                 // Softcap: dS times 1 - tanh^2, from the score lse + log P (P > 0: visible).
+                // log2 by the MUFU (lg2.approx, ~2^-22 absolute): log2f's accurate form is ~30
+                // instructions a score, and the derivative it feeds is rounded to the dtype.
                 if (BuildOptions::MODS && s.softcap > 0.f && sT[nt][r] != 0.f) {
                     const float score =
-                        fmaf(log2f(sT[nt][r]), FERRO_LN2, st_rows[2 * c + 1 + 2 * (r & 1)]);
+                        fmaf(__log2f(sT[nt][r]), FERRO_LN2, st_rows[2 * c + 1 + 2 * (r & 1)]);
                     dS *= fast ? capped_grad(s, fmaf(slope, dist(nt, r), score))
                                : softcap_grad<BuildOptions::MASK, true>(
                                      s, mask, b, h, i0 + c + (r & 1), key0 + 8 * (r >> 1), slope,
@@ -308,7 +334,8 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(dq);
-            add_dq_in_order<BK, BQ, DT>(s, dq_accum, dq_sem, bh, tile, wg, i0, dq, L);
+            stage_dq<DT>(sDQ + (wg - 1) * DQ_FLOATS, &dq_full[wg - 1], &dq_empty[wg - 1],
+                         dq_stagings++, dq);
         }
 #endif
     }

@@ -181,7 +181,7 @@ __device__ __forceinline__ void backward_dq(const T* __restrict__ q, const T* __
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 // Both columns 2t, 2t+1 share one Philox block.
-                const u32 keep = drop.keep_rows(Tq.bh, (u32)Tq.row(mt, 0), (u32)Tq.row(mt, 1), j0, nt, L);
+                const u32 keep = drop.template keep_rows<false>(Tq.bh, (u32)Tq.row(mt, 0), (u32)Tq.row(mt, 1), j0, nt, L);
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const float l = lse[mt][r >> 1];

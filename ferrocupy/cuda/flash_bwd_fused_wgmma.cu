@@ -4,8 +4,9 @@
 //   flash_bwd_fused_pre: each row's [Delta = grad_out . out, LSE] into the stats (what the dQ
 //       kernel's statistics pass writes), dq_accum and the order counters zeroed;
 //   flash_bwd_fused_wgmma: the dK/dV kernel built with FERRO_FUSED_DQ: dK and dV as there, and
-//       dQ_part = dS K per (warpgroup, query tile) added into dq_accum in a fixed order
-//       (ferro_dq_order.cuh: bit-identical runs, and why the order cannot deadlock);
+//       dQ_part = dS K per (key block, query tile), staged in shared memory and added into
+//       dq_accum by a writer warp, in a fixed order (ferro_dq_order.cuh: the accumulator's
+//       fragment-ordered tiles, bit-identical runs, and why the order cannot deadlock);
 //   flash_bwd_fused_post: grad_q = scale dq_accum, rounded once to the dtype.
 // dS is rounded to the dtype before dS K, as the dQ kernel rounds it. Geometry from configs.py
 // (BACKWARD_FUSED); the pre- and post-kernels take one block of FUSED_THREADS per (batch, head,
@@ -84,10 +85,11 @@ flash_bwd_fused_post(const float* __restrict__ dq_accum, u16* __restrict__ grad_
     for (int r = threadIdx.x / ROW_LANES; r < BQ; r += blockDim.x / ROW_LANES) {
         const long long i = f.m0 + r;
         if (i >= s.seq_q) break;
-        const float* row = dq_accum + ((u64)f.bh * f.q_tiles * BQ + i) * DP;
+        const float* tile = dq_accum + ((u64)f.bh * f.q_tiles * BQ + f.m0) * DP;  // fragment order
         for (int d = 8 * lane; d < D; d += 8 * ROW_LANES) {
-            const float4 x = *reinterpret_cast<const float4*>(row + d);
-            const float4 y = *reinterpret_cast<const float4*>(row + d + 4);
+            const float* cols = tile + dq_tile_offset(r, d);  // row i's columns d .. d + 7
+            const float4 x = *reinterpret_cast<const float4*>(cols);
+            const float4 y = *reinterpret_cast<const float4*>(cols + 4);
             const float sc = s.scale;
             uint4 w;
             w.x = pack2(sc * x.x, sc * x.y);

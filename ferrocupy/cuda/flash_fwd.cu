@@ -127,7 +127,7 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, const T* __rest
                                                               s.has_mask);
             rescale_rows<DT>(o[mt], alpha);
             const u32 bh[2] = {Tq.bh, Tq.bh}, rows[2] = {(u32)Tq.row(mt, 0), (u32)Tq.row(mt, 1)};
-            drop.template drop<NT, true>(sc[mt], bh, rows, (u32)j0, L);
+            drop.template drop<NT, true, false>(sc[mt], bh, rows, (u32)j0, L);
         }
 
         cp_async_wait<1>();

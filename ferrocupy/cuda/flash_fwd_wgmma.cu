@@ -1,7 +1,9 @@
 // Fused attention forward in float16 / bfloat16 on sm_90a's warpgroup tensor cores (wgmma),
-// warp-specialized as FlashAttention-3 is: one warpgroup only loads (cp.async into a ring of
-// STAGES K/V buffers, each announced on a `full` barrier), and WARPS / 4 warpgroups only compute,
-// each over 64 query rows of the block's BM, handing buffers back on an `empty` barrier. No
+// warp-specialized as FlashAttention-3 is: one warpgroup only loads (cp.async into rings of
+// STAGES K buffers and STAGES V buffers, each announced on its `full` barrier), and WARPS / 4
+// warpgroups only compute, each over 64 query rows of the block's BM, handing buffers back on
+// their `empty` barriers: K(t) once S(t) has read it (before the softmax), V(t) once O += P V(t)
+// has, so the next K load waits for no P V (FlashAttention-3's separate K and V pipelines). No
 // block-wide barrier in the key loop, so the computing warpgroups drift apart and one's softmax
 // overlaps the other's products; within a warpgroup, tile t's softmax overlaps O += P V of tile
 // t - 1. (Strict turn-taking between the warpgroups, FlashAttention-3's ping-pong, measured 8%
@@ -65,7 +67,10 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
                    const u32 mask_kind, const AttnLayout lay, const FlashV2Params p,
                    const AttnExtras ex) {
     extern __shared__ __align__(1024) u16 smem_w[];
-    __shared__ u64 full[STAGES], empty[STAGES], q_full[Q_BUFS], q_empty[Q_BUFS], tile_ready[Q_BUFS];
+    // K and V of key tile t sit in buffer t % STAGES of their own rings (the same index), each
+    // ring with its own full / empty pair: K's buffer is handed back a softmax before V's.
+    __shared__ u64 full_k[STAGES], empty_k[STAGES], full_v[STAGES], empty_v[STAGES];
+    __shared__ u64 q_full[Q_BUFS], q_empty[Q_BUFS], tile_ready[Q_BUFS];
     __shared__ u32 tile_slot[Q_BUFS];  // the block's work items n, n + 1 (slot n % Q_BUFS), from loader thread 0
     const u32 raw = smem_u32(smem_w);
     u16* sQ = smem_w + (((1024u - (raw & 1023u)) & 1023u) >> 1);  // 1024-byte aligned
@@ -83,7 +88,8 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
     const u32 n_work = (shape.seq_q + BM - 1) / BM * shape.batch * shape.heads;
 
     if (threadIdx.x == 0) {
-        mbar_init_ring(full, empty, LOADERS, 32 * WARPS);
+        mbar_init_ring(full_k, empty_k, LOADERS, 32 * WARPS);
+        mbar_init_ring(full_v, empty_v, LOADERS, 32 * WARPS);
         mbar_init_ring(q_full, q_empty, LOADERS, 32 * WARPS);  // item n's Q in buffer n % Q_BUFS
         for (int i = 0; i < Q_BUFS; ++i) mbar_init(&tile_ready[i], 1);
     }
@@ -110,7 +116,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
 
     if (wg == 0) {  // ---- the loading warpgroup --------------------------------------------------
         regs_shrink<LOADER_REGS>();
-        u32 ring = 0;  // K/V buffers filled so far
+        u32 ring = 0;  // key tiles loaded so far (their K and V: each ring's use `ring`)
         u32 next = blockIdx.x;  // (thread 0) the block's next item
         for (u32 n = 0;; ++n) {
             ring_wait_empty(q_empty, n);  // item n - Q_BUFS's Q (the same buffer) is read no more
@@ -127,25 +133,33 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             // Paged: the KV head's column of block 0, each row through the pages.
             const u16* kb = k + (FERRO_PAGED ? rows_of(lay.k, 0, T.hk).off : T.k.off);
             const u16* vb = v + (FERRO_PAGED ? rows_of(lay.v, 0, T.hk).off : T.v.off);
+            // K(t), then V(t): each waits for its own ring's buffer (its use STAGES before handed
+            // back) and is announced on its own `full`. So K(t + STAGES) waits for S(t) and, in
+            // line behind V(t + STAGES - 1), for O += P V(t - 1): one tile sooner than when K and
+            // V shared one buffer pair (after O += P V(t)); V(t + STAGES) for O += P V(t).
             for (int t = 0; t < n_tiles; ++t, ++ring) {
                 const u32 st = ring % STAGES;
-                ring_wait_empty(empty, ring);  // its use STAGES before is handed back
                 const long long j = j_first + (long long)t * BN;
+                ring_wait_empty(empty_k, ring);
                 if constexpr (FERRO_PAGED) {
                     const KeyPages pg = key_pages(FERRO_BLOCK_TABLE_ARG, ex.page_size, p.seq_k,
                                                   T.b);
                     const PagedRows kr(pg, lay.k, j, BN, s.kv_reach);
                     load_tile_sw128_at<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, kr, j, s.kv_reach,
                                                         D);
+                    mbar_arrive_cp_async(&full_k[st]);
+                    ring_wait_empty(empty_v, ring);
                     load_tile_sw128_at<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb,
                                                         kr.with_strides(lay.v), j, s.kv_reach, D);
                 } else {
                     load_tile_sw128<BN, DP, LOADERS>(sK + st * KV_ELEMS, kb, T.k.stride, j,
                                                      s.kv_reach, D);
+                    mbar_arrive_cp_async(&full_k[st]);
+                    ring_wait_empty(empty_v, ring);
                     load_tile_sw128<BN, DP, LOADERS>(sV + st * KV_ELEMS, vb, T.v.stride, j,
                                                      s.kv_reach, D);
                 }
-                mbar_arrive_cp_async(&full[st]);
+                mbar_arrive_cp_async(&full_v[st]);  // (counts V's copies and K's before them)
             }
         }
         cp_async_wait<0>();  // nothing in flight when the block ends
@@ -169,7 +183,7 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
         const float slope = OPT::MODS ? alibi_slope(s, T.b, T.h) : 0.f;
         const bool raw = raw_units<OPT>(s);  // m_run in raw units (q.k), or scaled (a mask)
         const float sl2 = raw ? s.scale * FERRO_LOG2E : FERRO_LOG2E;
-        // Key tile t of this query tile sits in ring buffer (ring + t) % STAGES.
+        // Key tile t of this query tile sits in buffer (ring + t) % STAGES of the K and V rings.
         auto k_tile = [&](int t) { return smem_u32(sK + ((ring + t) % STAGES) * KV_ELEMS); };
         auto v_tile = [&](int t) { return smem_u32(sV + ((ring + t) % STAGES) * KV_ELEMS); };
         // S = Q K_t^T, issued (the caller commits and waits).
@@ -224,45 +238,69 @@ flash_fwd_wgmma(const u16* __restrict__ q, const u16* __restrict__ k, const u16*
             for (int kk = 0; kk < NT / 2; ++kk) wgmma_rs(o, pa[kk], desc_mn_major<BN>(v_tile(t), kk), 1);
         };
 
-        // Tiles this warpgroup skips are still waited for and handed back, in order.
-        for (int t = 0; t < t_lo; ++t) ring_pass_over(full, empty, ring + t);
+        // Tiles this warpgroup skips are still waited for and handed back, in order, on both
+        // rings: every phase of empty_k and empty_v counts each computing thread once, and each
+        // thread hands back K(t) and V(t) exactly once per tile (below: K(t) after S(t), V(t)
+        // after O += P V(t), in the next iteration or the tail).
+        auto pass_over = [&](int t) {
+            ring_pass_over(full_k, empty_k, ring + t);
+            ring_pass_over(full_v, empty_v, ring + t);
+        };
+        for (int t = 0; t < t_lo; ++t) pass_over(t);
         // Every computing thread waits for this tile's Q, even one with no key to visit, before it
         // hands Q back: so no arrival on q_empty can count toward an earlier tile's phase.
         ring_wait_full(q_full, n);
         for (int t = t_lo; t < t_hi; ++t) {
-            ring_wait_full(full, ring + t);
-            fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view
+            ring_wait_full(full_k, ring + t);
+            fence_proxy_async();  // the loaders' K(t), now seen here, to the tensor cores' view
 
             float sc[NT][4];
             wgmma_fence();
             issue_s(sc, t);
             wgmma_commit();
-            if (t > t_lo) issue_pv(t - 1);
-            wgmma_commit();
-            wgmma_wait<1>();
+            if (t > t_lo) {
+                // V(t - 1) (loaded before K(t): as good as landed), seen by the tensor cores too.
+                ring_wait_full(full_v, ring + t - 1);
+                fence_proxy_async();
+                issue_pv(t - 1);
+                // P V(t - 1) is a group of its own, so the softmax below waits for S(t) alone and
+                // the product runs under it. (A commit after the branch, for both paths, made
+                // ptxas close the t_lo path's empty group with a dummy wgmma placed where the
+                // paths meet: on every tile a third group, and the wait for "all but one" then
+                // took P V(t - 1) too: no overlap.)
+                // (Builds with the additive mask or dropout wait for it here: their softmax under
+                // the product spilled, ptxas: d64 84 -> 268 B, d128 8 -> 60.)
+                wgmma_commit();
+                wgmma_wait<OPT::MASK || OPT::DROPOUT ? 0 : 1>();
+            } else {
+                wgmma_wait<0>();
+            }
             wgmma_pin(sc);
+            ring_release(empty_k, ring + t);  // S(t) has read K(t): the loaders may refill it
             float alpha[2];
             softmax_to_p(sc, t, alpha);
             wgmma_wait<0>();
             wgmma_pin(o);
-            if (t > t_lo) ring_release(empty, ring + t - 1);  // done with tile t - 1
+            if (t > t_lo) ring_release(empty_v, ring + t - 1);  // done with V(t - 1)
             rescale_rows<DT>(o, alpha);
             to_a_fragments<NT>(sc, pa);
         }
         if (t_hi > t_lo) {
+            ring_wait_full(full_v, ring + t_hi - 1);
+            fence_proxy_async();
             wgmma_fence();
             issue_pv(t_hi - 1);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(o);
-            ring_release(empty, ring + t_hi - 1);
+            ring_release(empty_v, ring + t_hi - 1);  // (K(t_hi - 1) went back after its S)
         }
         ring_release(q_empty, n);  // every product that reads this Q has completed
 
         finish_forward<u16, DT, OPT::MODS>(o, m_run, l_run, raw ? s.scale : 1.f, drop.keep_scale(),
                                            OPT::MODS ? sink_logit(s, T.h) : neg_inf(), T.row(0, 0),
                                            s.seq_q, row_index(s, T.b, T.h), out, T.o, lse, L, D, true);
-        for (int t = t_hi; t < n_tiles; ++t) ring_pass_over(full, empty, ring + t);
+        for (int t = t_hi; t < n_tiles; ++t) pass_over(t);
         ring += n_tiles;
     }
 }

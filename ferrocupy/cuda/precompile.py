@@ -39,19 +39,23 @@ def main(argv=None) -> int:
             if defines["FERRO_ROPE_DTYPE"] in {configs.ROPE_DTYPE_DEFINE[d] for d in wanted}}
     for (op, dtype, dp), candidates in configs.TABLE.items():
         if op == configs.BACKWARD_FUSED:  # the fused backward: only where its switch is on
-            for plain, mods in ((True, False), (False, False), (False, True)):
+            for plain, mods, unmasked in ((True, False, True), (False, False, False),
+                                          (False, True, False), (False, True, True)):
                 v = configs.select_fused(dtype, dp, limit, capability=capability, copy_bytes=16,
-                                         plain=plain, mods=mods)
+                                         plain=plain, mods=mods, unmasked=unmasked)
                 if v is not None and dtype in wanted and configs.FUSED_BACKWARD:
                     defines = tuple(sorted(v.defines.items()))
                     jobs.update((v.source, name, defines, v.options) for name in
                                 (v.kernel, configs.FUSED_PRE_KERNEL, configs.FUSED_POST_KERNEL))
         elif dtype in wanted:
             for copy_bytes in (16, 4):  # aligned rows, and the fallback for views that are not
-                # a call without mask and dropout, one with; one with softcap, ALiBi or sinks
-                for plain, mods in ((True, False), (False, False), (False, True)):
+                # a call without mask, dropout or model option; one with a mask; one with
+                # softcap, ALiBi or sinks and a mask; one with them alone
+                for plain, mods, unmasked in ((True, False, True), (False, False, False),
+                                              (False, True, False), (False, True, True)):
                     v = configs.select(op, dtype, dp, limit, capability=capability,
-                                       copy_bytes=copy_bytes, plain=plain, mods=mods)
+                                       copy_bytes=copy_bytes, plain=plain, mods=mods,
+                                       unmasked=unmasked)
                     jobs.add((v.source, v.kernel, tuple(sorted(v.defines.items())), v.options))
     jobs.add((configs.SINKS_SOURCE, configs.SINKS_KERNEL, (), ()))
     jobs.update((configs.APPEND_SOURCE, configs.APPEND_KERNEL,

@@ -1,5 +1,5 @@
 """A host model of flash_fwd_wgmma.cu's barrier protocol with ping-pong turns, for the fwd-pingpong
-candidate, built on lab/candidates/kv-split-barriers/ring_model.py (imported: the loading warpgroup, the
+candidate, built on lab/models/ring_model.py (imported: the loading warpgroup, the
 K and V rings, the persistent item loop with tile_ready / q_full / q_empty, cp.async arrivals
 landing late, computing warpgroups drifting apart, each with its own key range [t_lo, t_hi)),
 plus the named barriers of the turns ("pp" variants). A named barrier is modelled as the
@@ -45,7 +45,7 @@ pp_extra_turn 2087, pp_tail_turn_some 2044; split (ring_model's) 0.
 """
 import os, random, sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kv-split-barriers"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models"))
 import ring_model  # noqa: E402
 
 class NBar:  # a named barrier (bar.sync / bar.arrive with a thread count)

@@ -1,4 +1,4 @@
-"""A host model of flash_fwd_wgmma.cu's barrier protocol, for the kv-split-barriers candidate:
+"""A host model of flash_fwd_wgmma.cu's barrier protocol, (landed from the kv-split-barriers candidate, 2026-12-07):
 the loading warpgroup, the computing warpgroups (each its own key range [t_lo, t_hi), tiles
 outside it passed over) and the persistent item loop (tile_ready, q_full / q_empty), under random
 interleavings. Checks: no deadlock; every arrival lands in the phase it is meant for; no buffer is
@@ -13,7 +13,7 @@ each check must catch (early K or V release, no V pass-over, vlag without the V 
 "bug_no_v_wait" (split without the loop's V wait) passes, as it should: with K(t) loaded after
 V(t - 1), full_k(t) completing implies V(t - 1) landed; the wait is kept for vlag's order.
 
-    python3 lab/candidates/kv-split-barriers/ring_model.py [SEEDS] [VARIANT,...]
+    python3 lab/models/ring_model.py [SEEDS] [VARIANT,...]
 
 2026-12-07: split, vlag and old 0 failures in 3000 seeds each; every bug variant caught in
 68-76% of seeds (the rest never reach the interleaving)."""

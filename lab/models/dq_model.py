@@ -1,4 +1,4 @@
-"""A host model of the fused backward's dQ protocol in the fused-bulk-dq candidate
+"""A host model of the fused backward's dQ protocol (landed from the fused-bulk-dq candidate, 2026-12-07)
 (ferro_dq_order.cuh's stage_dq and write_dq_in_order), under random interleavings.
 
 Agents per block (key block n of one (batch, head)): two computing warpgroups, which meet at a
@@ -17,7 +17,7 @@ back at issue, before the read), "no_empty_wait" (staging without waiting for dq
 "count_at_issue" (the counter counted when the add is issued, not when it has landed),
 "no_order" (no wait on the counter).
 
-    python3 lab/candidates/fused-bulk-dq/dq_model.py [SEEDS] [VARIANT,...]
+    python3 lab/models/dq_model.py [SEEDS] [VARIANT,...]
 """
 import random
 import sys
