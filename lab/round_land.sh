@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The staged candidates' landing check, from the repository root, one device call per CALL:
-#   _tree/ = this tree with every patch of CANDIDATES applied (default: the four measured on
-#   2026-12-07 and fwd-pv-group, lab/TUNING.md; add fused-bulk-dq for CALL=fused), built on the
-#   device at the call's start (1 s), then
+#   _tree/ = this tree with every patch of CANDIDATES applied (names of lab/candidates/ folders,
+#   in order; none by default: the six staged on 2026-12-07 have landed), built on the device at
+#   the call's start (1 s), then
 #   CALL=suite (default): the whole GPU suite on _tree (lab/round_suite.sh: precompile, then every
 #           GPU test file; END_S bounds it, default 560 s). A call cut short names what it left
 #           in ended.txt: give it back as SKIP to the next call.
@@ -10,7 +10,7 @@
 #           compare.py's CASES on main (or on _base: AB_BASE's candidates) and on _tree (default the cases the candidates move:
 #           mods-, dropout- and the forward at D64, D128 and D256, S4096).
 #   CALL=fused: lab/fused_bwd_ab.py --quick on _tree (the fused backward against the two-kernel
-#           one; with fused-bulk-dq in CANDIDATES: that candidate's measurement), then its GPU
+#           one), then its GPU
 #           tests (tests/test_cuda_fused_backward.py, tests/test_cuda_wgmma.py) for FUSED_TESTS_S.
 # Landing, once both calls pass: `git apply` each patch on main, commit, delete the candidate
 # folders (git keeps them), and give CI's compile pass its ~70 minutes (ferro_score.cuh moves).
@@ -18,7 +18,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"
 R=$PWD; start=$SECONDS
-CANDIDATES=${CANDIDATES:-mods-unmasked softcap-lg2 dropout-shared-philox kv-split-barriers fwd-pv-group}
+CANDIDATES=${CANDIDATES:-}
 build() {  # folder, candidates: a copy of this tree with their patches applied in order
   rm -rf "$1" && mkdir "$1"
   tar --exclude=./_tree --exclude=./_base --exclude=./_all --exclude=./.git -cf - . | tar -x -C "$1"

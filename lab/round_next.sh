@@ -12,8 +12,9 @@
 #   5. compare.py's dropout- cases on main and _all (mods-unmasked leaves dropout calls alone);
 #   6. ("kvsplit") kv-split-barriers' forward GPU tests (KV_TESTS) through its overlay;
 #   6b. ("sweep") the D128 forward (SWEEP_DIMS), two geometries (SWEEP_ONLY), on main and
-#      through each of SWEEP_CANDIDATES' overlays (default kv-split-barriers fwd-pv-group
-#      warp-release fwd-pingpong; one missing is passed over);
+#      through each of SWEEP_CANDIDATES' overlays (default warp-release fwd-pingpong; one
+#      missing is passed over; "tree", "all", "tests", "mods", "dropout", "kvsplit", "fused"
+#      name candidates landed or dropped on 2026-12-07 and fail now);
 #   7. ("fused") lab/fused_bwd_ab.py through the fused-unordered-probe overlay;
 #   8. ("ncu") lab/ncu_stalls.sh (TABLE only): where the table's forward, dQ and dK/dV wait (at
 #      the shapes of NCU_SHAPES: D128 by default; "2,4096,8,256" for D256).
@@ -85,7 +86,7 @@ if [[ $STEPS == *" kvsplit "* ]]; then
   stamp "kvsplit tests rc=$?"; grep -E "^E |^FAILED|passed|failed" "$OUT/tests-kvsplit.txt" | head -6
 fi
 if [[ $STEPS == *" sweep "* ]]; then  # the D128 forward, two geometries: main, then each overlay
-  for c in main ${SWEEP_CANDIDATES:-kv-split-barriers fwd-pv-group warp-release fwd-pingpong}; do
+  for c in main ${SWEEP_CANDIDATES:-warp-release fwd-pingpong}; do
     ov=""; [ $c != main ] && { ov=$(bash lab/candidates/overlay.sh $c) || continue; }
     FERROCUPY_KERNEL_OVERLAY=$ov PYTHONPATH=$R timeout "${SWEEP_S:-80}" python3 lab/tile_sweep.py \
       --ops forward --wgmma-only --dims ${SWEEP_DIMS:-128} --no-peers \
