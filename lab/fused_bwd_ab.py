@@ -10,7 +10,11 @@ timed in the order two-kernel, fused, two-kernel, fused so a drift of the device
 between the two rows of one kernel. The fused one is also run twice and its gradients compared
 bit for bit.
 
-    python3 lab/fused_bwd_ab.py [--quick]      # on an H100/H200 (sm_90a)
+    python3 lab/fused_bwd_ab.py [--quick] [--cases SUBSTR,...] [--no-peers]   # on sm_90a
+
+--cases picks compare.py's backward cases by substrings of their ids (harness.filter_cases; only
+"-bwd-" ids are kept) instead of the four S4096 shapes; --no-peers leaves torch out (the
+ferrocupy rows alone, for option cases whose peers compare.py times anyway).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import peers  # noqa: E402
 from compare import measure  # noqa: E402
 
 SHAPES = [dict(head_dim=d, causal=c) for d in (64, 128) for c in (True, False)]
-PEERS = ("torch-cudnn", "torch-sdpa-default")
+PEERS = ("torch-sdpa-default",)  # cuDNN on Hopper with torch 2.11: the same timings as torch-cudnn
 
 
 def case_of(head_dim: int, causal: bool):
@@ -39,12 +43,20 @@ def fused_is_repeatable(run) -> bool:
     return all(bool((first[n] == second[n]).all()) for n in first)
 
 
+def cases_of(argv) -> list:
+    if "--cases" not in argv:
+        return [case_of(**shape) for shape in SHAPES]
+    patterns = argv[argv.index("--cases") + 1]
+    picked = harness.filter_cases(harness.build_cases(harness.DTYPES), patterns)
+    return [c for c in picked if "-bwd-" in c.id]
+
+
 def main(argv) -> int:
     settings = harness.QUICK if "--quick" in argv else harness.FULL
+    peer_impls = () if "--no-peers" in argv else PEERS
     eng = peers.ferro_engine()
     print(harness.device_info()["gpu"], flush=True)
-    for shape in SHAPES:
-        case = case_of(**shape)
+    for case in cases_of(argv):
         run = peers.CaseRun(case, harness.l2_bytes())
         rows = []
         for fused in (False, True, False, True):
@@ -53,7 +65,7 @@ def main(argv) -> int:
             peers.release()
         eng.backend.fused_backward = True
         same = fused_is_repeatable(run)
-        for impl in PEERS:
+        for impl in peer_impls:
             rows.append((impl, measure(run, impl, settings)))
             peers.release()
         eng.backend.fused_backward = False
