@@ -4,7 +4,12 @@ first), read from `ncu --import ... --page raw --csv`. The stall metrics are mat
 (`issue_stalled`), so the table holds whatever this ncu version reports.
 
     ncu --set full -k regex:flash_fwd -c 1 -o /tmp/fwd python3 lab/profile_once.py
-    python3 lab/ncu_stalls.py /tmp/fwd.ncu-rep [--top 12]
+    python3 lab/ncu_stalls.py /tmp/fwd.ncu-rep [--top 12] [--sass 40]
+
+--sass N adds, per report, the N SASS instructions with the most warp-state samples (ncu's
+source page, `--page source --print-source sass --csv`: PC sampling, every warp of the kernel,
+loaders and computing warps alike), each with its share of all samples and its top stall
+reasons: which wait or which instruction the time goes to, not only why.
 """
 from __future__ import annotations
 
@@ -34,10 +39,52 @@ def as_float(x: str) -> float | None:
         return None
 
 
+def sass_hot_spots(report: str, top: int) -> None:
+    """The `top` SASS instructions by sampled warp states (ncu's source page)."""
+    run = subprocess.run(["ncu", "--import", report, "--page", "source", "--print-source",
+                          "sass", "--csv"], capture_output=True, text=True)
+    if run.returncode != 0:
+        print(f"   (no source page: {run.stderr.strip()[:200]})")
+        return
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith('"')]
+    table = list(csv.reader(io.StringIO("\n".join(lines))))
+    if not table:
+        print("   (empty source page)")
+        return
+    head = table[0]
+    pick = lambda words: next((i for i, h in enumerate(head)  # noqa: E731
+                               if all(w in h for w in words)), None)
+    i_all = pick(("Sampling", "All"))
+    i_src, i_addr = pick(("Source",)), pick(("Address",))
+    if i_all is None or i_src is None:
+        print(f"   (source page without sampling columns: {head[:12]})")
+        return
+    # per-reason sample columns, where this ncu version has them (named "stall_..." or "...Stall...")
+    reasons = [(i, h) for i, h in enumerate(head)
+               if ("stall" in h.lower()) and "Sampling" not in h and i != i_all]
+    print(f"   source page columns: {head}")
+    rows = []
+    for r in table[1:]:
+        if len(r) != len(head):
+            continue
+        v = as_float(r[i_all])
+        if v:
+            rows.append((v, r))
+    total = sum(v for v, _ in rows) or 1.0
+    rows.sort(key=lambda t: -t[0])
+    print(f"   SASS hot spots ({len(rows)} sampled instructions, {total:.0f} samples):")
+    for v, r in rows[:top]:
+        why = sorted(((as_float(r[i]) or 0.0, h) for i, h in reasons), reverse=True)[:2]
+        why_s = ", ".join(f"{h} {x:.0f}" for x, h in why if x)
+        addr = r[i_addr] if i_addr is not None else "?"
+        print(f"     {100 * v / total:5.1f}%  {addr:>8}  {r[i_src][:58]:<58}  {why_s}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("reports", nargs="+")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--sass", type=int, default=0, help="the N hottest SASS instructions")
     a = ap.parse_args()
     for report in a.reports:
         names, units, kernels = rows_of(report)
@@ -61,6 +108,8 @@ def main() -> None:
             for v, n in stalls[:a.top]:
                 reason = n.split("issue_stalled_")[1].split("_per_issue_active")[0]
                 print(f"     {reason:<28} {v:8.3f}  {100 * v / total if total else 0:5.1f}%")
+        if a.sass:
+            sass_hot_spots(report, a.sass)
 
 
 if __name__ == "__main__":

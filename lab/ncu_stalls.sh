@@ -15,7 +15,7 @@ profile() {  # name, kernel regex, kernels to profile, then environment assignme
   env "$@" timeout "${NCU_S:-120}" ncu --set full --import-source no -k "regex:$regex" \
     -c "$count" -f -o "$OUT/$name" python3 lab/profile_once.py > "$OUT/$name.log" 2>&1
   echo "-- $name rc=$?"
-  python3 lab/ncu_stalls.py "$OUT/$name.ncu-rep" 2>&1 | tee -a "$OUT/stalls.txt"
+  python3 lab/ncu_stalls.py --sass "${SASS_TOP:-40}" "$OUT/$name.ncu-rep" 2>&1 | tee -a "$OUT/stalls.txt"
 }
 if [ "${TABLE:-1}" = 1 ]; then  # each shape of NCU_SHAPES ("B,S,H,D ..."; default FERRO_SHAPE's)
   for shape in ${NCU_SHAPES:-${FERRO_SHAPE:-4,4096,16,128}}; do
