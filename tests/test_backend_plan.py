@@ -472,6 +472,7 @@ def test_grad_sinks_adds_the_sinks_launch_after_the_backward():
                 lse=buf((2, 8, 256), FLOAT32), alibi_slopes=None, sinks=sinks,
                 grad_sinks=buf((8,), FLOAT32))
     b = backend()
+    b.fused_backward = False  # the two-kernel backward (the fused one: test_fused_backward_plan)
     extras = _extras({}, sinks=sinks)
     plan = b.plan("backward", bufs, p, contiguous_layout(p), ptrs(bufs), extras)
     dq, dkdv, tail = plan.launches
@@ -490,6 +491,7 @@ def test_grad_sinks_adds_the_sinks_launch_after_the_backward():
     assert _defines(b)[0].get("FERRO_MODS") == 1
     assert len(plan.launches) == 3
     b = backend()
+    b.fused_backward = False
     plan = b.plan("backward", bufs | dict(lse=None), p, contiguous_layout(p), ptrs(bufs), extras)
     assert [x.fn.name for x in plan.launches] == ["flash_fwd_wgmma", "flash_bwd_dq_wgmma",
                                                   "flash_bwd_dkdv_wgmma", configs.SINKS_KERNEL]

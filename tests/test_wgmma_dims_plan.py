@@ -201,6 +201,7 @@ def test_the_lse_pass_takes_the_calls_mask_and_model_options():
         bufs = dict(backward_buffers(q, k, BFLOAT16, lse=False),
                     mask=buf((1, 1, 1, 256), BFLOAT16), alibi_slopes=None, sinks=sinks)
         b = backend()
+        b.fused_backward = False  # (the fused backward after the lse pass: its own tests)
         from ferrocupy.params import contiguous_layout
         plan = b.plan("backward", bufs, p, contiguous_layout(p),
                       {n: 0 if x is None else x.data.ptr for n, x in bufs.items()},
@@ -245,6 +246,7 @@ def test_a_run_gives_the_lse_pass_grad_q_and_one_workspace(monkeypatch):
 
     runs = recorded(monkeypatch, "ptrs")
     b = backend()
+    b.fused_backward = False
     q, k = (1, 256, 8, 40), (1, 256, 4, 40)
     bufs = backward_buffers(q, k, FLOAT16, lse=False)
     plan = make_plan(b, "backward", bufs, bwd_params(q, k))

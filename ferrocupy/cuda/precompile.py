@@ -38,12 +38,12 @@ def main(argv=None) -> int:
             for defines in configs.rope_variants()
             if defines["FERRO_ROPE_DTYPE"] in {configs.ROPE_DTYPE_DEFINE[d] for d in wanted}}
     for (op, dtype, dp), candidates in configs.TABLE.items():
-        if op == configs.BACKWARD_FUSED:  # the fused backward: only where its switch is on
+        if op == configs.BACKWARD_FUSED:  # the fused backward: unless its switch is off
             for plain, mods, unmasked in ((True, False, True), (False, False, False),
                                           (False, True, False), (False, True, True)):
                 v = configs.select_fused(dtype, dp, limit, capability=capability, copy_bytes=16,
                                          plain=plain, mods=mods, unmasked=unmasked)
-                if v is not None and dtype in wanted and configs.FUSED_BACKWARD:
+                if v is not None and dtype in wanted and configs.FUSED_BACKWARD is not False:
                     defines = tuple(sorted(v.defines.items()))
                     jobs.update((v.source, name, defines, v.options) for name in
                                 (v.kernel, configs.FUSED_PRE_KERNEL, configs.FUSED_POST_KERNEL))
