@@ -1,5 +1,5 @@
 """The fused backward (flash_bwd_fused_wgmma.cu) against the two-kernel one, beside torch SDPA's
-cuDNN and default backends, on one GPU in one process: bf16 B4 H16 S4096, D64 and D128, causal
+default backend (cuDNN on Hopper), on one GPU in one process: bf16 B4 H16 S4096, D64 and D128, causal
 and not, the backward alone given the forward's lse (benchmarks/compare.py's "bwd" direction).
 
 Every implementation goes through the benchmark harness's public functions: its answer is
