@@ -42,8 +42,11 @@ Q, K = (2, 300, 8, 128), (2, 461, 2, 128)
 
 
 def test_the_switch_reads_the_environment():
-    assert configs.fused_backward_wanted({}) is None
-    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: ""}) is None
+    default = configs.FUSED_BACKWARD_DEFAULT
+    assert default in (None, False)
+    assert configs.fused_backward_wanted({}) is default
+    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: ""}) is default
+    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "auto"}) is None
     assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "0"}) is False
     assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "1"}) is True
     assert backend().fused_backward is configs.FUSED_BACKWARD

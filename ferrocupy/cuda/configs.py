@@ -540,11 +540,17 @@ FUSED_BACKWARD_ENV = "FERROCUPY_FUSED_BACKWARD"
 FUSED_SHORT_BANDED_KEYS = 2048
 
 
+# What an unset switch means: None (the measured rule, fused_backward_pays) or False.
+FUSED_BACKWARD_DEFAULT = None
+
+
 def fused_backward_wanted(environ=os.environ) -> bool | None:
-    """The environment's switch: FUSED_BACKWARD_ENV "1" (or any other word) on, "0" off; unset
-    or "": None, fused_backward_pays decides per call."""
+    """The environment's switch: FUSED_BACKWARD_ENV "auto" None (fused_backward_pays decides per
+    call), "0" False (off), any other word True (on); unset or "": FUSED_BACKWARD_DEFAULT."""
     word = environ.get(FUSED_BACKWARD_ENV, "")
-    return None if word == "" else word != "0"
+    if word == "":
+        return FUSED_BACKWARD_DEFAULT
+    return None if word == "auto" else word != "0"
 
 
 def fused_backward_pays(params, extras=None) -> bool:
