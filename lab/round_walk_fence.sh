@@ -21,7 +21,7 @@ echo "-- walk rc=$? at $((SECONDS - s)) s"; grep -v "^\[" "$OUT/walk.txt" | cut 
 for c in main ${SWEEP_CANDIDATES:-fwd-nofence-probe fwd-loader-fence softmax-lazy-rescale}; do
   ov=""; [ "$c" != main ] && { ov=$(bash lab/candidates/overlay.sh "$c") || continue; }
   FERROCUPY_KERNEL_OVERLAY=$ov timeout "${SWEEP_S:-55}" python3 lab/tile_sweep.py --ops forward \
-    --wgmma-only --dims 64,128 --no-peers --only "w12 m1 n128 s3,w12 m1 n64 s3" \
+    --wgmma-only --dims 64,128 --no-peers --only "w12 m1 n128,w12 m1 n64" \
     > "$OUT/sweep-$c.txt" 2>&1
   echo "-- sweep $c rc=$? at $((SECONDS - s)) s"; grep -E "^forward" "$OUT/sweep-$c.txt"
 done

@@ -296,6 +296,7 @@ def test_backward_plan_owns_its_stats(monkeypatch):
 
     runs = recorded(monkeypatch, "args", "ptrs")
     b = backend()
+    b.fused_backward = False  # the two-kernel backward (the fused one: test_fused_backward_plan)
     q, k = (1, 256, 8, 64), (1, 256, 4, 64)
     bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
                 grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16))
@@ -332,7 +333,8 @@ def test_backward_plan_owns_its_stats(monkeypatch):
     assert [r[0] for r in runs] == ["flash_bwd_dq_wgmma", "flash_bwd_dkdv_wgmma"]
 
 
-def test_a_run_writes_its_dropout_seed_into_every_launch(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernel", "fused"])
+def test_a_run_writes_its_dropout_seed_into_every_launch(monkeypatch, fused):
     """What the driver receives: each launch's packed struct, read back through the kernel
     argument array, carries the seed of the run that launched it (a plan is shared by calls
     that differ in their seed alone), and the plan's own where a run names none."""
@@ -340,18 +342,21 @@ def test_a_run_writes_its_dropout_seed_into_every_launch(monkeypatch):
 
     from ferrocupy.cuda import launch
 
-    seen = []  # per launch: the seed word of its params struct, as the kernel would read it
+    seen = []  # per launch with a params struct: its seed word, as the kernel would read it
 
     def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
         packed = plan.launches[fn - 1]
         addrs = (ctypes.c_uint64 * len(packed.args)).from_address(args)
-        at = next(i for i, a in enumerate(packed.args)  # the params struct
-                  if isinstance(a, np.void) and "seed" in a.dtype.fields)
+        at = next((i for i, a in enumerate(packed.args)  # the params struct
+                   if isinstance(a, np.void) and "seed" in a.dtype.fields), None)
+        if at is None:
+            return
         word = packed.args[at].dtype.fields["seed"][1]
         seen.append(ctypes.c_uint32.from_address(addrs[at] + word).value)
 
     monkeypatch.setattr(launch, "driver", SimpleNamespace(launchKernel=launch_kernel))
     b = backend()
+    b.fused_backward = fused
     q, k = (1, 256, 8, 64), (1, 256, 4, 64)
     bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
                 grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16),
@@ -360,12 +365,13 @@ def test_a_run_writes_its_dropout_seed_into_every_launch(monkeypatch):
     p = AttentionDims.new(np.zeros(q), np.zeros(k)).params_bwd(
         AttentionOptions(causal=True, dropout_prob=0.1, seed=11))
     plan = make_plan(b, "backward", bufs, p)
-    assert len(plan.launches) == 2
+    assert len(plan.launches) == (3 if fused else 2)
     for i, x in enumerate(plan.launches):
         x._function = i + 1  # (a compiled kernel's handle: the fake loader compiles nothing)
     for seed in (None, 5, 2**32 - 1, None):
         b.run_plan(plan, ptrs(bufs), 7, seed=seed)
-    assert seen == [11, 11, 5, 5, 2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1]
+    per_run = len(plan.launches)  # every launch reads it (the fused pre- and post-kernels too)
+    assert seen == [s for s in (11, 5, 2**32 - 1, 2**32 - 1) for _ in range(per_run)]
 
 
 def test_threads_running_one_plan_launch_with_their_own_tensors(monkeypatch):
@@ -381,6 +387,7 @@ def test_threads_running_one_plan_launch_with_their_own_tensors(monkeypatch):
     from ferrocupy.cuda import launch
 
     b = backend()
+    b.fused_backward = False  # (a run of the two kernels)
     q, k = (1, 256, 8, 64), (1, 256, 4, 64)
     bufs = dict(forward_buffers(q, k, BFLOAT16), grad_out=buf(q, BFLOAT16),
                 grad_q=buf(q, BFLOAT16), grad_k=buf(k, BFLOAT16), grad_v=buf(k, BFLOAT16),

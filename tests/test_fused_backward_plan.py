@@ -1,6 +1,6 @@
 """The fused backward's selection and workspace, planned without a GPU (test_backend_plan.py's
-fake sm_90 backend): by default where it measured faster (configs.fused_backward_pays), always
-with its switch on, never off, and only where it serves the call
+fake sm_90 backend): on by default (FERROCUPY_FUSED_BACKWARD=0 or a backend's fused_backward
+off: the two kernels), chosen only where it serves the call
 (half precision, head_dim with a wgmma variant, sm_90a, 16-byte rows; without the forward's lse
 after the forward run for it: test_wgmma_dims_plan.py), its
 three launches in order, and its workspace (the float32 dQ accumulator and the order counters)
@@ -41,43 +41,31 @@ def kernel_names(plan) -> list:
 Q, K = (2, 300, 8, 128), (2, 461, 2, 128)
 
 
-def test_the_switch_reads_the_environment():
-    default = configs.FUSED_BACKWARD_DEFAULT
-    assert default in (None, False)
-    assert configs.fused_backward_wanted({}) is default
-    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: ""}) is default
-    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "auto"}) is None
-    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "0"}) is False
+def test_on_by_default_and_the_switch_reads_the_environment():
+    assert configs.fused_backward_wanted({}) is True
+    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: ""}) is True
     assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "1"}) is True
-    assert backend().fused_backward is configs.FUSED_BACKWARD
+    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "0"}) is False
+    b = backend()
+    assert b.fused_backward is configs.FUSED_BACKWARD
 
 
-SHORT = configs.FUSED_SHORT_BANDED_KEYS
-
-
-@pytest.mark.parametrize("case, fused", [
-    (dict(), True), (dict(causal=True), True), (dict(window=256), True),
-    (dict(sk=SHORT), True), (dict(sk=SHORT, causal=True), False),
-    (dict(sk=SHORT, window=256), False), (dict(sk=SHORT + 1, causal=True), True),
-    (dict(sq=64, sk=SHORT, causal=True, causal_offset=SHORT - 64), False),
-    (dict(sk=SHORT, window_left=100), False), (dict(sk=SHORT, window_right=0), False),
-    (dict(window_left=100), True),
-])
-def test_by_default_every_call_it_serves_but_short_banded_ones_is_fused(case, fused):
-    """The default (switch unset): the fused kernels where they measured faster than the two
-    (configs.fused_backward_pays), the two-kernel backward for causal or windowed calls of at
-    most FUSED_SHORT_BANDED_KEYS keys; the switch on takes the fused one for those too, off
-    never."""
-    opts = {n: v for n, v in case.items() if n not in ("sq", "sk")}
-    q, k = (2, case.get("sq", SHORT), 8, 128), (2, case.get("sk", 2 * SHORT), 2, 128)
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window=256),
+                                  dict(causal=True, window_left=100)], ids=str)
+@pytest.mark.parametrize("sk", [64, 1024, 4096])
+def test_by_default_every_call_it_serves_is_fused(opts, sk):
+    """Causal, windowed and short calls included (the order of the adds: ferro_dq_order.cuh's
+    downward walk); switched off, the two kernels."""
+    q, k = (2, 1024, 8, 128), (2, sk, 2, 128)
     p = bwd_params(q, k, **opts)
     extras = _extras(opts)
-    for switch, want in ((None, fused), (True, True), (False, False)):
+    for switch, want in ((None, configs.FUSED_BACKWARD), (True, True), (False, False)):
         b = backend()
-        b.fused_backward = switch
+        if switch is not None:
+            b.fused_backward = switch
         bufs = backward_buffers(q, k, BFLOAT16)
         plan = b.plan("backward", bufs, p, contiguous_layout(p), ptrs(bufs), extras)
-        assert kernel_names(plan) == (FUSED if want else TWO_KERNELS), (case, switch)
+        assert kernel_names(plan) == (FUSED if want else TWO_KERNELS), (opts, sk, switch)
 
 
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16], ids=["f16", "bf16"])

@@ -95,6 +95,7 @@ def test_fake_sm90_plans_run_wgmma_at_every_head_dim(dtype, d):
     head_dim travels in the params; the fused backward too where it is switched on."""
     q, k = (2, 300, 8, d), (2, 461, 2, d)
     b = backend()
+    b.fused_backward = False  # the two kernels first; the fused ones (the default) below
     plan = make_plan(b, "forward", forward_buffers(q, k, dtype), params(q, k, causal=True))
     assert kernel_names(plan) == ["flash_fwd_wgmma"]
     p = bwd_params(q, k, causal=True)
@@ -157,6 +158,7 @@ def test_backward_without_lse_runs_the_wgmma_forward_first(dtype, d):
 
     q, k = (2, 300, 8, d), (2, 461, 2, d)
     b = backend()
+    b.fused_backward = False  # (the lse pass before the fused backward: below)
     p = bwd_params(q, k, causal=True, causal_offset=5, dropout_prob=0.2, seed=9, window=50)
     bufs = backward_buffers(q, k, dtype, lse=False)
     lay = _strided_layout(p)

@@ -39,7 +39,7 @@ _COUNTER_LOCK = threading.Lock()  # two threads meeting new streams get differen
 class CudaBackend:
     name = "cuda"
     dtypes = ATTENTION_DTYPES
-    _fused_backward = "environment"  # configs.FUSED_BACKWARD decides (see fused_backward)
+    _fused_backward = None  # None: configs.FUSED_BACKWARD decides (see fused_backward)
 
     def __init__(self, table: dict | None = None):
         import cupy
@@ -78,18 +78,14 @@ class CudaBackend:
         self.generation += 1  # plans made with the old table are made again
 
     @property
-    def fused_backward(self) -> bool | None:
-        """Whether the backward takes the fused kernels where they serve the call: True (every
-        such call), False (never) or None (where configs.fused_backward_pays: the default, unless
-        the environment's switch configs.FUSED_BACKWARD says otherwise); setting it renews the
-        plans."""
-        if self._fused_backward == "environment":
-            return configs.FUSED_BACKWARD
-        return self._fused_backward
+    def fused_backward(self) -> bool:
+        """Whether the backward takes the fused kernels where they serve the call (default
+        configs.FUSED_BACKWARD, the environment's switch: on); setting it renews the plans."""
+        return configs.FUSED_BACKWARD if self._fused_backward is None else self._fused_backward
 
     @fused_backward.setter
-    def fused_backward(self, on: bool | None) -> None:
-        self._fused_backward = None if on is None else bool(on)
+    def fused_backward(self, on: bool) -> None:
+        self._fused_backward = bool(on)
         self.generation += 1  # plans made before choose their backward again
 
     def device_name(self) -> str:
@@ -425,10 +421,7 @@ class CudaBackend:
         """The fused backward's variant for this call (configs.select_fused), or None: the
         two-kernel backward runs."""
         extras = seed_extras(params) if extras is None else extras
-        mode = self.fused_backward
-        if mode is False or not int(params["seq_k"]) or not int(params["seq_q"]):
-            return None
-        if mode is None and not configs.fused_backward_pays(params, extras):
+        if not self.fused_backward or not int(params["seq_k"]) or not int(params["seq_q"]):
             return None
         d = int(params["head_dim"])
         dtype = np.dtype(buffers["q"].dtype)

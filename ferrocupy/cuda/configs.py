@@ -520,11 +520,11 @@ def _table() -> dict:
     return table
 
 
-# ---- the fused backward (flash_bwd_fused_wgmma.cu): beside the two-kernel one. FUSED_BACKWARD
-# (the environment variable FUSED_BACKWARD_ENV, or a backend's `fused_backward` at run time; plans
-# made before a change keep their kernels: the setter renews them) is True (every call it
-# serves), False (never) or None, the default: the calls where it measured faster
-# (fused_backward_pays). The dK/dV kernel's geometry, each computing warpgroup adding its
+# ---- the fused backward (flash_bwd_fused_wgmma.cu): the backward wherever it serves the call,
+# the two-kernel one elsewhere; it measured faster at every shape of the bf16 grid (H100,
+# lab/TUNING.md). FUSED_BACKWARD (the environment variable FUSED_BACKWARD_ENV "0" turns it off,
+# or a backend's `fused_backward` at run time; plans made before a change keep their kernels: the
+# setter renews them). The dK/dV kernel's geometry, each computing warpgroup adding its
 # dQ_part = dS K into a float32 dQ in a fixed order; a pre-kernel (Delta, LSE, zeroed workspace)
 # and a post-kernel (grad_q) of FUSED_THREADS per (batch, head, query tile). Workspace beside the
 # stats: dq_accum, float32 [batch * heads * q_tiles * step, head_dim] (each tile of step rows in
@@ -534,32 +534,11 @@ BACKWARD_FUSED = "backward_fused"
 FUSED_SOURCE = "flash_bwd_fused_wgmma.cu"
 FUSED_PRE_KERNEL, FUSED_POST_KERNEL, FUSED_THREADS = "flash_bwd_fused_pre", "flash_bwd_fused_post", 128
 FUSED_BACKWARD_ENV = "FERROCUPY_FUSED_BACKWARD"
-# Causal or windowed calls with at most this many keys keep the two kernels by default: their
-# key blocks see few query tiles each, and the fused kernel's ordered dQ adds held them up
-# (H100, lab/TUNING.md).
-FUSED_SHORT_BANDED_KEYS = 2048
 
 
-# What an unset switch means: None (the measured rule, fused_backward_pays) or False.
-FUSED_BACKWARD_DEFAULT = None
-
-
-def fused_backward_wanted(environ=os.environ) -> bool | None:
-    """The environment's switch: FUSED_BACKWARD_ENV "auto" None (fused_backward_pays decides per
-    call), "0" False (off), any other word True (on); unset or "": FUSED_BACKWARD_DEFAULT."""
-    word = environ.get(FUSED_BACKWARD_ENV, "")
-    if word == "":
-        return FUSED_BACKWARD_DEFAULT
-    return None if word == "auto" else word != "0"
-
-
-def fused_backward_pays(params, extras=None) -> bool:
-    """Whether the fused backward beats the two kernels for this call where both serve it (the
-    default's rule): all but causal or windowed calls (a seed window in params, or either side
-    of extras' window) of at most FUSED_SHORT_BANDED_KEYS keys."""
-    banded = bool(int(params["causal"])) or bool(int(params["window"])) or (
-        extras is not None and (int(extras["window_left"]) >= 0 or int(extras["window_right"]) >= 0))
-    return not banded or int(params["seq_k"]) > FUSED_SHORT_BANDED_KEYS
+def fused_backward_wanted(environ=os.environ) -> bool:
+    """The environment's switch: on unless FUSED_BACKWARD_ENV is "0"."""
+    return environ.get(FUSED_BACKWARD_ENV, "") != "0"
 
 
 FUSED_BACKWARD = fused_backward_wanted()

@@ -43,6 +43,11 @@
 #include "ferro_dq_order.cuh"
 #define FERRO_DKDV_KERNEL flash_bwd_fused_wgmma
 #else
+// The first row of step t's query tile: the two-kernel build walks each query head's tiles up
+// (it has no adds to order; ferro_dq_order.cuh's step_row0 walks the fused build's down).
+__device__ __forceinline__ long long step_row0(long long i_first, int n_tiles, int t, int rows) {
+    return i_first + (long long)(t % n_tiles) * rows;
+}
 #define FERRO_DKDV_KERNEL flash_bwd_dkdv_wgmma
 #endif
 
@@ -62,8 +67,13 @@ static_assert(!SPLIT || (DP == 256 && GROUPS == 2 && !FERRO_FUSED_DQ),
               "head_dim 256: two warpgroups of 128 columns each, two kernels (not fused)");
 static_assert(NT <= 8, "dropout's keep bits of a step fit one u32");
 constexpr int KV_ELEMS = BK * DP, Q_ELEMS = BQ * DP;
-// (the dQ writer's order bookkeeping, fused, takes more than the copies' 24)
-constexpr int LOADER_REGS = FERRO_FUSED_DQ ? 40 : 24, COMPUTE_REGS = FERRO_FUSED_DQ ? 232 : 240;
+// (the dQ writer's order bookkeeping, fused, takes more than the copies' 24; 40 spills none of
+// it, but leaves the computing warpgroups 232, where the builds with softcap / ALiBi / sinks or
+// a mask or dropout at head_dim 128 had ptxas serialize every wgmma, C7512: those keep 240)
+constexpr bool FUSED_PLAIN = FERRO_FUSED_DQ && !BuildOptions::MASK && !BuildOptions::DROPOUT &&
+                             !BuildOptions::MODS;
+constexpr int LOADER_REGS = FUSED_PLAIN ? 40 : FERRO_FUSED_DQ ? 32 : 24;
+constexpr int COMPUTE_REGS = FUSED_PLAIN ? 232 : 240;
 static_assert(FERRO_MT == 1 && WARPS % 4 == 0, "whole warpgroups, 16 keys per warp");
 static_assert((DP == 64 || DP == 128 || DP == 256) && BQ == 64, "wgmma tile geometry");
 static_assert(LOADERS * LOADER_REGS + 32 * WARPS * COMPUTE_REGS <= 65536, "register file");
@@ -154,7 +164,7 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
             const int st = t % STAGES;
             ring_wait_empty(empty, t);  // step t - STAGES is done
             const u32 h = hk * group + t / n_tiles;
-            const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+            const long long i0 = step_row0(i_first, n_tiles, t, BQ);
             const Rows rq = q_rows(s, lay.q, b, h), rdo = q_rows(s, lay.grad_out, b, h);
             load_tile_sw128<BQ, DP, COPIERS>(sQ + st * Q_ELEMS, q + rq.off, rq.stride, i0, s.seq_q, D);
             load_tile_sw128<BQ, DP, COPIERS>(sdO + st * Q_ELEMS, grad_out + rdo.off, rdo.stride, i0,
@@ -198,7 +208,7 @@ FERRO_DKDV_KERNEL(const u16* __restrict__ q, const u16* __restrict__ k,
     if (steps > 0) mbar_wait(&kv_full, 0);
     for (int t = 0; t < steps; ++t) {
         const int st = t % STAGES;
-        const long long i0 = i_first + (long long)(t % n_tiles) * BQ;
+        const long long i0 = step_row0(i_first, n_tiles, t, BQ);
         const u32 q_tile = smem_u32(sQ + st * Q_ELEMS), do_tile = smem_u32(sdO + st * Q_ELEMS);
         ring_wait_full(full, t);
         fence_proxy_async();  // the loaders' writes, now seen here, to the tensor cores' view

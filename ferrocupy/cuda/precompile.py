@@ -43,7 +43,7 @@ def main(argv=None) -> int:
                                           (False, True, False), (False, True, True)):
                 v = configs.select_fused(dtype, dp, limit, capability=capability, copy_bytes=16,
                                          plain=plain, mods=mods, unmasked=unmasked)
-                if v is not None and dtype in wanted and configs.FUSED_BACKWARD is not False:
+                if v is not None and dtype in wanted and configs.FUSED_BACKWARD:
                     defines = tuple(sorted(v.defines.items()))
                     jobs.update((v.source, name, defines, v.options) for name in
                                 (v.kernel, configs.FUSED_PRE_KERNEL, configs.FUSED_POST_KERNEL))
