@@ -40,44 +40,49 @@ def as_float(x: str) -> float | None:
 
 
 def sass_hot_spots(report: str, top: int) -> None:
-    """The `top` SASS instructions by sampled warp states (ncu's source page)."""
+    """The `top` SASS instructions by sampled warp states (ncu's source page), per kernel: the
+    page is one section a kernel, a "Kernel Name" row, then the header row, then an instruction
+    a row."""
     run = subprocess.run(["ncu", "--import", report, "--page", "source", "--print-source",
                           "sass", "--csv"], capture_output=True, text=True)
     if run.returncode != 0:
         print(f"   (no source page: {run.stderr.strip()[:200]})")
         return
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith('"')]
-    table = list(csv.reader(io.StringIO("\n".join(lines))))
-    if not table:
-        print("   (empty source page)")
-        return
-    head = table[0]
-    pick = lambda words: next((i for i, h in enumerate(head)  # noqa: E731
-                               if all(w in h for w in words)), None)
-    i_all = pick(("Sampling", "All"))
-    i_src, i_addr = pick(("Source",)), pick(("Address",))
-    if i_all is None or i_src is None:
-        print(f"   (source page without sampling columns: {head[:12]})")
-        return
-    # per-reason sample columns, where this ncu version has them (named "stall_..." or "...Stall...")
-    reasons = [(i, h) for i, h in enumerate(head)
-               if ("stall" in h.lower()) and "Sampling" not in h and i != i_all]
-    print(f"   source page columns: {head}")
-    rows = []
-    for r in table[1:]:
-        if len(r) != len(head):
+    rows = list(csv.reader(io.StringIO(run.stdout)))
+    sections, cur = [], None
+    for r in rows:
+        if r and r[0] == "Kernel Name":
+            cur = {"kernel": r[1] if len(r) > 1 else "?", "head": None, "rows": []}
+            sections.append(cur)
+        elif cur is not None and cur["head"] is None:
+            cur["head"] = r
+        elif cur is not None and len(r) == len(cur["head"]):
+            cur["rows"].append(r)
+    if not sections:
+        print(f"   (source page not understood; first lines: {rows[:3]})")
+    for sec in sections:
+        head = sec["head"] or []
+        pick = lambda words: next((i for i, h in enumerate(head)  # noqa: E731
+                                   if all(w in h for w in words)), None)
+        i_all = pick(("Sampling", "All"))
+        i_src, i_addr = pick(("Source",)), pick(("Address",))
+        if i_all is None or i_src is None:
+            print(f"   {sec['kernel']}: no sampling columns in {head[:20]}")
             continue
-        v = as_float(r[i_all])
-        if v:
-            rows.append((v, r))
-    total = sum(v for v, _ in rows) or 1.0
-    rows.sort(key=lambda t: -t[0])
-    print(f"   SASS hot spots ({len(rows)} sampled instructions, {total:.0f} samples):")
-    for v, r in rows[:top]:
-        why = sorted(((as_float(r[i]) or 0.0, h) for i, h in reasons), reverse=True)[:2]
-        why_s = ", ".join(f"{h} {x:.0f}" for x, h in why if x)
-        addr = r[i_addr] if i_addr is not None else "?"
-        print(f"     {100 * v / total:5.1f}%  {addr:>8}  {r[i_src][:58]:<58}  {why_s}")
+        reasons = [(i, h) for i, h in enumerate(head)
+                   if "stall" in h.lower() and "Sampling" not in h and i != i_all]
+        hot = [(as_float(r[i_all]) or 0.0, r) for r in sec["rows"]]
+        total = sum(v for v, _ in hot) or 1.0
+        hot.sort(key=lambda t: -t[0])
+        print(f"   == {sec['kernel']}: SASS hot spots ({len(hot)} instructions, {total:.0f} "
+              f"samples; columns {len(head)})")
+        for v, r in hot[:top]:
+            if not v:
+                break
+            why = sorted(((as_float(r[i]) or 0.0, h) for i, h in reasons), reverse=True)[:2]
+            why_s = ", ".join(f"{h} {x:.0f}" for x, h in why if x)
+            addr = r[i_addr] if i_addr is not None else "?"
+            print(f"     {100 * v / total:5.1f}%  {addr:>8}  {r[i_src][:60]:<60}  {why_s}")
 
 
 def main() -> None:
