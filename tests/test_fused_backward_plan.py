@@ -41,9 +41,10 @@ def kernel_names(plan) -> list:
 Q, K = (2, 300, 8, 128), (2, 461, 2, 128)
 
 
-def test_on_by_default_and_the_switch_reads_the_environment():
-    assert configs.fused_backward_wanted({}) is True
-    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: ""}) is True
+def test_the_switch_reads_the_environment():
+    default = configs.FUSED_BACKWARD_DEFAULT
+    assert configs.fused_backward_wanted({}) is default
+    assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: ""}) is default
     assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "1"}) is True
     assert configs.fused_backward_wanted({configs.FUSED_BACKWARD_ENV: "0"}) is False
     b = backend()

@@ -536,9 +536,14 @@ FUSED_PRE_KERNEL, FUSED_POST_KERNEL, FUSED_THREADS = "flash_bwd_fused_pre", "fla
 FUSED_BACKWARD_ENV = "FERROCUPY_FUSED_BACKWARD"
 
 
+FUSED_BACKWARD_DEFAULT = True  # the switch unset or ""
+
+
 def fused_backward_wanted(environ=os.environ) -> bool:
-    """The environment's switch: on unless FUSED_BACKWARD_ENV is "0"."""
-    return environ.get(FUSED_BACKWARD_ENV, "") != "0"
+    """The environment's switch: FUSED_BACKWARD_ENV "0" off, any other word on; unset or "":
+    FUSED_BACKWARD_DEFAULT."""
+    word = environ.get(FUSED_BACKWARD_ENV, "")
+    return FUSED_BACKWARD_DEFAULT if word == "" else word != "0"
 
 
 FUSED_BACKWARD = fused_backward_wanted()
