@@ -36,6 +36,7 @@ def run_both(res: dict, dtype, D, q, k, v, do, opts, dims, B, H, S) -> None:
     """Both tables' forward and backward on these inputs: outputs, timings, kernel names."""
     for name, table in (("table", configs.TABLE), ("wgmma", padded_table(dtype, D))):
         be = CudaBackend(table=table)
+        be.fused_backward = False  # (times the two-kernel backward)
         out, gq, gk, gv = (cp.full(x.shape, cp.nan, dtype) for x in (q, q, k, v))
         lse = cp.empty((B, H, S), cp.float32)
         fwd = tuning.launches(be, "forward", dict(q=q, k=k, v=v, out=out, lse=lse),

@@ -122,6 +122,7 @@ def main() -> None:
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     dtype = parse(args.dtype)
     backend = CudaBackend()
+    backend.fused_backward = False  # the dQ and dK/dV kernels' geometries (LAUNCH's positions)
     limit = tuning.shared_memory_limit()
     S = args.seq
     rows = []
