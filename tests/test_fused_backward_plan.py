@@ -1,6 +1,6 @@
 """The fused backward's selection and workspace, planned without a GPU (test_backend_plan.py's
-fake sm_90 backend): on by default (FERROCUPY_FUSED_BACKWARD=0 or a backend's fused_backward
-off: the two kernels), chosen only where it serves the call
+fake sm_90 backend): by default as configs.FUSED_BACKWARD_DEFAULT says, on or off by
+FERROCUPY_FUSED_BACKWARD or a backend's fused_backward, chosen only where it serves the call
 (half precision, head_dim with a wgmma variant, sm_90a, 16-byte rows; without the forward's lse
 after the forward run for it: test_wgmma_dims_plan.py), its
 three launches in order, and its workspace (the float32 dQ accumulator and the order counters)
@@ -54,9 +54,9 @@ def test_the_switch_reads_the_environment():
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window=256),
                                   dict(causal=True, window_left=100)], ids=str)
 @pytest.mark.parametrize("sk", [64, 1024, 4096])
-def test_by_default_every_call_it_serves_is_fused(opts, sk):
-    """Causal, windowed and short calls included (the order of the adds: ferro_dq_order.cuh's
-    downward walk); switched off, the two kernels."""
+def test_switched_on_every_call_it_serves_is_fused(opts, sk):
+    """Switched on, every call it serves, causal, windowed and short ones included (the order of
+    the adds: ferro_dq_order.cuh's downward walk); off, the two kernels; unset, the default."""
     q, k = (2, 1024, 8, 128), (2, sk, 2, 128)
     p = bwd_params(q, k, **opts)
     extras = _extras(opts)

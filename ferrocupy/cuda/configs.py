@@ -520,10 +520,11 @@ def _table() -> dict:
     return table
 
 
-# ---- the fused backward (flash_bwd_fused_wgmma.cu): the backward wherever it serves the call,
-# the two-kernel one elsewhere; it measured faster at every shape of the bf16 grid (H100,
-# lab/TUNING.md). FUSED_BACKWARD (the environment variable FUSED_BACKWARD_ENV "0" turns it off,
-# or a backend's `fused_backward` at run time; plans made before a change keep their kernels: the
+# ---- the fused backward (flash_bwd_fused_wgmma.cu): beside the two-kernel one, taken wherever it
+# serves the call when FUSED_BACKWARD is on. It measured faster at every shape of the bf16 grid
+# (H100, 2026-12-08, lab/TUNING.md); FUSED_BACKWARD_DEFAULT turns it on once the GPU suite has
+# run with it. FUSED_BACKWARD: the environment variable FUSED_BACKWARD_ENV ("1" on, "0" off), or
+# a backend's `fused_backward` at run time (plans made before a change keep their kernels: the
 # setter renews them). The dK/dV kernel's geometry, each computing warpgroup adding its
 # dQ_part = dS K into a float32 dQ in a fixed order; a pre-kernel (Delta, LSE, zeroed workspace)
 # and a post-kernel (grad_q) of FUSED_THREADS per (batch, head, query tile). Workspace beside the
@@ -536,7 +537,7 @@ FUSED_PRE_KERNEL, FUSED_POST_KERNEL, FUSED_THREADS = "flash_bwd_fused_pre", "fla
 FUSED_BACKWARD_ENV = "FERROCUPY_FUSED_BACKWARD"
 
 
-FUSED_BACKWARD_DEFAULT = True  # the switch unset or ""
+FUSED_BACKWARD_DEFAULT = False  # the switch unset or "" (on once the GPU suite has run with it)
 
 
 def fused_backward_wanted(environ=os.environ) -> bool:
