@@ -80,7 +80,8 @@ class CudaBackend:
     @property
     def fused_backward(self) -> bool:
         """Whether the backward takes the fused kernels where they serve the call (default
-        configs.FUSED_BACKWARD, the environment's switch: on); setting it renews the plans."""
+        configs.FUSED_BACKWARD: the environment's switch, else configs.FUSED_BACKWARD_DEFAULT);
+        setting it renews the plans."""
         return configs.FUSED_BACKWARD if self._fused_backward is None else self._fused_backward
 
     @fused_backward.setter

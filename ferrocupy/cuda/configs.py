@@ -535,8 +535,6 @@ BACKWARD_FUSED = "backward_fused"
 FUSED_SOURCE = "flash_bwd_fused_wgmma.cu"
 FUSED_PRE_KERNEL, FUSED_POST_KERNEL, FUSED_THREADS = "flash_bwd_fused_pre", "flash_bwd_fused_post", 128
 FUSED_BACKWARD_ENV = "FERROCUPY_FUSED_BACKWARD"
-
-
 FUSED_BACKWARD_DEFAULT = False  # the switch unset or "" (on once the GPU suite has run with it)
 
 

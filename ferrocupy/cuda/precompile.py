@@ -38,7 +38,7 @@ def main(argv=None) -> int:
             for defines in configs.rope_variants()
             if defines["FERRO_ROPE_DTYPE"] in {configs.ROPE_DTYPE_DEFINE[d] for d in wanted}}
     for (op, dtype, dp), candidates in configs.TABLE.items():
-        if op == configs.BACKWARD_FUSED:  # the fused backward: unless its switch is off
+        if op == configs.BACKWARD_FUSED:  # the fused backward: only where its switch is on
             for plain, mods, unmasked in ((True, False, True), (False, False, False),
                                           (False, True, False), (False, True, True)):
                 v = configs.select_fused(dtype, dp, limit, capability=capability, copy_bytes=16,
