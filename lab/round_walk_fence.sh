@@ -2,7 +2,8 @@
 # One device call (~590 s) after fused-walk-down landed (2026-12-08), from the repository root,
 # each step under its own limit, logs in $OUT:
 #   1. the GPU suite on this tree (lab/round_suite.sh, SUITE_S; 0: none) with the fused backward
-#      on by default;
+#      switched on (FERROCUPY_FUSED_BACKWARD=$SUITE_FUSED, default 1: the run that lets
+#      configs.FUSED_BACKWARD_DEFAULT turn it on);
 #   2. the plain wgmma forward (tile_sweep.py, d64 and d128, the table's geometries) on main and
 #      through each of SWEEP_CANDIDATES' overlays (default fwd-nofence-probe fwd-loader-fence
 #      softmax-lazy-rescale; SWEEP_S each);
@@ -15,7 +16,8 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ferro_kcache} PYTHONUNBUFFERED=1 PY
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$CUPY_CACHE_DIR"; s=$SECONDS
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ "${SUITE_S:-430}" -gt 0 ]; then
-  END_S=${SUITE_S:-430} OUT=$OUT bash lab/round_suite.sh 2>&1 | tail -30
+  FERROCUPY_FUSED_BACKWARD=${SUITE_FUSED:-1} END_S=${SUITE_S:-430} OUT=$OUT \
+    bash lab/round_suite.sh 2>&1 | tail -30
   echo "-- suite at $((SECONDS - s)) s"
 fi
 for c in main ${SWEEP_CANDIDATES:-fwd-nofence-probe fwd-loader-fence softmax-lazy-rescale}; do
